@@ -1,0 +1,19 @@
+"""The shared scheduler: pure Python, no torch. The engine and the simulator both run it."""
+from engine.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from engine.core.config import SchedulerConfig
+from engine.core.features import BatchFeatures, batch_features
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.output import CachedRequestData, EngineCoreOutput, NewRequestData, SchedulerOutput
+from engine.core.policy import (FCFSQueue, HeapQueue, PriorityQueue, ShortestPromptFirstQueue,
+                                WaitingQueue, register_policy)
+from engine.core.request import Request, RequestStatus
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+
+__all__ = [
+    "BatchFeatures", "BlockPool", "CachedRequestData", "EngineCoreOutput", "FCFSQueue",
+    "FreeBlockQueue", "HeapQueue", "KVCacheBlock", "KVCacheManager", "NewRequestData",
+    "PriorityQueue", "Request", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig",
+    "SchedulerOutput", "ShortestPromptFirstQueue", "WaitingQueue", "batch_features",
+    "register_policy",
+]

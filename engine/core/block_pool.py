@@ -1,0 +1,183 @@
+"""KV cache blocks, the O(1) free queue and the block pool (prefix-cache map, lazy eviction).
+
+Layout of the free queue (a doubly linked list threaded through the blocks themselves, so moving
+a block allocates nothing):
+
+    head <-> b7 <-> b3 <-> b9 <-> ... <-> tail
+    ^ allocation pops here                ^ freed hashed blocks go here (LRU among cached)
+
+A freed block keeps its prefix hash: it is still a cache hit until allocation pops it from the
+head, at which point its hash is dropped from the map (lazy eviction). A hit on a free cached
+block takes it out of the middle of the queue (`touch`).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with sentinels; every operation is O(1) per block."""
+
+    __slots__ = ("head", "tail", "num_free_blocks")
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.head = KVCacheBlock(-1)
+        self.tail = KVCacheBlock(-1)
+        self.num_free_blocks = len(blocks)
+        prev = self.head
+        for b in blocks:
+            prev.next_free = b
+            b.prev_free = prev
+            prev = b
+        prev.next_free = self.tail
+        self.tail.prev_free = prev
+
+    def popleft(self) -> KVCacheBlock:
+        b = self.head.next_free
+        if b is self.tail:
+            raise ValueError("no free blocks left")
+        self.remove(b)
+        return b
+
+    def remove(self, b: KVCacheBlock) -> None:
+        p, n = b.prev_free, b.next_free
+        p.next_free = n
+        n.prev_free = p
+        b.prev_free = b.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, b: KVCacheBlock) -> None:
+        last = self.tail.prev_free
+        last.next_free = b
+        b.prev_free = last
+        b.next_free = self.tail
+        self.tail.prev_free = b
+        self.num_free_blocks += 1
+
+    def appendleft(self, b: KVCacheBlock) -> None:
+        first = self.head.next_free
+        self.head.next_free = b
+        b.prev_free = self.head
+        b.next_free = first
+        first.prev_free = b
+        self.num_free_blocks += 1
+
+    def __iter__(self):
+        b = self.head.next_free
+        while b is not self.tail:
+            yield b
+            b = b.next_free
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+
+class BlockPool:
+    """All KV blocks of one replica. Block 0 is the null block and is never handed out.
+
+    `unhashed_first` (vLLM 0.33): blocks freed without a prefix hash go to the head of the free
+    queue so they are reused before cached blocks; older V1 appended every freed block at the tail.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool, unhashed_first: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_gpu_blocks={num_blocks}: need at least 2 (block 0 is the null block)")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.unhashed_first = unhashed_first
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.null_block = self.free_queue.popleft()
+        # hash -> {block_id: block}; several blocks can hold the same content when two requests
+        # computed the same prefix concurrently. Insertion order decides which one a hit returns.
+        self.cached: dict[int, dict[int, KVCacheBlock]] = {}
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+        d = self.cached.get(block_hash)
+        if d is None:
+            return None
+        return next(iter(d.values()))
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        q = self.free_queue
+        if n > q.num_free_blocks:
+            raise ValueError(f"cannot allocate {n} blocks, {q.num_free_blocks} free")
+        out = []
+        caching = self.enable_caching
+        for _ in range(n):
+            b = q.popleft()
+            if caching and b.block_hash is not None:
+                self._evict(b)
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def _evict(self, b: KVCacheBlock) -> None:
+        d = self.cached.get(b.block_hash)
+        if d is not None:
+            d.pop(b.block_id, None)
+            if not d:
+                del self.cached[b.block_hash]
+        b.block_hash = None
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-cache hits; free ones leave the free queue."""
+        q = self.free_queue
+        for b in blocks:
+            if b.ref_cnt == 0:
+                q.remove(b)
+            b.ref_cnt += 1
+
+    def free_blocks(self, ordered: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block, in the given order (eviction order)."""
+        q = self.free_queue
+        unhashed_first = self.unhashed_first
+        for b in ordered:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                if unhashed_first and b.block_hash is None:
+                    q.appendleft(b)
+                else:
+                    q.append(b)
+
+    def cache_block(self, b: KVCacheBlock, block_hash: int) -> None:
+        b.block_hash = block_hash
+        d = self.cached.get(block_hash)
+        if d is None:
+            self.cached[block_hash] = {b.block_id: b}
+        else:
+            d[b.block_id] = b
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash (only when no block is referenced, as in vLLM)."""
+        if self.get_num_free_blocks() != self.num_usable_blocks:
+            return False
+        self.cached.clear()
+        for b in self.blocks:
+            b.block_hash = None
+        return True
+
+    def usage(self) -> float:
+        """Fraction of usable blocks referenced by requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks

@@ -1,0 +1,64 @@
+"""Scheduler configuration, validated on construction (errors name the field and the value)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.core.policy import POLICIES, WaitingQueue
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Knobs of the shared scheduler. Defaults are vLLM 0.33's class defaults.
+
+    `num_gpu_blocks` counts the null block, as in vLLM: 11 blocks give 10 usable.
+    Pre-0.33 behaviours, for policy studies:
+      reserve_full_prompt=False   admit a request when only its first chunk fits (older V1)
+      unhashed_blocks_first=False append every freed block at the tail of the free queue (older V1)
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 8192
+    block_size: int = 16
+    num_gpu_blocks: int = 4096
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+    policy: str | type[WaitingQueue] = "fcfs"
+    reserve_full_prompt: bool = True
+    unhashed_blocks_first: bool = True
+    watermark: float = 0.0
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"SchedulerConfig.{name}={getattr(self, name)!r}: {why}")
+
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                bad(name, "must be a positive integer")
+        v = self.num_gpu_blocks
+        if not isinstance(v, int) or isinstance(v, bool) or v < 2:
+            bad("num_gpu_blocks", "must be an integer >= 2 (it counts the null block, so 2 give 1 usable)")
+        v = self.long_prefill_token_threshold
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            bad("long_prefill_token_threshold", "must be an integer >= 0 (0 disables it)")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.block_size:
+            bad("max_num_batched_tokens",
+                f"is below block_size={self.block_size} with enable_chunked_prefill=False: "
+                "no prompt of a full block could ever be scheduled")
+        if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
+            bad("watermark", "must be in [0, 1)")
+        if isinstance(self.policy, str) and self.policy not in POLICIES:
+            bad("policy", f"unknown policy; known: {sorted(POLICIES)}")
+        if not isinstance(self.policy, str) and not (
+                isinstance(self.policy, type) and issubclass(self.policy, WaitingQueue)):
+            bad("policy", "must be a policy name or a WaitingQueue subclass")
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_gpu_blocks - 1
+
+    @property
+    def watermark_blocks(self) -> int:
+        return int(self.watermark * self.num_usable_blocks)

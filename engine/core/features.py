@@ -1,0 +1,73 @@
+"""Batch features of one step: the single place the profiler, the fitter and the simulator's cost
+model get their inputs from.
+
+A scheduled request with one new token is a decode (one query row reading its context's KV);
+anything else is a prefill chunk of `n` tokens on top of `c` already-computed tokens, whose
+attention work grows with n * (c + n / 2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core.output import SchedulerOutput
+
+
+@dataclass(slots=True)
+class BatchFeatures:
+    num_reqs: int = 0
+    num_prefill_reqs: int = 0
+    num_prefill_tokens: int = 0
+    prefill_context_tokens: int = 0      # sum over chunks of tokens already in KV before the chunk
+    prefill_attn_pairs: int = 0          # sum over chunks of n * c + n * (n + 1) / 2 (query-key pairs)
+    num_decode_reqs: int = 0
+    decode_context_tokens: int = 0       # sum over decodes of KV tokens read (context incl. itself)
+    num_preempted: int = 0
+    prefill_chunks: list[tuple[int, int]] = field(default_factory=list)  # (n, c) per chunk
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_reqs
+
+    def as_dict(self) -> dict:
+        return {
+            "num_reqs": self.num_reqs,
+            "num_prefill_reqs": self.num_prefill_reqs,
+            "num_prefill_tokens": self.num_prefill_tokens,
+            "prefill_context_tokens": self.prefill_context_tokens,
+            "prefill_attn_pairs": self.prefill_attn_pairs,
+            "num_decode_reqs": self.num_decode_reqs,
+            "decode_context_tokens": self.decode_context_tokens,
+            "num_tokens": self.num_tokens,
+            "num_preempted": self.num_preempted,
+        }
+
+
+def batch_features(out: SchedulerOutput, requests: dict) -> BatchFeatures:
+    """Features of the step `out` describes. Call it after schedule() and before
+    update_from_output() (which forgets finished requests); `requests` is `scheduler.requests`.
+
+    schedule() has already advanced num_computed_tokens, so the context before the step is
+    num_computed_tokens - n.
+    """
+    f = BatchFeatures(num_preempted=len(out.preempted_req_ids))
+    chunks = f.prefill_chunks
+    p_tok = p_ctx = p_pairs = d_n = d_ctx = 0
+    for rid, n in out.num_scheduled_tokens.items():
+        after = requests[rid].num_computed_tokens
+        if n == 1:
+            d_n += 1
+            d_ctx += after
+        else:
+            c = after - n
+            p_tok += n
+            p_ctx += c
+            p_pairs += n * c + n * (n + 1) // 2
+            chunks.append((n, c))
+    f.num_reqs = len(out.num_scheduled_tokens)
+    f.num_prefill_reqs = len(chunks)
+    f.num_prefill_tokens = p_tok
+    f.prefill_context_tokens = p_ctx
+    f.prefill_attn_pairs = p_pairs
+    f.num_decode_reqs = d_n
+    f.decode_context_tokens = d_ctx
+    return f

@@ -1,0 +1,196 @@
+"""Per-request KV block bookkeeping: prefix-cache lookup, slot allocation, caching, free.
+
+This folds vLLM's KVCacheManager, coordinator and single-type (full attention) manager into one
+class: one KV cache group, full attention, which is what the engine and simulator model.
+"""
+from __future__ import annotations
+
+from engine.core.block_pool import BlockPool, KVCacheBlock
+from engine.core.request import Request
+
+# Seed of the hash chain; any fixed value works, it only has to be the same for every request.
+NONE_HASH = hash(("servetwin-prefix-cache", 0))
+
+
+def hash_block_tokens(parent_hash: int, token_ids, extra_keys=None) -> int:
+    """Chained block hash: equal hashes mean equal token prefixes (up to 64-bit collisions)."""
+    if extra_keys is None:
+        return hash((parent_hash, tuple(token_ids)))
+    return hash((parent_hash, tuple(token_ids), extra_keys))
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool = True,
+        unhashed_first: bool = True,
+    ) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_gpu_blocks, enable_caching, unhashed_first)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Number of leading blocks of each request already entered in the prefix-cache map.
+        self.num_cached_block: dict[str, int] = {}
+        # Prefix-cache statistics, counted by the scheduler once per admission.
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    # ------------------------------------------------------------------ views
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks in the free queue, cached-but-unreferenced ones included (as vLLM counts)."""
+        return self.block_pool.free_queue.num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.block_pool.num_blocks - 1
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage()
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks.get(request_id, [])
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    # ---------------------------------------------------------------- hashing
+    def _ensure_block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        hashes = request.block_hashes
+        n = len(hashes)
+        if n < num_full_blocks:
+            bs = self.block_size
+            toks = request.all_token_ids
+            parent = hashes[-1] if n else NONE_HASH
+            for i in range(n, num_full_blocks):
+                extra = request.cache_salt if i == 0 else None
+                parent = hash_block_tokens(parent, toks[i * bs:(i + 1) * bs], extra)
+                hashes.append(parent)
+        return hashes
+
+    # ---------------------------------------------------------------- lookup
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached full blocks from the start of the request.
+
+        At most (num_tokens - 1) // block_size blocks: the last token is always recomputed so
+        the step produces logits for it.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._ensure_block_hashes(request, max_blocks)
+        cached = self.block_pool.cached
+        hits: list[KVCacheBlock] = []
+        for i in range(max_blocks):
+            d = cached.get(hashes[i])
+            if d is None:
+                break
+            hits.append(next(iter(d.values())))
+        return hits, len(hits) * self.block_size
+
+    # ------------------------------------------------------------ allocation
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_reserve_tokens: int = 0,
+        num_watermark_blocks: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens; None if the pool cannot.
+
+        `num_reserve_tokens` (admission with reserve_full_prompt): the check requires blocks for
+        that many tokens, though only the chunk's blocks are allocated now.
+        Returns the newly allocated blocks (possibly empty).
+        """
+        bs = self.block_size
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        num_held = len(req_blocks) if req_blocks is not None else 0
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_need_slot = num_computed + num_new_tokens
+        if num_need_slot > self.max_model_len:
+            num_need_slot = self.max_model_len
+        num_required = -(-num_need_slot // bs)
+        pool = self.block_pool
+        free = pool.free_queue.num_free_blocks
+
+        if new_computed_blocks:
+            num_hits = len(new_computed_blocks)
+            # A hit on a free cached block takes it out of the free queue, so it costs a block.
+            num_evictable = 0
+            for b in new_computed_blocks:
+                if b.ref_cnt == 0:
+                    num_evictable += 1
+        else:
+            num_hits = num_evictable = 0
+
+        num_check = num_required
+        if num_reserve_tokens:
+            n = min(num_reserve_tokens, self.max_model_len)
+            num_check = max(num_required, -(-n // bs))
+        if num_check - num_held - num_hits + num_evictable + num_watermark_blocks > free:
+            return None
+
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request.request_id] = []
+            self.num_cached_block[request.request_id] = 0
+        if num_hits:
+            pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+            num_held += num_hits
+            # Hits are already in the map: they count as cached blocks of this request.
+            self.num_cached_block[request.request_id] = num_hits
+        num_new_blocks = num_required - num_held
+        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+        if new_blocks:
+            req_blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            num_full = min(num_computed + num_new_tokens, request.num_tokens) // bs
+            if num_full > self.num_cached_block[request.request_id]:
+                self._cache_full_blocks(request, req_blocks, num_full)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_full: int) -> None:
+        start = self.num_cached_block[request.request_id]
+        hashes = self._ensure_block_hashes(request, num_full)
+        pool = self.block_pool
+        for i in range(start, num_full):
+            b = req_blocks[i]
+            if b.block_hash is None:
+                pool.cache_block(b, hashes[i])
+        self.num_cached_block[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks, last block first (so tails are evicted before prefixes)."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_block.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def check_integrity(self) -> None:
+        """Invariants (mini-sglang style): ref counts equal holders; free queue consistent."""
+        holders: dict[int, int] = {}
+        for blocks in self.req_to_blocks.values():
+            for b in blocks:
+                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        in_queue = {b.block_id for b in self.block_pool.free_queue}
+        assert len(in_queue) == self.block_pool.free_queue.num_free_blocks, "free queue count drift"
+        for b in self.block_pool.blocks[1:]:
+            want = holders.get(b.block_id, 0)
+            assert b.ref_cnt == want, f"block {b.block_id}: ref_cnt {b.ref_cnt} != holders {want}"
+            assert (b.ref_cnt == 0) == (b.block_id in in_queue), f"block {b.block_id} queue state"
+        assert 0 not in in_queue, "null block in free queue"
+        for h, d in self.block_pool.cached.items():
+            for b in d.values():
+                assert b.block_hash == h, f"block {b.block_id} hash map mismatch"

@@ -1,0 +1,62 @@
+"""What crosses the scheduler/runner seam: ids, token counts and block-id deltas, never tensors."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has no state for: first admission, or resumption after preemption.
+
+    For a resumed request `output_token_ids` holds the tokens generated before it was preempted
+    (they are recomputed as part of its prompt) and `block_ids` is its whole new block list.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # before this step (prefix-cache hits for a new request)
+    eos_token_id: int | None = None
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests that stayed running: parallel lists, only the blocks added this step."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)  # before this step
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_resumed_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    preempted_req_ids: set[str]
+    # Finished (stopped or aborted) since the previous schedule(): the runner drops their state.
+    finished_req_ids: set[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """Per-request result of update_from_output()."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # None, "stop", "length" or "abort"
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,80 @@
+"""Per-request sampling and stopping parameters (the subset of vLLM's SamplingParams we honour)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    `temperature == 0` is greedy. `top_k <= 0` (or -1) and `top_p == 1` disable those filters.
+    `min_tokens` masks EOS and stop tokens until that many tokens were generated.
+    `stop` strings are matched by the detokenizer (engine); `stop_token_ids` by the scheduler.
+    """
+
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field and its value."""
+
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1 (or None for 'up to max_model_len')")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
+        if not _is_num(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a number >= 0 (0 means greedy)")
+        if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            bad("top_k", "must be an integer >= 1, or 0/-1 to disable")
+        if not _is_num(self.presence_penalty) or not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not _is_num(self.frequency_penalty) or not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0 (1 disables it)")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", "must be an integer or None")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                bad("stop_token_ids", f"every id must be an integer >= 0, got {t!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                bad("stop", f"every stop string must be a non-empty string, got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN

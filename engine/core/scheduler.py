@@ -1,0 +1,329 @@
+"""The shared scheduler: vLLM V1 (0.33) continuous batching, chunked prefill, prefix caching,
+preemption by recompute. Pure Python; the engine and the simulator both drive it:
+
+    out = scheduler.schedule()                         # decide this step
+    sampled = runner.execute(out)  |  env.timeout(cost(out))
+    outputs = scheduler.update_from_output(out, sampled)
+
+There are no prefill/decode phases: each request has `num_computed_tokens` and `num_tokens`, and a
+step decides only how many tokens each request advances (`num_scheduled_tokens`).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine.core.config import SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.output import (CachedRequestData, EngineCoreOutput, NewRequestData,
+                                SchedulerOutput)
+from engine.core.policy import make_queue
+from engine.core.request import Request, RequestStatus
+
+_WAITING = RequestStatus.WAITING
+_RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
+_FINISH_REASON = {RequestStatus.FINISHED_STOPPED: "stop",
+                  RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+                  RequestStatus.FINISHED_ABORTED: "abort"}
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.max_model_len = config.max_model_len
+        self.block_size = config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_gpu_blocks=config.num_gpu_blocks,
+            block_size=config.block_size,
+            max_model_len=config.max_model_len,
+            enable_caching=config.enable_prefix_caching,
+            unhashed_first=config.unhashed_blocks_first,
+        )
+        self.requests: dict[str, Request] = {}  # live (unfinished) requests by id
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []
+        # Finished since the last schedule(); reported once so the runner can drop state.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0  # cumulative, for metrics
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError for requests that could never run."""
+        rid = request.request_id
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError(f"request {rid!r}: prompt_token_ids is empty")
+        if n > self.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt of {n} tokens is longer than "
+                             f"max_model_len={self.max_model_len}")
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r}: request_id is already in use")
+        if request.max_tokens is None:
+            request.max_tokens = max(1, self.max_model_len - n)
+        # A request whose whole sequence cannot fit in the pool would wait (or self-preempt) for
+        # ever and block every request queued behind it.
+        need = -(-min(n + request.max_tokens, self.max_model_len) // self.block_size)
+        usable = self.kv_cache_manager.num_usable_blocks
+        if need > usable:
+            raise ValueError(
+                f"request {rid!r}: prompt of {n} tokens + max_tokens={request.max_tokens} needs "
+                f"{need} KV blocks of {self.block_size} tokens but the pool has only {usable} "
+                f"(num_gpu_blocks={self.config.num_gpu_blocks})")
+        self.requests[rid] = request
+        request.status = _WAITING
+        self.waiting.add_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish (usually abort) requests; unknown or already finished ids are ignored."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status={finished_status!r} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        found = []
+        for rid in dict.fromkeys(request_ids):
+            req = self.requests.get(rid)
+            if req is not None and not req.is_finished:
+                found.append(req)
+        if not found:
+            return
+        running_drop = {id(r) for r in found if r.status == _RUNNING}
+        if running_drop:
+            self.running = [r for r in self.running if id(r) not in running_drop]
+        waiting_drop = [r for r in found if r.status != _RUNNING]
+        if waiting_drop:
+            self.waiting.remove_requests(waiting_drop)
+        for req in found:
+            req.status = finished_status
+            self._free_request(req)
+
+    def _free_request(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        self.finished_req_ids.add(req.request_id)
+        del self.requests[req.request_id]
+
+    def _preempt(self, req: Request) -> None:
+        """Preemption by recompute: drop the KV, keep the outputs, go back to the front."""
+        self.kv_cache_manager.free(req)
+        req.status = _PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(req)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        running = self.running
+        waiting = self.waiting
+        kvm = self.kv_cache_manager
+        max_model_len = self.max_model_len
+        thr = self.config.long_prefill_token_threshold
+        if thr and len(running) + len(waiting) <= 1:
+            thr = 0  # a lone request is never held back by the long-prefill cap
+        victim_key = waiting.victim_key
+
+        num_scheduled: dict[str, int] = {}
+        scheduled_running: list[Request] = []
+        new_blocks_of: dict[str, list] = {}
+        preempted: list[Request] = []
+
+        # 1. Running requests, in order.
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            computed = req.num_computed_tokens
+            n = req.num_tokens - computed
+            if 0 < thr < n:
+                n = thr
+            if n > budget:
+                n = budget
+            if n > max_model_len - 1 - computed:
+                n = max_model_len - 1 - computed
+            if n <= 0:
+                # Nothing to do for this one; `continue`, not `break`, so later requests still run.
+                i += 1
+                continue
+            while True:
+                blocks = kvm.allocate_slots(req, n)
+                if blocks is not None:
+                    break
+                if victim_key is None:
+                    victim = running.pop()  # FCFS: the last admitted
+                else:
+                    victim = max(running, key=victim_key)
+                    running.remove(victim)
+                    if victim.request_id in num_scheduled:
+                        # Already scheduled this step: un-schedule it and refund its tokens.
+                        scheduled_running.remove(victim)
+                        budget += num_scheduled.pop(victim.request_id)
+                        new_blocks_of.pop(victim.request_id, None)
+                        i -= 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if blocks is None:
+                # The request preempted itself. FCFS stops here; under a victim-key policy the
+                # next running request (now at index i) may still fit.
+                if victim_key is None:
+                    break
+                continue
+            scheduled_running.append(req)
+            num_scheduled[req.request_id] = n
+            if blocks:
+                new_blocks_of[req.request_id] = blocks
+            budget -= n
+            i += 1
+
+        # 2. Waiting requests, only when nobody was preempted in this step.
+        scheduled_new: list[Request] = []
+        scheduled_resumed: list[Request] = []
+        if not preempted and waiting:
+            chunked = self.config.enable_chunked_prefill
+            reserve = self.config.reserve_full_prompt
+            watermark = self.config.watermark_blocks
+            max_num_seqs = self.max_num_seqs
+            while waiting and budget > 0:
+                if len(running) >= max_num_seqs:
+                    break
+                req = waiting.peek_request()
+                # Preempted requests were reset to 0 computed tokens: they look up the prefix
+                # cache too and may hit their own freed blocks.
+                hits, num_hit = kvm.get_computed_blocks(req)
+                n = req.num_tokens - num_hit
+                if 0 < thr < n:
+                    n = thr
+                if not chunked and n > budget:
+                    break
+                if n > budget:
+                    n = budget
+                blocks = kvm.allocate_slots(
+                    req, n, num_hit, hits,
+                    num_reserve_tokens=req.num_tokens if reserve else 0,
+                    num_watermark_blocks=watermark if running else 0,
+                )
+                if blocks is None:
+                    break  # head-of-line: no skipping ahead
+                waiting.pop_request()
+                running.append(req)
+                if req.status == _WAITING:
+                    scheduled_new.append(req)
+                else:
+                    scheduled_resumed.append(req)
+                req.status = _RUNNING
+                req.num_computed_tokens = num_hit
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                kvm.num_queried_tokens += req.num_tokens
+                kvm.num_hit_tokens += num_hit
+                num_scheduled[req.request_id] = n
+                budget -= n
+
+        # 3. Build the output (the runner's diff), then advance computed counts optimistically.
+        get_ids = kvm.get_block_ids
+        new_data = [NewRequestData(r.request_id, r.prompt_token_ids, [], r.sampling_params,
+                                   get_ids(r.request_id), r.num_computed_tokens, r.eos_token_id)
+                    for r in scheduled_new]
+        resumed_data = [NewRequestData(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
+                                       r.sampling_params, get_ids(r.request_id),
+                                       r.num_computed_tokens, r.eos_token_id)
+                        for r in scheduled_resumed]
+        cached = CachedRequestData()
+        c_ids, c_blocks, c_computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        empty: list[int] = []
+        for r in scheduled_running:
+            rid = r.request_id
+            c_ids.append(rid)
+            blocks = new_blocks_of.get(rid)
+            c_blocks.append([b.block_id for b in blocks] if blocks else empty)
+            c_computed.append(r.num_computed_tokens)
+            r.num_computed_tokens += num_scheduled[rid]
+        for r in scheduled_new:
+            r.num_computed_tokens += num_scheduled[r.request_id]
+        for r in scheduled_resumed:
+            r.num_computed_tokens += num_scheduled[r.request_id]
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_data,
+            scheduled_resumed_reqs=resumed_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            preempted_req_ids={r.request_id for r in preempted},
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        return out
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, check stop conditions, free finished requests.
+
+        `sampled_token_ids[req_id]` is empty (or absent) for a non-final prefill chunk.
+        """
+        requests = self.requests
+        max_model_len = self.max_model_len
+        outputs: list[EngineCoreOutput] = []
+        stopped_ids: set[int] = set()
+        for rid in scheduler_output.num_scheduled_tokens:
+            toks = sampled_token_ids.get(rid)
+            if not toks:
+                continue
+            req = requests.get(rid)
+            if req is None or req.status != _RUNNING:
+                continue  # aborted while the step ran
+            sp = req.sampling_params
+            new_ids = []
+            status = None
+            for tok in toks:
+                req.output_token_ids.append(tok)
+                req.all_token_ids.append(tok)
+                req.num_tokens += 1
+                new_ids.append(tok)
+                # Stop checks, in vLLM 0.33's order; min_tokens defers EOS / stop tokens.
+                if len(req.output_token_ids) >= sp.min_tokens:
+                    if tok == req.eos_token_id and not sp.ignore_eos:
+                        status = _STOPPED
+                        break
+                    if sp.stop_token_ids and tok in sp.stop_token_ids:
+                        status = _STOPPED
+                        req.stop_reason = tok
+                        break
+                if req.num_tokens >= max_model_len or len(req.output_token_ids) >= req.max_tokens:
+                    status = _LENGTH
+                    break
+            if status is None:
+                outputs.append(EngineCoreOutput(rid, new_ids))
+            else:
+                req.status = status
+                stopped_ids.add(id(req))
+                self._free_request(req)
+                outputs.append(EngineCoreOutput(rid, new_ids, _FINISH_REASON[status], req.stop_reason))
+        if stopped_ids:
+            self.running = [r for r in self.running if id(r) not in stopped_ids]
+        return outputs
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self) -> None:
+        """Cross-checks used by tests and debug runs (mini-sglang's check_integrity)."""
+        self.kv_cache_manager.check_integrity()
+        assert len(self.running) <= self.max_num_seqs, "running exceeds max_num_seqs"
+        live = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+        assert live == set(self.requests), "requests dict out of sync with queues"
+        for r in self.running:
+            assert r.status == _RUNNING
+        for r in self.waiting:
+            assert r.status in (_WAITING, _PREEMPTED)
+            assert r.request_id not in self.kv_cache_manager.req_to_blocks
