@@ -57,9 +57,11 @@ class Scheduler:
         n = request.num_prompt_tokens
         if n == 0:
             raise ValueError(f"request {rid!r}: prompt_token_ids is empty")
-        if n > self.max_model_len:
-            raise ValueError(f"request {rid!r}: prompt of {n} tokens is longer than "
-                             f"max_model_len={self.max_model_len}")
+        if n >= self.max_model_len:
+            # A prompt of exactly max_model_len tokens leaves no room for a generated token.
+            raise ValueError(f"request {rid!r}: prompt of {n} tokens does not fit in "
+                             f"max_model_len={self.max_model_len} (it must be shorter, to leave "
+                             "room for at least one generated token)")
         if rid in self.requests:
             raise ValueError(f"request {rid!r}: request_id is already in use")
         if request.max_tokens is None:

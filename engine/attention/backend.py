@@ -1,0 +1,47 @@
+"""Pick the attention implementation for a device: Triton kernels on CUDA, the torch reference elsewhere.
+
+`SERVETWIN_ATTN_BACKEND=torch|triton` overrides the choice (e.g. the torch path on a GPU to compare,
+or the Triton kernels on the CPU under `TRITON_INTERPRET=1`).
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, NamedTuple
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+WriteKVFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+BACKEND_ENV = "SERVETWIN_ATTN_BACKEND"
+
+
+class AttentionBackend(NamedTuple):
+    """Unpacks as `(write_kv_fn, attention_fn)`; `name` says which one for logs and profiles."""
+
+    write_kv: WriteKVFn
+    attention: AttentionFn
+    name: str
+
+
+def get_attention_backend(device: torch.device | str, override: str | None = None) -> AttentionBackend:
+    """Backend for `device`; `override` (or the env var) forces "torch" or "triton"."""
+    device = torch.device(device)
+    choice = (override or os.environ.get(BACKEND_ENV) or "").strip().lower()
+    if choice not in ("", "auto", "torch", "triton"):
+        raise ValueError(f"{BACKEND_ENV}={choice!r}: expected 'torch' or 'triton'")
+    if choice in ("", "auto"):
+        choice = "triton" if device.type == "cuda" else "torch"
+    if choice == "torch":
+        from engine.attention import reference
+
+        return AttentionBackend(reference.write_kv, reference.paged_attention, "torch")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"{BACKEND_ENV}=triton on device {device.type!r} needs TRITON_INTERPRET=1 set before triton is imported"
+        )
+    from engine.attention import triton_kernels
+
+    return AttentionBackend(triton_kernels.write_kv, triton_kernels.paged_attention, "triton")

@@ -1,0 +1,306 @@
+"""A Llama-family decoder (Llama, SmolLM, Qwen2, Mistral) over a flattened, paged batch.
+
+One forward takes every scheduled token of every sequence as a single `[T]` stream with its
+positions; attention reads and writes the paged KV cache through `AttentionMetadata`, so decodes and
+prefill chunks mix freely in one step. q/k/v and gate/up projections are fused (one matmul each);
+`load_weights` slices the HF checkpoint's separate tensors into them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.backend import AttentionBackend, get_attention_backend
+from engine.attention.metadata import AttentionMetadata
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The handful of HF config fields this model needs, normalised across families and versions."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> "ModelConfig":
+        """From a transformers config or its dict; raises NotImplementedError naming what is unsupported."""
+        c = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+        model_type = c.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise NotImplementedError(f"model_type={model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+        act = c.get("hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"hidden_act={act!r} is not supported (only 'silu')")
+        heads = c["num_attention_heads"]
+        max_pos = c.get("max_position_embeddings", 2048)
+        sliding = c.get("sliding_window")
+        uses_sliding = c.get("use_sliding_window", model_type == "mistral")
+        if uses_sliding and sliding is not None and sliding < max_pos:
+            raise NotImplementedError(
+                f"sliding_window={sliding} < max_position_embeddings={max_pos}: sliding-window attention is not supported"
+            )
+        # transformers >= 5 keeps rope_theta and the scaling inside `rope_parameters`; older configs
+        # have top-level `rope_theta` and `rope_scaling`.
+        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        rope_theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise NotImplementedError(f"partial_rotary_factor={rope.get('partial_rotary_factor')} is not supported")
+        attention_bias = bool(c.get("attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=None if rope_type == "default" else rope,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,  # Qwen2 always has q/k/v bias, no o bias
+            o_bias=attention_bias and model_type != "qwen2",
+            mlp_bias=bool(c.get("mlp_bias", False)),
+        )
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] (fp32, CPU); 'llama3' and 'linear' scaling as in transformers."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise NotImplementedError(f"rope_scaling type={kind!r} is not supported (supported: None, 'linear', 'llama3')")
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved (rotate-half) RoPE, the HF Llama convention, computed per step from positions.
+
+    `inv_freq` is a plain attribute, not a buffer, so meta-device construction + `to_empty` leaves it intact.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32 (as HF does); with `residual`, adds it first and returns the new residual too."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * x32.to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+        md: AttentionMetadata, backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(
+            positions, q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
+        )
+        backend.write_kv(k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache, md.slot_mapping)
+        o = backend.attention(q, kv_cache, md, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, kv_cache, md, backend):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, md, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """`forward` returns final hidden states [T, H]; the runner picks rows and calls `compute_logits`."""
+
+    # HF checkpoint name -> (our fused parameter, shard index): shards are laid out in this order.
+    packed = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.attn_backend = backend  # None: chosen from the input device on the first forward
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share lm_head with the embeddings if the config says so (again after `to_empty`, which unties)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        if len(kv_caches) != self.config.num_layers:
+            raise ValueError(f"kv_caches has {len(kv_caches)} layers, model has num_layers={self.config.num_layers}")
+        if self.attn_backend is None:
+            self.attn_backend = get_attention_backend(input_ids.device)
+        hidden, residual = self.model.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata, self.attn_backend)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> fp32 [N, vocab] (sampling and logprobs want fp32)."""
+        return self.lm_head(hidden).float()
+
+    def shard_range(self, fused: str, index: int) -> tuple[int, int]:
+        """(start, size) of shard `index` in the output rows of fused parameter `fused`."""
+        c = self.config
+        if fused == "qkv_proj":
+            sizes = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        else:
+            sizes = [c.intermediate_size, c.intermediate_size]
+        return sum(sizes[:index]), sizes[index]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (casting to each parameter's dtype/device); every parameter must be set.
+
+        A missing `lm_head.weight` ties the head to the embeddings, as HF does for tied checkpoints.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        # Tied: the checkpoint may still carry lm_head.weight; it is the same matrix, load it once.
+        tied = self.lm_head.weight is self.model.embed_tokens.weight
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+                continue
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in self.packed:
+                fused, shard = self.packed[parts[-2]]
+                target = ".".join(parts[:-2] + [fused, parts[-1]])
+                start, size = self.shard_range(fused, shard)
+                param = params.get(target)
+                if param is None or tensor.shape[0] != size:
+                    raise ValueError(f"checkpoint tensor {name} {tuple(tensor.shape)} does not fit {target}")
+                param.data[start : start + size].copy_(tensor)
+                loaded.add(f"{target}#{shard}")
+                continue
+            param = params.get(name)
+            if param is None or param.shape != tensor.shape:
+                got = None if param is None else tuple(param.shape)
+                raise ValueError(f"checkpoint tensor {name} {tuple(tensor.shape)} has no matching parameter (ours: {got})")
+            param.data.copy_(tensor)
+            loaded.add(name)
+        if "lm_head.weight" not in loaded and not tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+            self.config.tie_word_embeddings = True
+            loaded.add("lm_head.weight")
+        expected = set()
+        for name in dict(self.named_parameters()):
+            fused = name.split(".")[-2]
+            if fused in ("qkv_proj", "gate_up_proj"):
+                expected |= {f"{name}#{i}" for i in range(3 if fused == "qkv_proj" else 2)}
+            else:
+                expected.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")

