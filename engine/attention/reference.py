@@ -55,6 +55,8 @@ def paged_attention(
     which must already be in the cache (call `write_kv` first).
     """
     bs = metadata.block_size
+    if kv_cache.shape[2] != bs:
+        raise ValueError(f"kv_cache block_size={kv_cache.shape[2]} != metadata.block_size={bs}")
     qsl, seq_lens, _ = metadata.host_lists()
     out = torch.empty_like(query)
     k_cache, v_cache = kv_cache[0], kv_cache[1]

@@ -143,6 +143,8 @@ def paged_attention(
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     group = num_q_heads // num_kv_heads
+    if k_cache.shape[1] != metadata.block_size:
+        raise ValueError(f"kv_cache block_size={k_cache.shape[1]} != metadata.block_size={metadata.block_size}")
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out

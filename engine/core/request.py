@@ -45,7 +45,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "priority",
         "eos_token_id", "cache_salt", "status", "num_prompt_tokens", "all_token_ids",
         "output_token_ids", "num_tokens", "num_computed_tokens", "max_tokens", "stop_reason",
-        "num_preemptions", "num_cached_tokens", "block_hashes",
+        "num_preemptions", "num_cached_tokens", "block_hashes", "stop_ids", "token_limit",
     )
 
     def __init__(
@@ -81,6 +81,11 @@ class Request:
         self.num_cached_tokens = -1
         # Chained hashes of the full blocks of all_token_ids, filled lazily by the KV manager.
         self.block_hashes: list[int] = []
+        # Set by the scheduler on add, so the per-token stop check is two comparisons:
+        # token ids that stop the request (EOS unless ignore_eos, plus stop_token_ids) or None,
+        # and num_tokens at which it is length-capped (min of max_model_len, prompt + max_tokens).
+        self.stop_ids: frozenset[int] | None = None
+        self.token_limit = 0
 
     @property
     def num_output_tokens(self) -> int:

@@ -75,6 +75,12 @@ class Scheduler:
                 f"request {rid!r}: prompt of {n} tokens + max_tokens={request.max_tokens} needs "
                 f"{need} KV blocks of {self.block_size} tokens but the pool has only {usable} "
                 f"(num_gpu_blocks={self.config.num_gpu_blocks})")
+        sp = request.sampling_params
+        stop = set(sp.stop_token_ids)
+        if request.eos_token_id is not None and not sp.ignore_eos:
+            stop.add(request.eos_token_id)
+        request.stop_ids = frozenset(stop) if stop else None
+        request.token_limit = min(self.max_model_len, n + request.max_tokens)
         self.requests[rid] = request
         request.status = _WAITING
         self.waiting.add_request(request)
@@ -128,6 +134,9 @@ class Scheduler:
         running = self.running
         waiting = self.waiting
         kvm = self.kv_cache_manager
+        req_to_blocks = kvm.req_to_blocks
+        bs = self.block_size
+        caching = kvm.enable_caching
         max_model_len = self.max_model_len
         thr = self.config.long_prefill_token_threshold
         if thr and len(running) + len(waiting) <= 1:
@@ -135,26 +144,44 @@ class Scheduler:
         victim_key = waiting.victim_key
 
         num_scheduled: dict[str, int] = {}
-        scheduled_running: list[Request] = []
-        new_blocks_of: dict[str, list] = {}
         preempted: list[Request] = []
+        # The runner's diff for requests that stay running, filled as they are scheduled.
+        cached = CachedRequestData()
+        c_ids, c_blocks, c_computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        no_blocks: list[int] = []
 
-        # 1. Running requests, in order.
+        # 1. Running requests, in order. A request's num_computed_tokens is advanced as soon as
+        #    it is scheduled (optimistically, before the model runs); c_computed keeps the value
+        #    before the step for the runner.
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            rid = req.request_id
             computed = req.num_computed_tokens
             n = req.num_tokens - computed
-            if 0 < thr < n:
-                n = thr
-            if n > budget:
-                n = budget
-            if n > max_model_len - 1 - computed:
-                n = max_model_len - 1 - computed
-            if n <= 0:
-                # Nothing to do for this one; `continue`, not `break`, so later requests still run.
-                i += 1
-                continue
+            if n == 1:
+                # Decode fast path: the slot exists and the token completes no block, so
+                # allocate_slots would allocate and cache nothing.
+                if computed < len(req_to_blocks[rid]) * bs and (not caching or (computed + 1) % bs):
+                    num_scheduled[rid] = 1
+                    c_ids.append(rid)
+                    c_blocks.append(no_blocks)
+                    c_computed.append(computed)
+                    req.num_computed_tokens = computed + 1
+                    budget -= 1
+                    i += 1
+                    continue
+            else:
+                if 0 < thr < n:
+                    n = thr
+                if n > budget:
+                    n = budget
+                if n > max_model_len - 1 - computed:
+                    n = max_model_len - 1 - computed
+                if n <= 0:
+                    # Nothing to do for this one; `continue`, not `break`, so later requests run.
+                    i += 1
+                    continue
             while True:
                 blocks = kvm.allocate_slots(req, n)
                 if blocks is not None:
@@ -164,11 +191,12 @@ class Scheduler:
                 else:
                     victim = max(running, key=victim_key)
                     running.remove(victim)
-                    if victim.request_id in num_scheduled:
+                    vid = victim.request_id
+                    if vid in num_scheduled:
                         # Already scheduled this step: un-schedule it and refund its tokens.
-                        scheduled_running.remove(victim)
-                        budget += num_scheduled.pop(victim.request_id)
-                        new_blocks_of.pop(victim.request_id, None)
+                        budget += num_scheduled.pop(vid)
+                        j = c_ids.index(vid)
+                        del c_ids[j], c_blocks[j], c_computed[j]
                         i -= 1
                 self._preempt(victim)
                 preempted.append(victim)
@@ -180,16 +208,17 @@ class Scheduler:
                 if victim_key is None:
                     break
                 continue
-            scheduled_running.append(req)
-            num_scheduled[req.request_id] = n
-            if blocks:
-                new_blocks_of[req.request_id] = blocks
+            num_scheduled[rid] = n
+            c_ids.append(rid)
+            c_blocks.append([b.block_id for b in blocks] if blocks else no_blocks)
+            c_computed.append(computed)
+            req.num_computed_tokens = computed + n
             budget -= n
             i += 1
 
         # 2. Waiting requests, only when nobody was preempted in this step.
-        scheduled_new: list[Request] = []
-        scheduled_resumed: list[Request] = []
+        new_data: list[NewRequestData] = []
+        resumed_data: list[NewRequestData] = []
         if not preempted and waiting:
             chunked = self.config.enable_chunked_prefill
             reserve = self.config.reserve_full_prompt
@@ -218,42 +247,19 @@ class Scheduler:
                     break  # head-of-line: no skipping ahead
                 waiting.pop_request()
                 running.append(req)
-                if req.status == _WAITING:
-                    scheduled_new.append(req)
-                else:
-                    scheduled_resumed.append(req)
+                rid = req.request_id
+                is_new = req.status == _WAITING
+                (new_data if is_new else resumed_data).append(NewRequestData(
+                    rid, req.prompt_token_ids, [] if is_new else list(req.output_token_ids),
+                    req.sampling_params, kvm.get_block_ids(rid), num_hit, req.eos_token_id))
                 req.status = _RUNNING
-                req.num_computed_tokens = num_hit
+                req.num_computed_tokens = num_hit + n
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
                 kvm.num_queried_tokens += req.num_tokens
                 kvm.num_hit_tokens += num_hit
-                num_scheduled[req.request_id] = n
+                num_scheduled[rid] = n
                 budget -= n
-
-        # 3. Build the output (the runner's diff), then advance computed counts optimistically.
-        get_ids = kvm.get_block_ids
-        new_data = [NewRequestData(r.request_id, r.prompt_token_ids, [], r.sampling_params,
-                                   get_ids(r.request_id), r.num_computed_tokens, r.eos_token_id)
-                    for r in scheduled_new]
-        resumed_data = [NewRequestData(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
-                                       r.sampling_params, get_ids(r.request_id),
-                                       r.num_computed_tokens, r.eos_token_id)
-                        for r in scheduled_resumed]
-        cached = CachedRequestData()
-        c_ids, c_blocks, c_computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
-        empty: list[int] = []
-        for r in scheduled_running:
-            rid = r.request_id
-            c_ids.append(rid)
-            blocks = new_blocks_of.get(rid)
-            c_blocks.append([b.block_id for b in blocks] if blocks else empty)
-            c_computed.append(r.num_computed_tokens)
-            r.num_computed_tokens += num_scheduled[rid]
-        for r in scheduled_new:
-            r.num_computed_tokens += num_scheduled[r.request_id]
-        for r in scheduled_resumed:
-            r.num_computed_tokens += num_scheduled[r.request_id]
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_data,
@@ -261,7 +267,7 @@ class Scheduler:
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
-            preempted_req_ids={r.request_id for r in preempted},
+            preempted_req_ids={r.request_id for r in preempted} if preempted else set(),
             finished_req_ids=self.finished_req_ids,
         )
         self.finished_req_ids = set()
@@ -273,48 +279,51 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, check stop conditions, free finished requests.
 
-        `sampled_token_ids[req_id]` is empty (or absent) for a non-final prefill chunk.
+        `sampled_token_ids[req_id]` is empty (or absent) for a non-final prefill chunk. Stop
+        checks follow vLLM 0.33's order: EOS, stop token ids, then length (max_tokens or
+        max_model_len); EOS and stop ids only count once min_tokens outputs exist.
         """
         requests = self.requests
-        max_model_len = self.max_model_len
         outputs: list[EngineCoreOutput] = []
-        stopped_ids: set[int] = set()
+        append = outputs.append
+        stopped: list[Request] = []
+        get_sampled = sampled_token_ids.get
         for rid in scheduler_output.num_scheduled_tokens:
-            toks = sampled_token_ids.get(rid)
+            toks = get_sampled(rid)
             if not toks:
                 continue
             req = requests.get(rid)
             if req is None or req.status != _RUNNING:
-                continue  # aborted while the step ran
-            sp = req.sampling_params
-            new_ids = []
+                continue  # aborted (or preempted) while the step ran
             status = None
-            for tok in toks:
-                req.output_token_ids.append(tok)
+            out_ids = req.output_token_ids
+            for k, tok in enumerate(toks):
+                out_ids.append(tok)
                 req.all_token_ids.append(tok)
                 req.num_tokens += 1
-                new_ids.append(tok)
-                # Stop checks, in vLLM 0.33's order; min_tokens defers EOS / stop tokens.
-                if len(req.output_token_ids) >= sp.min_tokens:
-                    if tok == req.eos_token_id and not sp.ignore_eos:
-                        status = _STOPPED
-                        break
-                    if sp.stop_token_ids and tok in sp.stop_token_ids:
-                        status = _STOPPED
+                stop_ids = req.stop_ids
+                if stop_ids is not None and tok in stop_ids and (
+                        len(out_ids) >= req.sampling_params.min_tokens):
+                    status = _STOPPED
+                    if tok != req.eos_token_id or req.sampling_params.ignore_eos:
                         req.stop_reason = tok
-                        break
-                if req.num_tokens >= max_model_len or len(req.output_token_ids) >= req.max_tokens:
+                elif req.num_tokens >= req.token_limit:
                     status = _LENGTH
-                    break
+                else:
+                    continue
+                if k + 1 < len(toks):
+                    toks = toks[:k + 1]
+                break
             if status is None:
-                outputs.append(EngineCoreOutput(rid, new_ids))
+                append(EngineCoreOutput(rid, toks))
             else:
                 req.status = status
-                stopped_ids.add(id(req))
+                stopped.append(req)
                 self._free_request(req)
-                outputs.append(EngineCoreOutput(rid, new_ids, _FINISH_REASON[status], req.stop_reason))
-        if stopped_ids:
-            self.running = [r for r in self.running if id(r) not in stopped_ids]
+                append(EngineCoreOutput(rid, toks, _FINISH_REASON[status], req.stop_reason))
+        if stopped:
+            drop = {id(r) for r in stopped}
+            self.running = [r for r in self.running if id(r) not in drop]
         return outputs
 
     # ------------------------------------------------------------------ checks

@@ -1,4 +1,5 @@
-"""The torch model layer: a Llama-family decoder over a flattened, paged batch, and its loader.
+"""The torch model layer: a Llama-family decoder over a flattened, paged batch, and its loader."""
+from engine.model.llama import LlamaForCausalLM, ModelConfig
+from engine.model.loader import build_random_model, cache_dir, load_model, resolve_model
 
-Import the submodules (`engine.model.llama`, `engine.model.loader`); this package stays light.
-"""
+__all__ = ["LlamaForCausalLM", "ModelConfig", "build_random_model", "cache_dir", "load_model", "resolve_model"]
