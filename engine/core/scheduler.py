@@ -326,6 +326,139 @@ class Scheduler:
             self.running = [r for r in self.running if id(r) not in drop]
         return outputs
 
+    # ------------------------------------------------------------ decode windows
+    def decode_window(self, max_steps: int, token_id: int) -> int:
+        """How many of the next steps are certain to be identical pure-decode steps.
+
+        A driver that samples `token_id` for every request may then call
+        `advance_decode_window(k, token_id)` instead of k rounds of schedule() +
+        update_from_output(): the results are the same. The conditions, checked on the state
+        between two steps:
+          - every running request is decoding (exactly one token to compute) and all of them fit
+            in the token budget, so each step schedules each of them one token;
+          - no waiting request can be admitted: none waits, max_num_seqs or the budget is used
+            up, or the head's allocation fails now (it keeps failing: free blocks only shrink
+            while decoding and its prefix hits can only be evicted);
+          - the free blocks cover every block the window's tokens cross into (no preemption);
+          - no request finishes before the last step of the window (`token_id` stops nobody).
+        Returns 0 when fewer than 2 steps qualify (a plain step is then just as cheap).
+        """
+        running = self.running
+        n_run = len(running)
+        if max_steps < 2 or n_run == 0 or n_run > self.max_num_batched_tokens:
+            return 0
+        k = max_steps
+        for r in running:
+            if r.num_tokens - r.num_computed_tokens != 1:
+                return 0
+            if r.stop_ids is not None and token_id in r.stop_ids:
+                return 0
+            left = r.token_limit - r.num_tokens  # the step that reaches the limit finishes it
+            if left < k:
+                k = left
+        if k < 2:
+            return 0
+        if self.waiting and n_run < self.max_num_seqs and n_run < self.max_num_batched_tokens:
+            if self._head_admissible():
+                return 0
+        # Blocks: request r (c computed tokens) needs a new block at every step t (1-based) whose
+        # token position c + t - 1 is a multiple of block_size.
+        bs = self.block_size
+        free = self.kv_cache_manager.num_free_blocks
+        firsts = [(-r.num_computed_tokens) % bs + 1 for r in running]
+
+        def need(steps: int) -> int:
+            return sum((steps - f) // bs + 1 for f in firsts if f <= steps)
+
+        if need(k) > free:
+            lo, hi = 1, k  # need(lo) may exceed free too: then no window
+            if need(1) > free:
+                return 0
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if need(mid) <= free:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            k = lo
+        return k if k >= 2 else 0
+
+    def _head_admissible(self) -> bool:
+        """Would the head of the waiting queue be admitted if asked now? (no side effects)"""
+        req = self.waiting.peek_request()
+        kvm = self.kv_cache_manager
+        hits, num_hit = kvm.get_computed_blocks(req)
+        budget = self.max_num_batched_tokens - len(self.running)
+        n = req.num_tokens - num_hit
+        thr = self.config.long_prefill_token_threshold
+        if 0 < thr < n:
+            n = thr
+        if not self.config.enable_chunked_prefill and n > budget:
+            return False
+        n = min(n, budget)
+        bs = self.block_size
+        need_tokens = min(num_hit + n, self.max_model_len)
+        if self.config.reserve_full_prompt:
+            need_tokens = max(need_tokens, min(req.num_tokens, self.max_model_len))
+        evictable = sum(1 for b in hits if b.ref_cnt == 0)
+        needed = -(-need_tokens // bs) - len(hits) + evictable + self.config.watermark_blocks
+        return needed <= kvm.num_free_blocks
+
+    def advance_decode_window(self, k: int, token_id: int) -> list[EngineCoreOutput]:
+        """Apply k steps that `decode_window` approved, as k rounds of schedule() and
+        update_from_output() with `token_id` sampled by everyone would have.
+
+        Block allocations and prefix-cache insertions happen in the same order (step, then
+        running order), so block ids and cache contents are identical too. Returns the outputs
+        of the requests that finish in the last step (in running order, as they are freed).
+        """
+        running = self.running
+        kvm = self.kv_cache_manager
+        pool = kvm.block_pool
+        bs = self.block_size
+        caching = kvm.enable_caching
+        # (step, running index, kind) events: 0 = allocate a block, 1 = cache a full block.
+        events: list[tuple[int, int, int]] = []
+        for idx, r in enumerate(running):
+            c = r.num_computed_tokens
+            t = (-c) % bs + 1          # token position c + t - 1 starts a new block
+            while t <= k:
+                events.append((t, idx, 0))
+                t += bs
+            if caching:
+                t = (-c) % bs or bs    # computed count c + t reaches a multiple of bs
+                while t <= k:
+                    events.append((t, idx, 1))
+                    t += bs
+            tail = [token_id] * k
+            r.output_token_ids.extend(tail)
+            r.all_token_ids.extend(tail)
+            r.num_tokens += k
+            r.num_computed_tokens = c + k
+        if events:
+            events.sort()
+            req_to_blocks = kvm.req_to_blocks
+            num_cached = kvm.num_cached_block
+            for _, idx, kind in events:
+                r = running[idx]
+                blocks = req_to_blocks[r.request_id]
+                if kind == 0:
+                    blocks.extend(pool.get_new_blocks(1))
+                else:
+                    kvm._cache_full_blocks(r, blocks, len(blocks))
+                    assert num_cached[r.request_id] == len(blocks)
+        # Finishes (length) in the last step, in running order like update_from_output.
+        outputs: list[EngineCoreOutput] = []
+        stopped = [r for r in running if r.num_tokens >= r.token_limit]
+        for r in stopped:
+            r.status = _LENGTH
+            self._free_request(r)
+            outputs.append(EngineCoreOutput(r.request_id, [token_id], "length", None))
+        if stopped:
+            drop = {id(r) for r in stopped}
+            self.running = [r for r in running if id(r) not in drop]
+        return outputs
+
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
         """Cross-checks used by tests and debug runs (mini-sglang's check_integrity)."""
