@@ -43,7 +43,7 @@ install: $(VENV)/.core-stamp
 install-test: $(VENV)/.test-stamp
 
 run: $(VENV)/.core-stamp
-	$(VENV)/bin/servetwin demo $(RUN_ARGS)
+	$(VENV)/bin/servetwin simulate scenarios/quickstart.yaml --out results/quickstart $(RUN_ARGS)
 
 test: $(VENV)/.test-stamp
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -1,0 +1,81 @@
+"""The `servetwin` command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def format_summary(summary: dict) -> str:
+    """The end-of-run table: latencies in milliseconds, then throughput and counts."""
+    lines = [f"{'metric':<10}{'mean':>10}{'p50':>10}{'p90':>10}{'p95':>10}{'p99':>10}{'count':>9}"]
+    for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"),
+                       ("queue_s", "queue")):
+        s = summary[key]
+        cells = "".join(f"{(s[k] * 1e3 if s[k] is not None else float('nan')):>10.1f}"
+                        for k in ("mean", "p50", "p90", "p95", "p99"))
+        lines.append(f"{label + ' (ms)':<10}{cells}{s['count']:>9}")
+    t, r = summary["throughput"], summary["requests"]
+    lines.append("")
+    lines.append(f"throughput: {t['requests_per_s']:.2f} req/s, {t['output_tokens_per_s']:.0f} output tok/s, "
+                 f"{t['total_tokens_per_s']:.0f} total tok/s")
+    slo = summary.get("slo") or {}
+    if slo:
+        lines.append(f"goodput: {summary['goodput_requests_per_s']:.2f} req/s meeting "
+                     + ", ".join(f"{k}<={v * 1e3:g}ms" for k, v in slo.items()))
+    lines.append(f"requests: {r['completed']} completed, {r['aborted']} aborted, {r['rejected']} rejected, "
+                 f"{r['preemptions']} preemptions")
+    if "simulated_s" in summary:
+        lines.append(f"simulated {summary['simulated_s']:.1f} s in {summary['wall_s']:.2f} s wall "
+                     f"({summary.get('num_steps', 0)} steps)")
+    return "\n".join(lines)
+
+
+def cmd_simulate(a) -> int:
+    from scenarios.schema import ScenarioError, load_scenario, run_scenario
+    try:
+        sc = load_scenario(a.scenario, seed=a.seed)
+    except ScenarioError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"scenario {sc.name}: {sc.describe()}", file=sys.stderr)
+    result = run_scenario(sc, progress=not a.no_progress)
+    print(format_summary(result.summary))
+    out = Path(a.out) if a.out else Path("results") / sc.name
+    result.save(out, plots=not a.no_plots)
+    print(f"results: {out}/ (summary.json, requests.csv, steps.csv"
+          + ("" if a.no_plots else ", latency_cdf.png, kv_and_batch.png") + ")")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="servetwin", description="ServeTwin: LLM serving digital twin")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("simulate", help="simulate a scenario YAML")
+    p.add_argument("scenario", help="scenario file, e.g. scenarios/quickstart.yaml")
+    p.add_argument("--out", help="output directory (default results/<scenario name>)")
+    p.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.set_defaults(func=cmd_simulate)
+
+    try:
+        from engine.cli import add_generate_args
+    except ImportError:  # the engine extra (torch) is not installed
+        add_generate_args = None
+    if add_generate_args is not None:
+        add_generate_args(sub)
+    try:
+        from engine.server_cli import add_serve_args
+    except ImportError:
+        add_serve_args = None
+    if add_serve_args is not None:
+        add_serve_args(sub)
+
+    a = ap.parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,174 @@
+"""Per-step cost models: predicted seconds for one engine step from its batch features.
+
+Every model computes `step_time(features)` from the features of `engine.core.batch_features`,
+and `decode_times(num_decode, ctx_first, k)` for a window of k identical decode steps (the
+simulator's shortcut) by the very same scalar arithmetic, so a window and k single steps give
+bit-identical times.
+
+- FittedCostModel: a linear model with a convex piecewise-linear token term, fitted with
+  non-negative least squares from profiled engine steps (calibration/), loaded from a profile
+  JSON. Keeps residual quantiles for prediction intervals.
+- AnalyticCostModel: a roofline over a model spec and a device spec (weights and KV bytes over
+  bandwidth, FLOPs over peak), plus tensor-parallel all-reduce and per-step overheads; its
+  efficiency factors can be fitted from a profile so it extrapolates to unprofiled devices/TP.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from engine.core.features import BatchFeatures
+from sim.specs import DeviceSpec, ModelSpec, get_device, get_model
+
+PROFILE_FORMAT = "servetwin-profile/1"
+PROFILES_DIR = Path(__file__).parent / "profiles"
+DEFAULT_PROFILE = "h100-llama-3.1-8b"
+
+
+class CostModel:
+    """Interface. Subclasses implement `_time` on plain numbers."""
+
+    kind = "base"
+    metadata: dict
+
+    def _time(self, num_reqs: int, num_tokens: int, num_prefill_reqs: int, prefill_pairs: int,
+              prefill_ctx: int, decode_ctx: int) -> float:
+        raise NotImplementedError
+
+    def step_time(self, f: BatchFeatures) -> float:
+        return self._time(f.num_reqs, f.num_prefill_tokens + f.num_decode_reqs, f.num_prefill_reqs,
+                          f.prefill_attn_pairs, f.prefill_context_tokens, f.decode_context_tokens)
+
+    def decode_times(self, num_decode: int, ctx_first: int, k: int) -> list[float]:
+        """Times of k pure-decode steps of `num_decode` requests whose summed context is
+        ctx_first in the first step and grows by num_decode per step."""
+        t = self._time
+        return [t(num_decode, num_decode, 0, 0, 0, ctx_first + j * num_decode) for j in range(k)]
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, **self.metadata}
+
+
+@dataclass
+class FittedCostModel(CostModel):
+    """t = intercept + per_req*num_reqs + per_token*tokens + sum_j slope_j*max(0, tokens - knot_j)
+         + per_prefill_req*prefill_reqs + per_prefill_pair*pairs + per_prefill_ctx*prefill_ctx
+         + per_decode_ctx*decode_ctx            (all coefficients >= 0, seconds)"""
+
+    intercept_s: float = 0.0
+    per_req_s: float = 0.0
+    per_token_s: float = 0.0
+    hinges: list[tuple[float, float]] = field(default_factory=list)  # (knot_tokens, extra slope)
+    per_prefill_req_s: float = 0.0
+    per_prefill_pair_s: float = 0.0
+    per_prefill_ctx_s: float = 0.0
+    per_decode_ctx_s: float = 0.0
+    residual_quantiles: dict[str, float] = field(default_factory=dict)  # relative residuals
+    metadata: dict = field(default_factory=dict)
+    kind = "fitted"
+
+    def _time(self, num_reqs, num_tokens, num_prefill_reqs, prefill_pairs, prefill_ctx, decode_ctx):
+        t = self.intercept_s + self.per_req_s * num_reqs + self.per_token_s * num_tokens
+        for knot, slope in self.hinges:
+            if num_tokens > knot:
+                t += slope * (num_tokens - knot)
+        return (t + self.per_prefill_req_s * num_prefill_reqs + self.per_prefill_pair_s * prefill_pairs
+                + self.per_prefill_ctx_s * prefill_ctx + self.per_decode_ctx_s * decode_ctx)
+
+    # ---------------------------------------------------------------- files
+    def to_profile(self) -> dict:
+        d = asdict(self)
+        meta = d.pop("metadata")
+        rq = d.pop("residual_quantiles")
+        return {"format": PROFILE_FORMAT, "kind": "fitted", "metadata": meta,
+                "coefficients": d, "residual_quantiles": rq}
+
+    @classmethod
+    def from_profile(cls, prof: dict) -> "FittedCostModel":
+        c = dict(prof["coefficients"])
+        c["hinges"] = [tuple(h) for h in c.get("hinges", [])]
+        return cls(**c, residual_quantiles=prof.get("residual_quantiles", {}),
+                   metadata=prof.get("metadata", {}))
+
+
+@dataclass
+class Efficiency:
+    """Fractions of peak achieved (fit from a profile, or defaults from public measurements)."""
+
+    bandwidth: float = 0.75      # weights and KV streaming
+    flops: float = 0.55          # dense GEMMs at large token counts
+    attention_flops: float = 0.35
+    step_overhead_s: float = 0.002   # scheduler, input prep, sampling, launch per step
+    per_req_overhead_s: float = 1.5e-5
+
+
+class AnalyticCostModel(CostModel):
+    kind = "analytic"
+
+    def __init__(self, model: ModelSpec | str | dict, device: DeviceSpec | str | dict, tp: int = 1,
+                 efficiency: Efficiency | dict | None = None) -> None:
+        self.model = get_model(model)
+        self.device = get_device(device)
+        if tp < 1 or self.model.num_heads % tp:
+            raise ValueError(f"deployment.tp={tp}: must be >= 1 and divide num_heads={self.model.num_heads}")
+        self.tp = tp
+        e = efficiency if isinstance(efficiency, Efficiency) else Efficiency(**(efficiency or {}))
+        self.eff = e
+        m, d = self.model, self.device
+        emb = m.vocab_size * m.hidden_size
+        self._w_time = m.weight_bytes / tp / (d.mem_bandwidth * e.bandwidth)
+        # Dense FLOPs per token (embedding lookup is free; the LM head runs per token here, an
+        # upper bound since only sampling rows need it).
+        lin_params = m.num_params - (emb if not m.tie_word_embeddings else 0)
+        self._flop_time_per_token = 2 * lin_params / tp / (d.flops * e.flops)
+        self._attn_time_per_pair = 4 * m.num_layers * m.num_heads * m.head_dim / tp / (d.flops * e.attention_flops)
+        self._kv_time_per_token = m.kv_bytes_per_token / tp / (d.mem_bandwidth * e.bandwidth)
+        if tp > 1:
+            ring = 2 * (tp - 1) / tp
+            self._comm_fixed = 2 * m.num_layers * d.interconnect_latency_s
+            self._comm_per_token = 2 * m.num_layers * ring * m.hidden_size * m.dtype_bytes / d.interconnect_bandwidth
+        else:
+            self._comm_fixed = self._comm_per_token = 0.0
+        self.metadata = {"model": m.name, "device": d.name, "tp": tp, "dtype": m.dtype,
+                         "efficiency": asdict(e), "source": "analytic roofline"}
+
+    def _time(self, num_reqs, num_tokens, num_prefill_reqs, prefill_pairs, prefill_ctx, decode_ctx):
+        if num_tokens == 0:
+            return 0.0
+        lin = max(self._w_time, self._flop_time_per_token * num_tokens)
+        attn = self._attn_time_per_pair * prefill_pairs + self._kv_time_per_token * (decode_ctx + prefill_ctx)
+        comm = self._comm_fixed + self._comm_per_token * num_tokens
+        return self.eff.step_overhead_s + self.eff.per_req_overhead_s * num_reqs + lin + attn + comm
+
+
+# -------------------------------------------------------------------- loading
+def load_profile(name_or_path: str | Path) -> dict:
+    p = Path(name_or_path)
+    if not str(name_or_path).endswith(".json"):  # a shipped profile's name
+        p = PROFILES_DIR / f"{name_or_path}.json"
+    if not p.exists():
+        known = sorted(x.stem for x in PROFILES_DIR.glob("*.json"))
+        raise ValueError(f"cost_model.profile={str(name_or_path)!r}: no such profile file; shipped: {known}")
+    with open(p) as f:
+        prof = json.load(f)
+    if prof.get("format") != PROFILE_FORMAT:
+        raise ValueError(f"cost_model.profile={str(p)!r}: format {prof.get('format')!r} is not {PROFILE_FORMAT!r}")
+    return prof
+
+
+def make_cost_model(spec: dict | None, model=None, device=None, tp: int = 1) -> CostModel:
+    """From a scenario's `cost_model:` mapping."""
+    spec = dict(spec or {"type": "fitted", "profile": DEFAULT_PROFILE})
+    kind = spec.get("type", "fitted")
+    if kind == "fitted":
+        return FittedCostModel.from_profile(load_profile(spec.get("profile", DEFAULT_PROFILE)))
+    if kind == "analytic":
+        return AnalyticCostModel(spec.get("model", model), spec.get("device", device),
+                                 spec.get("tp", tp), spec.get("efficiency"))
+    raise ValueError(f"cost_model.type={kind!r}: expected 'fitted' or 'analytic'")
+
+
+def today() -> str:
+    return _dt.date.today().isoformat()
