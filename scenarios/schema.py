@@ -24,7 +24,7 @@ import yaml
 
 from engine.core import SchedulerConfig
 from engine.core.policy import POLICIES
-from sim.cost_model import AnalyticCostModel, CostModel, FittedCostModel, load_profile
+from sim.cost_model import PROFILES_DIR, AnalyticCostModel, CostModel, FittedCostModel, load_profile
 from sim.simulation import ROUTERS, SimResult, Simulation
 from sim.specmap import SpecError, SpecMap
 from sim.specs import DEVICES, MODELS, get_device, get_model, kv_cache_blocks
@@ -111,12 +111,17 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     blocks = dep.integer("num_gpu_blocks", None, ge=2)
     dep.done()
 
-    # Cost model.
-    cm = root.sub("cost_model") or _M({}, "cost_model")
+    # Cost model: a fitted profile (by default the shipped one for this deployment, if any),
+    # else the analytic roofline.
+    cm = root.sub("cost_model")
+    default_profile = f"{device.name}-{model.name}" if tp == 1 else f"{device.name}-tp{tp}-{model.name}"
+    if cm is None:
+        shipped = (PROFILES_DIR / f"{default_profile}.json").exists()
+        cm = _M({"type": "fitted" if shipped else "analytic"}, "cost_model")
     kind = cm.text("type", "fitted", choices=("fitted", "analytic"))
     profile_meta = {}
     if kind == "fitted":
-        prof_name = cm.text("profile", f"{device.name}-{model.name}" if tp == 1 else f"{device.name}-tp{tp}-{model.name}")
+        prof_name = cm.text("profile", default_profile)
         prof_ref: str | Path = prof_name
         if prof_name.endswith(".json") and not Path(prof_name).is_absolute() and base_dir is not None:
             prof_ref = base_dir / prof_name

@@ -24,7 +24,7 @@ from sim.specs import DeviceSpec, ModelSpec, get_device, get_model
 
 PROFILE_FORMAT = "servetwin-profile/1"
 PROFILES_DIR = Path(__file__).parent / "profiles"
-DEFAULT_PROFILE = "h100-llama-3.1-8b"
+DEFAULT_PROFILE = "h100-sxm-llama-3.1-8b"
 
 
 class CostModel:

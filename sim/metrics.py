@@ -64,7 +64,7 @@ def stats(values, weights=None) -> dict:
 
 def requests_frame(records: list[RequestRecord]) -> pd.DataFrame:
     """One row per request with the derived latencies (NaN where undefined)."""
-    df = pd.DataFrame([r.as_row() for r in records], columns=list(RequestRecord.COLUMNS))
+    df = pd.DataFrame({c: [getattr(r, c) for r in records] for c in RequestRecord.COLUMNS})
     for c in ("first_scheduled_s", "first_token_s", "last_token_s", "finish_s"):
         df[c] = pd.to_numeric(df[c], errors="coerce")
     completed = df["finish_reason"].isin(["stop", "length"])

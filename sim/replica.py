@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from sim.simulation import Simulation
 
 TOKEN = 1  # the synthetic token every request samples (never an EOS or stop id in the simulator)
+_TOKENS = [TOKEN]  # shared, never mutated
 _SHARED_SP = SamplingParams(max_tokens=None, ignore_eos=True)
 _INF = math.inf
 
@@ -98,6 +99,7 @@ class Replica:
                 self.sim.on_finish(self, sreq, str(e))
                 continue
             self.live[spec.request_id] = sreq
+            req.driver_state = sreq
             if spec.cancel_after_s is not None:
                 heapq.heappush(self.deadlines, (rec.arrival_s + spec.cancel_after_s, spec.request_id))
         self.inbox.clear()
@@ -161,7 +163,7 @@ class Replica:
                     rec.num_cached_tokens = d.num_computed_tokens
             yield env.timeout(dt)
             end = env.now
-            sampled = {rid: [TOKEN] for rid in out.num_scheduled_tokens
+            sampled = {rid: _TOKENS for rid in out.num_scheduled_tokens
                        if requests[rid].num_computed_tokens == requests[rid].num_tokens}
             if out.preempted_req_ids:
                 for rid in out.preempted_req_ids:
@@ -227,7 +229,7 @@ class Replica:
         gaps = self.other_gaps
         keep = self.keep_token_times
         for r in running:
-            sreq = live[r.request_id]
+            sreq = r.driver_state
             rec = sreq.record
             if sreq.last_step == step0 - 1:
                 cont_first += 1

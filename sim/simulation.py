@@ -13,7 +13,7 @@ import simpy
 from simpy.events import NORMAL, Event
 
 from engine.core import SchedulerConfig
-from engine.core.records import RequestRecord, StepRecord
+from engine.core.records import STEP_COLUMNS, RequestRecord
 from sim.metrics import requests_frame, summarize
 from sim.replica import Replica, SimRequest
 
@@ -165,8 +165,7 @@ class Simulation:
     def collect(self, wall_s: float) -> SimResult:
         df = requests_frame(self.records)
         steps = [s for r in self.replicas for s in r.steps]
-        steps_df = pd.DataFrame([s.as_row() for s in steps]) if steps else pd.DataFrame(
-            columns=[f for f in StepRecord.__dataclass_fields__ if f != "extra"])
+        steps_df = pd.DataFrame({c: [getattr(s, c) for s in steps] for c in STEP_COLUMNS})
         vals, weights = [], []
         for r in self.replicas:
             v, w = r.itl_sample()

@@ -14,7 +14,7 @@ def state(s: Scheduler):
          for r in s.running],
         [(r.request_id, r.num_computed_tokens, r.num_tokens, r.status) for r in s.waiting],
         [b.block_id for b in kvm.block_pool.free_queue],
-        sorted((h, tuple(d)) for h, d in kvm.block_pool.cached.items()),
+        sorted((h, tuple(b.block_id for b in kvm.block_pool.cached_blocks(h))) for h in kvm.block_pool.cached),
         {rid: n for rid, n in kvm.num_cached_block.items()},
     )
 

@@ -91,6 +91,10 @@ class BlockPool:
 
     `unhashed_first` (vLLM 0.33): blocks freed without a prefix hash go to the head of the free
     queue so they are reused before cached blocks; older V1 appended every freed block at the tail.
+
+    The hash map holds, per hash, either one block or (when several requests computed the same
+    content concurrently) a dict {block_id: block} in insertion order; a hit returns the first.
+    The hot loops below inline the queue operations: they run for every block of every request.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool, unhashed_first: bool = True) -> None:
@@ -102,9 +106,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.null_block = self.free_queue.popleft()
-        # hash -> {block_id: block}; several blocks can hold the same content when two requests
-        # computed the same prefix concurrently. Insertion order decides which one a hit returns.
-        self.cached: dict[int, dict[int, KVCacheBlock]] = {}
+        self.cached: dict[int, KVCacheBlock | dict[int, KVCacheBlock]] = {}
 
     @property
     def num_usable_blocks(self) -> int:
@@ -114,31 +116,42 @@ class BlockPool:
         return self.free_queue.num_free_blocks
 
     def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
-        d = self.cached.get(block_hash)
-        if d is None:
-            return None
-        return next(iter(d.values()))
+        v = self.cached.get(block_hash)
+        if v is None or v.__class__ is KVCacheBlock:
+            return v
+        return next(iter(v.values()))
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Pop n blocks from the head of the free queue, evicting their stale hashes."""
         q = self.free_queue
         if n > q.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks, {q.num_free_blocks} free")
         out = []
-        caching = self.enable_caching
+        cached = self.cached if self.enable_caching else None
+        head = q.head
+        b = head.next_free
         for _ in range(n):
-            b = q.popleft()
-            if caching and b.block_hash is not None:
+            if cached is not None and b.block_hash is not None:
                 self._evict(b)
             b.ref_cnt = 1
             out.append(b)
+            nxt = b.next_free
+            b.prev_free = b.next_free = None
+            b = nxt
+        head.next_free = b
+        b.prev_free = head
+        q.num_free_blocks -= n
         return out
 
     def _evict(self, b: KVCacheBlock) -> None:
-        d = self.cached.get(b.block_hash)
-        if d is not None:
-            d.pop(b.block_id, None)
-            if not d:
-                del self.cached[b.block_hash]
+        h = b.block_hash
+        v = self.cached.get(h)
+        if v is b:
+            del self.cached[h]
+        elif v is not None and v.__class__ is not KVCacheBlock:
+            v.pop(b.block_id, None)
+            if not v:
+                del self.cached[h]
         b.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -152,22 +165,42 @@ class BlockPool:
     def free_blocks(self, ordered: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, in the given order (eviction order)."""
         q = self.free_queue
+        head, tail = q.head, q.tail
         unhashed_first = self.unhashed_first
+        freed = 0
         for b in ordered:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
+                freed += 1
                 if unhashed_first and b.block_hash is None:
-                    q.appendleft(b)
+                    first = head.next_free
+                    head.next_free = b
+                    b.prev_free = head
+                    b.next_free = first
+                    first.prev_free = b
                 else:
-                    q.append(b)
+                    last = tail.prev_free
+                    last.next_free = b
+                    b.prev_free = last
+                    b.next_free = tail
+                    tail.prev_free = b
+        q.num_free_blocks += freed
 
     def cache_block(self, b: KVCacheBlock, block_hash: int) -> None:
         b.block_hash = block_hash
-        d = self.cached.get(block_hash)
-        if d is None:
-            self.cached[block_hash] = {b.block_id: b}
+        v = self.cached.get(block_hash)
+        if v is None:
+            self.cached[block_hash] = b
+        elif v.__class__ is KVCacheBlock:
+            self.cached[block_hash] = {v.block_id: v, b.block_id: b}
         else:
-            d[b.block_id] = b
+            v[b.block_id] = b
+
+    def cached_blocks(self, block_hash: int) -> list[KVCacheBlock]:
+        v = self.cached.get(block_hash)
+        if v is None:
+            return []
+        return [v] if v.__class__ is KVCacheBlock else list(v.values())
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash (only when no block is referenced, as in vLLM)."""

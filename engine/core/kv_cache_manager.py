@@ -71,9 +71,12 @@ class KVCacheManager:
             bs = self.block_size
             toks = request.all_token_ids
             parent = hashes[-1] if n else NONE_HASH
+            if n == 0 and request.cache_salt is not None:
+                parent = hash_block_tokens(parent, toks[:bs], request.cache_salt)
+                hashes.append(parent)
+                n = 1
             for i in range(n, num_full_blocks):
-                extra = request.cache_salt if i == 0 else None
-                parent = hash_block_tokens(parent, toks[i * bs:(i + 1) * bs], extra)
+                parent = hash((parent, tuple(toks[i * bs:(i + 1) * bs])))  # = hash_block_tokens
                 hashes.append(parent)
         return hashes
 
@@ -88,13 +91,13 @@ class KVCacheManager:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._ensure_block_hashes(request, max_blocks)
-        cached = self.block_pool.cached
+        get = self.block_pool.get_cached_block
         hits: list[KVCacheBlock] = []
         for i in range(max_blocks):
-            d = cached.get(hashes[i])
-            if d is None:
+            b = get(hashes[i])
+            if b is None:
                 break
-            hits.append(next(iter(d.values())))
+            hits.append(b)
         return hits, len(hits) * self.block_size
 
     # ------------------------------------------------------------ allocation
@@ -162,13 +165,19 @@ class KVCacheManager:
         return new_blocks
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_full: int) -> None:
+        """Enter blocks [num_cached, num_full) of a request in the prefix-cache map."""
         start = self.num_cached_block[request.request_id]
         hashes = self._ensure_block_hashes(request, num_full)
-        pool = self.block_pool
+        cached = self.block_pool.cached
         for i in range(start, num_full):
             b = req_blocks[i]
             if b.block_hash is None:
-                pool.cache_block(b, hashes[i])
+                h = b.block_hash = hashes[i]
+                v = cached.get(h)
+                if v is None:
+                    cached[h] = b
+                else:
+                    self.block_pool.cache_block(b, h)
         self.num_cached_block[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
@@ -191,6 +200,6 @@ class KVCacheManager:
             assert b.ref_cnt == want, f"block {b.block_id}: ref_cnt {b.ref_cnt} != holders {want}"
             assert (b.ref_cnt == 0) == (b.block_id in in_queue), f"block {b.block_id} queue state"
         assert 0 not in in_queue, "null block in free queue"
-        for h, d in self.block_pool.cached.items():
-            for b in d.values():
+        for h in self.block_pool.cached:
+            for b in self.block_pool.cached_blocks(h):
                 assert b.block_hash == h, f"block {b.block_id} hash map mismatch"

@@ -7,7 +7,7 @@ A token's time is the end of the step that produced it.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(slots=True)
@@ -31,9 +31,7 @@ class RequestRecord:
     COLUMNS = ()  # filled below
 
     def as_row(self) -> dict:
-        d = asdict(self)
-        d.pop("token_times_s")
-        return d
+        return {c: getattr(self, c) for c in RequestRecord.COLUMNS}
 
 
 RequestRecord.COLUMNS = tuple(f.name for f in fields(RequestRecord) if f.name != "token_times_s")
@@ -67,7 +65,10 @@ class StepRecord:
     extra: dict = field(default_factory=dict)
 
     def as_row(self) -> dict:
-        d = asdict(self)
-        extra = d.pop("extra")
-        d.update(extra)
+        d = {c: getattr(self, c) for c in STEP_COLUMNS}
+        if self.extra:
+            d.update(self.extra)
         return d
+
+
+STEP_COLUMNS = tuple(f.name for f in fields(StepRecord) if f.name != "extra")

@@ -46,6 +46,7 @@ class Request:
         "eos_token_id", "cache_salt", "status", "num_prompt_tokens", "all_token_ids",
         "output_token_ids", "num_tokens", "num_computed_tokens", "max_tokens", "stop_reason",
         "num_preemptions", "num_cached_tokens", "block_hashes", "stop_ids", "token_limit",
+        "driver_state",
     )
 
     def __init__(
@@ -59,7 +60,8 @@ class Request:
         cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        # Not copied: the caller hands the list over (all_token_ids below is the growing copy).
+        self.prompt_token_ids = prompt_token_ids if isinstance(prompt_token_ids, list) else list(prompt_token_ids)
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         self.arrival_time = arrival_time
         self.priority = priority
@@ -86,6 +88,8 @@ class Request:
         # and num_tokens at which it is length-capped (min of max_model_len, prompt + max_tokens).
         self.stop_ids: frozenset[int] | None = None
         self.token_limit = 0
+        # Opaque per-request state of the driver (engine or simulator); the scheduler never reads it.
+        self.driver_state = None
 
     @property
     def num_output_tokens(self) -> int:

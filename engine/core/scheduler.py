@@ -347,6 +347,10 @@ class Scheduler:
         n_run = len(running)
         if max_steps < 2 or n_run == 0 or n_run > self.max_num_batched_tokens:
             return 0
+        # Checked first: an admissible head is the common reason for no window.
+        if self.waiting and n_run < self.max_num_seqs and n_run < self.max_num_batched_tokens:
+            if self._head_admissible():
+                return 0
         k = max_steps
         for r in running:
             if r.num_tokens - r.num_computed_tokens != 1:
@@ -358,9 +362,6 @@ class Scheduler:
                 k = left
         if k < 2:
             return 0
-        if self.waiting and n_run < self.max_num_seqs and n_run < self.max_num_batched_tokens:
-            if self._head_admissible():
-                return 0
         # Blocks: request r (c computed tokens) needs a new block at every step t (1-based) whose
         # token position c + t - 1 is a multiple of block_size.
         bs = self.block_size
@@ -419,18 +420,18 @@ class Scheduler:
         caching = kvm.enable_caching
         # (step, running index, kind) events: 0 = allocate a block, 1 = cache a full block.
         events: list[tuple[int, int, int]] = []
+        tail = [token_id] * k
         for idx, r in enumerate(running):
             c = r.num_computed_tokens
-            t = (-c) % bs + 1          # token position c + t - 1 starts a new block
-            while t <= k:
-                events.append((t, idx, 0))
-                t += bs
+            # token position c + t - 1 starts a new block at these steps t:
+            first = (-c) % bs + 1
+            if first <= k:
+                events.extend([(t, idx, 0) for t in range(first, k + 1, bs)])
             if caching:
-                t = (-c) % bs or bs    # computed count c + t reaches a multiple of bs
-                while t <= k:
-                    events.append((t, idx, 1))
-                    t += bs
-            tail = [token_id] * k
+                # ... and the computed count c + t reaches a multiple of bs at these:
+                first = (-c) % bs or bs
+                if first <= k:
+                    events.extend([(t, idx, 1) for t in range(first, k + 1, bs)])
             r.output_token_ids.extend(tail)
             r.all_token_ids.extend(tail)
             r.num_tokens += k
