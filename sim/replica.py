@@ -14,8 +14,7 @@ import heapq
 import math
 from typing import TYPE_CHECKING
 
-from engine.core import (Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig,
-                         batch_features)
+from engine.core import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 from engine.core.records import RequestRecord, StepRecord
 
 if TYPE_CHECKING:
@@ -125,7 +124,6 @@ class Replica:
     def run(self):
         env = self.env
         sched = self.scheduler
-        requests = sched.requests
         live = self.live
         cost = self.cost
         while True:
@@ -153,7 +151,7 @@ class Replica:
                         continue
 
             out = sched.schedule()
-            f = batch_features(out, requests)
+            f = out.features
             dt = cost.step_time(f)
             step = self.step_idx
             if out.scheduled_new_reqs or out.scheduled_resumed_reqs:
@@ -163,8 +161,7 @@ class Replica:
                     rec.num_cached_tokens = d.num_computed_tokens
             yield env.timeout(dt)
             end = env.now
-            sampled = {rid: _TOKENS for rid in out.num_scheduled_tokens
-                       if requests[rid].num_computed_tokens == requests[rid].num_tokens}
+            sampled = dict.fromkeys(out.sampling_req_ids, _TOKENS)
             if out.preempted_req_ids:
                 for rid in out.preempted_req_ids:
                     live[rid].record.num_preemptions += 1

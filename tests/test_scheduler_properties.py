@@ -3,6 +3,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.core import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from engine.core.features import features_from_requests
 
 EOS = 0
 
@@ -74,6 +75,10 @@ def test_random_streams_hold_invariants(data):
         assert len(s.running) <= cfg.max_num_seqs
         assert all(n >= 1 for n in out.num_scheduled_tokens.values())
         preempted_ever |= out.preempted_req_ids
+        # Features and sampling rows gathered by schedule() equal those recomputed from state.
+        assert out.features == features_from_requests(out, s.requests)
+        assert out.sampling_req_ids == [rid for rid in out.num_scheduled_tokens
+                                        if s.requests[rid].num_computed_tokens == s.requests[rid].num_tokens]
         sampled = {}
         for rid in out.num_scheduled_tokens:
             req = s.requests[rid]

@@ -24,6 +24,20 @@ class BatchFeatures:
     num_preempted: int = 0
     prefill_chunks: list[tuple[int, int]] = field(default_factory=list)  # (n, c) per chunk
 
+    def add_chunk(self, n: int, c: int) -> None:
+        self.prefill_chunks.append((n, c))
+        self.num_prefill_reqs += 1
+        self.num_prefill_tokens += n
+        self.prefill_context_tokens += c
+        self.prefill_attn_pairs += n * c + n * (n + 1) // 2
+
+    def remove_chunk(self, n: int, c: int) -> None:
+        self.prefill_chunks.remove((n, c))
+        self.num_prefill_reqs -= 1
+        self.num_prefill_tokens -= n
+        self.prefill_context_tokens -= c
+        self.prefill_attn_pairs -= n * c + n * (n + 1) // 2
+
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_reqs
@@ -42,13 +56,21 @@ class BatchFeatures:
         }
 
 
-def batch_features(out: SchedulerOutput, requests: dict) -> BatchFeatures:
-    """Features of the step `out` describes. Call it after schedule() and before
-    update_from_output() (which forgets finished requests); `requests` is `scheduler.requests`.
+def batch_features(out: SchedulerOutput, requests: dict | None = None) -> BatchFeatures:
+    """Features of the step `out` describes.
 
-    schedule() has already advanced num_computed_tokens, so the context before the step is
-    num_computed_tokens - n.
+    schedule() gathers them while it decides (out.features); for an output built some other
+    way they are recomputed from `requests` (scheduler.requests, after schedule() and before
+    update_from_output(), which forgets finished requests).
     """
+    if out.features is not None:
+        return out.features
+    return features_from_requests(out, requests)
+
+
+def features_from_requests(out: SchedulerOutput, requests: dict) -> BatchFeatures:
+    """The same features from the requests' state. schedule() has already advanced
+    num_computed_tokens, so the context before the step is num_computed_tokens - n."""
     f = BatchFeatures(num_preempted=len(out.preempted_req_ids))
     chunks = f.prefill_chunks
     p_tok = p_ctx = p_pairs = d_n = d_ctx = 0

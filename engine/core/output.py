@@ -3,7 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from engine.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.core.features import BatchFeatures
 
 
 @dataclass(slots=True)
@@ -42,6 +47,12 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     # Finished (stopped or aborted) since the previous schedule(): the runner drops their state.
     finished_req_ids: set[str]
+    # Requests whose computed tokens reach their known tokens this step, in schedule order:
+    # they sample a token (decodes and final prefill chunks); the others are mid-prompt chunks.
+    # None when the output was not built by schedule().
+    sampling_req_ids: list[str] | None = None
+    # Batch features of this step (engine.core.features), gathered while scheduling.
+    features: "BatchFeatures | None" = None
 
     @property
     def is_empty(self) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engine.core.config import SchedulerConfig
+from engine.core.features import BatchFeatures
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.output import (CachedRequestData, EngineCoreOutput, NewRequestData,
                                 SchedulerOutput)
@@ -149,6 +150,11 @@ class Scheduler:
         cached = CachedRequestData()
         c_ids, c_blocks, c_computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
         no_blocks: list[int] = []
+        # Requests that sample a token this step (decodes and final prefill chunks), and the
+        # batch features the cost models use, gathered on the way (see engine/core/features.py).
+        sampling: list[str] = []
+        feats = BatchFeatures()
+        d_n = d_ctx = 0
 
         # 1. Running requests, in order. A request's num_computed_tokens is advanced as soon as
         #    it is scheduled (optimistically, before the model runs); c_computed keeps the value
@@ -167,6 +173,9 @@ class Scheduler:
                     c_ids.append(rid)
                     c_blocks.append(no_blocks)
                     c_computed.append(computed)
+                    sampling.append(rid)
+                    d_n += 1
+                    d_ctx += computed + 1
                     req.num_computed_tokens = computed + 1
                     budget -= 1
                     i += 1
@@ -194,9 +203,18 @@ class Scheduler:
                     vid = victim.request_id
                     if vid in num_scheduled:
                         # Already scheduled this step: un-schedule it and refund its tokens.
-                        budget += num_scheduled.pop(vid)
+                        vn = num_scheduled.pop(vid)
+                        budget += vn
                         j = c_ids.index(vid)
+                        vc = c_computed[j]
                         del c_ids[j], c_blocks[j], c_computed[j]
+                        if vid in sampling:
+                            sampling.remove(vid)
+                        if vn == 1:
+                            d_n -= 1
+                            d_ctx -= vc + 1
+                        else:
+                            feats.remove_chunk(vn, vc)
                         i -= 1
                 self._preempt(victim)
                 preempted.append(victim)
@@ -212,6 +230,13 @@ class Scheduler:
             c_ids.append(rid)
             c_blocks.append([b.block_id for b in blocks] if blocks else no_blocks)
             c_computed.append(computed)
+            if n == 1:
+                d_n += 1
+                d_ctx += computed + 1
+            else:
+                feats.add_chunk(n, computed)
+            if computed + n == req.num_tokens:
+                sampling.append(rid)
             req.num_computed_tokens = computed + n
             budget -= n
             i += 1
@@ -259,8 +284,19 @@ class Scheduler:
                 kvm.num_queried_tokens += req.num_tokens
                 kvm.num_hit_tokens += num_hit
                 num_scheduled[rid] = n
+                if n == 1:
+                    d_n += 1
+                    d_ctx += num_hit + 1
+                else:
+                    feats.add_chunk(n, num_hit)
+                if num_hit + n == req.num_tokens:
+                    sampling.append(rid)
                 budget -= n
 
+        feats.num_decode_reqs = d_n
+        feats.decode_context_tokens = d_ctx
+        feats.num_reqs = len(num_scheduled)
+        feats.num_preempted = len(preempted)
         out = SchedulerOutput(
             scheduled_new_reqs=new_data,
             scheduled_resumed_reqs=resumed_data,
@@ -269,6 +305,8 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             preempted_req_ids={r.request_id for r in preempted} if preempted else set(),
             finished_req_ids=self.finished_req_ids,
+            sampling_req_ids=sampling,
+            features=feats,
         )
         self.finished_req_ids = set()
         return out
@@ -279,7 +317,8 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, check stop conditions, free finished requests.
 
-        `sampled_token_ids[req_id]` is empty (or absent) for a non-final prefill chunk. Stop
+        `sampled_token_ids[req_id]` is empty (or absent) for a non-final prefill chunk; tokens
+        given for a request that did not sample this step (out.sampling_req_ids) are ignored. Stop
         checks follow vLLM 0.33's order: EOS, stop token ids, then length (max_tokens or
         max_model_len); EOS and stop ids only count once min_tokens outputs exist.
         """
@@ -288,7 +327,8 @@ class Scheduler:
         append = outputs.append
         stopped: list[Request] = []
         get_sampled = sampled_token_ids.get
-        for rid in scheduler_output.num_scheduled_tokens:
+        rows = scheduler_output.sampling_req_ids
+        for rid in (rows if rows is not None else scheduler_output.num_scheduled_tokens):
             toks = get_sampled(rid)
             if not toks:
                 continue
