@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     if add_generate_args is not None:
         add_generate_args(sub)
     try:
-        from engine.server_cli import add_serve_args
+        from engine.server.cli import add_serve_args
     except ImportError:
         add_serve_args = None
     if add_serve_args is not None:

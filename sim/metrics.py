@@ -125,3 +125,22 @@ def summarize(df: pd.DataFrame, itl_values, itl_weights=None, slo: dict | None =
         "duration_s": duration,
     }
     return summary
+
+
+def read_request_log(path) -> pd.DataFrame:
+    """A request log (the server's --request-log CSV, or a simulator's requests.csv) with the
+    latency columns derived by the definitions above."""
+    raw = pd.read_csv(path)
+    cols = list(RequestRecord.COLUMNS)
+    missing = [c for c in cols if c not in raw.columns]
+    if missing:
+        raise ValueError(f"{path}: not a request log, missing columns {missing}")
+    records = []
+    for row in raw[cols].itertuples(index=False):
+        d = {c: (None if (isinstance(v, float) and np.isnan(v)) else v) for c, v in zip(cols, row)}
+        d["request_id"] = str(d["request_id"])
+        records.append(RequestRecord(**d))
+    df = requests_frame(records)
+    if "token_times_s" in raw.columns:
+        df["token_times_s"] = raw["token_times_s"].fillna("").astype(str).values
+    return df

@@ -1,0 +1,1 @@
+"""OpenAI-compatible server over the real engine: `servetwin serve` (see app.py)."""
