@@ -29,6 +29,7 @@ $(PY):
 # Core install: simulator and scheduler only, never torch.
 $(VENV)/.core-stamp: pyproject.toml | $(PY)
 	$(PIP) install -e .
+	$(PY) -m compileall -q engine sim scenarios calibration >/dev/null
 	touch $@
 
 # Test install: torch first (so the engine extra does not pull a CUDA build), then the extras
