@@ -10,7 +10,7 @@ arriving at once: completed requests per second over the drain), and the trace i
 about 400 req/s (10k: 23 s of simulation, 43 s end to end); AISimulate 3.3 s end to end for 10k
 and 9.8 s for 100k.
 
-    python bench/sim_speed.py [--trace PATH] [--sizes 10000 100000] [--load 0.7] [--no-windows]
+    python bench/sim_speed.py [--trace PATH] [--sizes 10000 100000] [--load 0.7] [--plain]
 """
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ DEPLOYMENT = {"model": "llama-3.1-8b", "device": "h100-sxm", "tp": 1, "replicas"
 SCHEDULER = {"max_num_batched_tokens": 8192, "max_num_seqs": 1024}
 
 
-def scenario(trace: Path, n: int, workload_extra: dict, windows: bool = True) -> dict:
+def scenario(trace: Path, n: int, workload_extra: dict, steady: bool = True) -> dict:
     return {"name": f"azure-{n}", "seed": 0, "deployment": DEPLOYMENT, "scheduler": SCHEDULER,
             "workload": {"trace": {"path": str(trace), "max_requests": n, **workload_extra.pop("trace", {})},
                          **workload_extra},
-            "output": {"plots": False}, "simulation": {"decode_windows": windows}}
+            "output": {"plots": False}, "simulation": {"steady_decode": steady}}
 
 
 def capacity(trace: Path, n: int = 3000) -> float:
@@ -47,9 +47,9 @@ def capacity(trace: Path, n: int = 3000) -> float:
     return s["throughput"]["requests_per_s"]
 
 
-def run_one(trace: Path, n: int, rate: float, windows: bool, tmp: Path) -> dict:
+def run_one(trace: Path, n: int, rate: float, steady: bool, tmp: Path) -> dict:
     path = tmp / f"azure-{n}.yaml"
-    path.write_text(yaml.safe_dump(scenario(trace, n, {"trace": {"rate": rate}}, windows)))
+    path.write_text(yaml.safe_dump(scenario(trace, n, {"trace": {"rate": rate}}, steady)))
     out = tmp / f"out-{n}"
     exe = Path(sys.executable).parent / "servetwin"
     cmd = [str(exe), "simulate", str(path), "--out", str(out), "--no-progress", "--no-plots"]
@@ -78,18 +78,18 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
     ap.add_argument("--load", type=float, default=0.7)
-    ap.add_argument("--no-windows", action="store_true", help="step one by one (for comparison)")
+    ap.add_argument("--plain", action="store_true", help="every step through schedule() (for comparison)")
     a = ap.parse_args()
     if not a.trace.exists():
         sys.exit(f"trace not found: {a.trace}")
     cap = capacity(a.trace)
     rate = a.load * cap
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [run_one(a.trace, n, rate, not a.no_windows, Path(tmp)) for n in a.sizes]
+        rows = [run_one(a.trace, n, rate, not a.plain, Path(tmp)) for n in a.sizes]
     print(json.dumps({
         "benchmark": "sim_speed", "trace": a.trace.name, "deployment": DEPLOYMENT, "scheduler": SCHEDULER,
         "capacity_requests_per_s": round(cap, 2), "load": a.load, "arrival_rate": round(rate, 2),
-        "decode_windows": not a.no_windows, "results": rows,
+        "steady_decode": not a.plain, "results": rows,
         "reference_not_measured_here": {
             "vidur": {"requests_per_wall_s": 400, "10k_wall_s_simulation": 23, "10k_wall_s_end_to_end": 43},
             "aisimulate": {"10k_wall_s_end_to_end": 3.3, "100k_wall_s_end_to_end": 9.8}},

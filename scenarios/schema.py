@@ -10,7 +10,7 @@
     workload:   see sim/workload.py
     slo:        {ttft_s, tpot_s, e2e_s, queue_s}
     output:     {record_token_times, plots}
-    simulation: {decode_windows, max_time_s}
+    simulation: {steady_decode, max_time_s}
 
 Errors name the file, the key path and the value. Scheduler defaults are those of a vLLM server
 on a data-center GPU (8192 batched tokens, 1024 sequences), not the scheduler class defaults.
@@ -56,7 +56,7 @@ class Scenario:
     slo: dict
     record_token_times: bool
     plots: bool
-    decode_windows: bool
+    steady_decode: bool
     max_time_s: float | None
     deployment: dict
 
@@ -193,13 +193,13 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     plots = out_m.boolean("plots", True)
     out_m.done()
     sim_m = root.sub("simulation") or _M({}, "simulation")
-    windows = sim_m.boolean("decode_windows", True)
+    steady = sim_m.boolean("steady_decode", True)
     max_time = sim_m.number("max_time_s", None, gt=0)
     sim_m.done()
 
     return Scenario(name=name, seed=seed, path=path, scheduler_config=cfg, cost_model=cost,
                     workload=workload, replicas=replicas, router=router, slo=slo,
-                    record_token_times=record_times, plots=plots, decode_windows=windows,
+                    record_token_times=record_times, plots=plots, steady_decode=steady,
                     max_time_s=max_time,
                     deployment={"model": model.name, "device": device.name, "tp": tp,
                                 "replicas": replicas, "router": router, "num_gpu_blocks": blocks})
@@ -207,7 +207,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
 
 def run_scenario(sc: Scenario, progress: bool = False) -> SimResult:
     sim = Simulation(sc.workload, sc.scheduler_config, sc.cost_model, num_replicas=sc.replicas,
-                     router=sc.router, seed=sc.seed, use_windows=sc.decode_windows,
+                     router=sc.router, seed=sc.seed, use_steady=sc.steady_decode,
                      keep_token_times=sc.record_token_times, progress=progress, slo=sc.slo,
                      max_time_s=sc.max_time_s)
     result = sim.run()

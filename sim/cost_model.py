@@ -1,9 +1,8 @@
 """Per-step cost models: predicted seconds for one engine step from its batch features.
 
-Every model computes `step_time(features)` from the features of `engine.core.batch_features`,
-and `decode_times(num_decode, ctx_first, k)` for a window of k identical decode steps (the
-simulator's shortcut) by the very same scalar arithmetic, so a window and k single steps give
-bit-identical times.
+Every model computes `step_time(features)` from the features of `engine.core.batch_features`
+(the simulator calls it once per step, also for steady decode steps, so fast paths and plain
+steps see the same times).
 
 - FittedCostModel: a linear model with a convex piecewise-linear token term, fitted with
   non-negative least squares from profiled engine steps (calibration/), loaded from a profile
@@ -40,12 +39,6 @@ class CostModel:
     def step_time(self, f: BatchFeatures) -> float:
         return self._time(f.num_reqs, f.num_prefill_tokens + f.num_decode_reqs, f.num_prefill_reqs,
                           f.prefill_attn_pairs, f.prefill_context_tokens, f.decode_context_tokens)
-
-    def decode_times(self, num_decode: int, ctx_first: int, k: int) -> list[float]:
-        """Times of k pure-decode steps of `num_decode` requests whose summed context is
-        ctx_first in the first step and grows by num_decode per step."""
-        t = self._time
-        return [t(num_decode, num_decode, 0, 0, 0, ctx_first + j * num_decode) for j in range(k)]
 
     def describe(self) -> dict:
         return {"kind": self.kind, **self.metadata}

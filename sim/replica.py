@@ -3,19 +3,22 @@
     loop:  take arrivals and aborts  ->  schedule()  ->  wait cost_model.step_time(features)
            ->  every request that finished its prompt samples a synthetic token  ->  update
 
-Requests end by their workload output length (ignore_eos) or by cancellation. When every running
-request is decoding and nothing can change (no arrival, deadline, finish, admission or
-preemption), the scheduler's decode window advances k steps at once; timestamps are identical to
-stepping one by one (tests/test_sim.py checks it).
+Requests end by their workload output length (ignore_eos) or by cancellation.
+
+Speed: while every running request is decoding, the scheduler's SteadyDecoder takes the steps
+(same decisions, O(events) per step instead of O(running requests)), and the replica runs them
+back to back without a SimPy event until something outside can happen (the next arrival or
+deadline) or a request finishes. Timestamps are identical to stepping one by one with
+schedule() (tests/test_sim.py checks it).
 """
 from __future__ import annotations
 
 import heapq
-import math
 from typing import TYPE_CHECKING
 
 from engine.core import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 from engine.core.records import RequestRecord, StepRecord
+from engine.core.steady import SteadyDecoder
 
 if TYPE_CHECKING:
     from sim.simulation import Simulation
@@ -23,19 +26,19 @@ if TYPE_CHECKING:
 TOKEN = 1  # the synthetic token every request samples (never an EOS or stop id in the simulator)
 _TOKENS = [TOKEN]  # shared, never mutated
 _SHARED_SP = SamplingParams(max_tokens=None, ignore_eos=True)
-_INF = math.inf
 
 
 class SimRequest:
     """Simulator-side state of one request: its record and ITL bookkeeping."""
 
-    __slots__ = ("spec", "record", "last_step", "cancel_tokens")
+    __slots__ = ("spec", "record", "last_step", "cancel_tokens", "steady_from")
 
     def __init__(self, spec, record: RequestRecord) -> None:
         self.spec = spec
         self.record = record
-        self.last_step = -2        # step index of its latest token
+        self.last_step = -2         # step index of its latest token
         self.cancel_tokens = False  # its max_tokens is the client's disconnect point
+        self.steady_from = -1       # first step it decoded lazily in the current steady run
 
 
 class Replica:
@@ -45,17 +48,19 @@ class Replica:
         self.index = index
         self.scheduler = Scheduler(config)
         self.cost = cost_model
-        self.use_windows = sim.use_windows
+        self.use_steady = sim.use_steady
         self.keep_token_times = sim.keep_token_times
         self.inbox: list[SimRequest] = []
         self.aborts: list[str] = []
         self.deadlines: list[tuple[float, str]] = []  # heap of (abandon time, request id)
         self.live: dict[str, SimRequest] = {}
         self._wake = None
+        self.steady: SteadyDecoder | None = None
+        self._plain_next = False
         self.step_idx = 0
         self.steps: list[StepRecord] = []
         # ITL bookkeeping: a token whose predecessor came in the previous step has gap
-        # step_end[s] - step_end[s - 1]; count those per step, keep other gaps explicitly.
+        # step_ends[s] - step_ends[s - 1]; count those per step, keep other gaps explicitly.
         self.step_ends: list[float] = []
         self.step_cont: list[int] = []
         self.other_gaps: list[float] = []
@@ -76,7 +81,7 @@ class Replica:
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
 
-    # ------------------------------------------------------------------ loop
+    # --------------------------------------------------------- step boundary
     def _admit_arrivals(self, now: float) -> None:
         sched = self.scheduler
         for sreq in self.inbox:
@@ -113,19 +118,27 @@ class Replica:
             return
         ids = [rid for rid in self.aborts if rid in self.live]
         self.aborts.clear()
-        if ids:
-            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-            for rid in ids:
-                sreq = self.live.pop(rid)
-                sreq.record.finish_reason = "abort"
-                sreq.record.finish_s = now
-                self.sim.on_finish(self, sreq, None)
+        if not ids:
+            return
+        sched = self.scheduler
+        if self.steady is not None:
+            reqs = [sched.requests.get(rid) for rid in ids]
+            lazy = [r for r in reqs if r is not None and r.request_id in self.steady.lazy]
+            self.steady.abort(ids)
+            for r in lazy:  # they decoded through the last step: write their counts back
+                self._sync_lazy_record(r)
+        else:
+            sched.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for rid in ids:
+            sreq = self.live.pop(rid)
+            sreq.record.finish_reason = "abort"
+            sreq.record.finish_s = now
+            self.sim.on_finish(self, sreq, None)
 
+    # ------------------------------------------------------------------ loop
     def run(self):
         env = self.env
         sched = self.scheduler
-        live = self.live
-        cost = self.cost
         while True:
             now = env.now
             if self.inbox:
@@ -133,123 +146,198 @@ class Replica:
             if self.aborts or (self.deadlines and self.deadlines[0][0] <= now):
                 self._apply_aborts(now)
             if not sched.has_unfinished_requests():
+                if self.steady is not None:
+                    self._leave_steady()
                 self._wake = env.event()
                 yield self._wake
                 self._wake = None
                 continue
+            if self.use_steady and not self._plain_next:
+                if self.steady is None and SteadyDecoder.can_enter(sched, TOKEN):
+                    self._enter_steady()
+                if self.steady is not None:
+                    yield from self._run_steady(now)
+                    continue
+            self._plain_next = False
+            yield from self._plain_step(now)
 
-            if self.use_windows and sched.running:
-                horizon = self.sim.next_arrival_s
-                if self.deadlines and self.deadlines[0][0] < horizon:
-                    horizon = self.deadlines[0][0]
-                k = sched.decode_window(4096, TOKEN)
-                if k:
-                    ends = self._window_ends(now, k, horizon)
-                    if len(ends) >= 2:
-                        yield self.sim.timeout_at(ends[-1])
-                        self._finish_window(now, ends)
-                        continue
+    def _plain_step(self, now: float):
+        sched = self.scheduler
+        live = self.live
+        out = sched.schedule()
+        f = out.features
+        step = self.step_idx
+        for d in out.scheduled_new_reqs:
+            rec = live[d.req_id].record
+            rec.first_scheduled_s = now
+            rec.num_cached_tokens = d.num_computed_tokens
+        yield self.env.timeout(self.cost.step_time(f))
+        end = self.env.now
+        for rid in out.preempted_req_ids:
+            live[rid].record.num_preemptions += 1
+        outputs = sched.update_from_output(out, dict.fromkeys(out.sampling_req_ids, _TOKENS))
+        cont = 0
+        gaps = self.other_gaps
+        keep = self.keep_token_times
+        finished = []
+        for o in outputs:
+            sreq = live[o.request_id]
+            rec = sreq.record
+            if rec.first_token_s is None:
+                rec.first_token_s = end
+                if keep:
+                    rec.token_times_s = [end]
+            else:
+                if sreq.last_step == step - 1:
+                    cont += 1
+                else:
+                    gaps.append(end - rec.last_token_s)
+                if keep:
+                    rec.token_times_s.append(end)
+            sreq.last_step = step
+            rec.last_token_s = end
+            rec.num_output_tokens += 1
+            if o.finish_reason is not None:
+                rec.finish_reason = "abort" if sreq.cancel_tokens else o.finish_reason
+                rec.finish_s = end
+                del live[o.request_id]
+                finished.append(sreq)
+        self.step_ends.append(end)
+        self.step_cont.append(cont)
+        self.step_idx = step + 1
+        self._record_step(step, now, end, 1, f)
+        for sreq in finished:
+            self.sim.on_finish(self, sreq, None)
 
-            out = sched.schedule()
-            f = out.features
-            dt = cost.step_time(f)
+    # ---------------------------------------------------------------- steady
+    def _enter_steady(self) -> None:
+        self.steady = SteadyDecoder(self.scheduler, TOKEN)
+        step = self.step_idx
+        for r in self.scheduler.running:
+            r.driver_state.steady_from = step
+
+    def _sync_lazy_record(self, r: Request) -> None:
+        """A request that decoded lazily through the last step: write its record back."""
+        sreq = r.driver_state
+        rec = sreq.record
+        last = self.step_idx - 1
+        if self.keep_token_times and sreq.steady_from <= last:
+            rec.token_times_s.extend(self.step_ends[sreq.steady_from:last + 1])
+        rec.num_output_tokens = len(r.output_token_ids)
+        rec.last_token_s = self.step_ends[last]
+        sreq.last_step = last
+
+    def _leave_steady(self) -> None:
+        steady = self.steady
+        lazy = [self.scheduler.requests[rid] for rid in steady.lazy]
+        took_steps = steady.t > 0
+        steady.leave()
+        self.steady = None
+        if took_steps:  # then every lazy request decoded in the last step
+            for r in lazy:
+                self._sync_lazy_record(r)
+
+    def _run_steady(self, now: float):
+        """Steady steps back to back until an outside event is due, a request finishes, or the
+        decoder hands the step back to schedule()."""
+        steady = self.steady
+        sim = self.sim
+        live = self.live
+        cost = self.cost
+        ends, cont, gaps = self.step_ends, self.step_cont, self.other_gaps
+        keep = self.keep_token_times
+        horizon = sim.next_arrival_s
+        if self.deadlines and self.deadlines[0][0] < horizon:
+            horizon = self.deadlines[0][0]
+        t = now
+        seg_start, seg_step, seg_feat = now, self.step_idx, None
+        finished: list[SimRequest] = []
+        leave = False
+        while t < horizon:
             step = self.step_idx
-            if out.scheduled_new_reqs or out.scheduled_resumed_reqs:
-                for d in out.scheduled_new_reqs:
-                    rec = live[d.req_id].record
-                    rec.first_scheduled_s = now
-                    rec.num_cached_tokens = d.num_computed_tokens
-            yield env.timeout(dt)
-            end = env.now
-            sampled = dict.fromkeys(out.sampling_req_ids, _TOKENS)
-            if out.preempted_req_ids:
-                for rid in out.preempted_req_ids:
-                    live[rid].record.num_preemptions += 1
-            outputs = sched.update_from_output(out, sampled)
-            cont = 0
-            gaps = self.other_gaps
-            keep = self.keep_token_times
-            for o in outputs:
-                sreq = live[o.request_id]
+            # ITL: every lazy decode had a token in the previous step, except possibly at the
+            # first step of a steady run (a request the previous schedule() left out).
+            late = None
+            if steady.t == 0:
+                late = [live[rid] for rid in steady.lazy if live[rid].last_step != step - 1]
+            res = steady.try_step()
+            if res is None:
+                leave = True
+                break
+            f = res.features
+            if seg_feat is None:
+                seg_feat = f
+            end = t + cost.step_time(f)  # the same addition SimPy does for a single step
+            ends.append(end)
+            if late:
+                for sreq in late:
+                    rec = sreq.record
+                    if rec.first_token_s is None:
+                        # A prompt whose last chunk was one token: this is its first token
+                        # (its time joins token_times_s through the steady slice).
+                        rec.first_token_s = end
+                        if keep:
+                            rec.token_times_s = []
+                    else:
+                        gaps.append(end - rec.last_token_s)
+                cont.append(res.num_decodes - len(late))
+            else:
+                cont.append(res.num_decodes)
+            for r, num_hit, _n, was_new in res.admitted:
+                if was_new:
+                    rec = r.driver_state.record
+                    rec.first_scheduled_s = t
+                    rec.num_cached_tokens = num_hit
+            for r in res.first_tokens:
+                sreq = r.driver_state
                 rec = sreq.record
                 if rec.first_token_s is None:
                     rec.first_token_s = end
                     if keep:
                         rec.token_times_s = [end]
-                else:
-                    if sreq.last_step == step - 1:
-                        cont += 1
-                    else:
-                        gaps.append(end - rec.last_token_s)
+                else:  # a resumed request: its first token after a preemption
+                    gaps.append(end - rec.last_token_s)
                     if keep:
                         rec.token_times_s.append(end)
-                sreq.last_step = step
                 rec.last_token_s = end
-                rec.num_output_tokens += 1
-                if o.finish_reason is not None:
-                    rec.finish_reason = "abort" if sreq.cancel_tokens else o.finish_reason
-                    rec.finish_s = end
-                    del live[o.request_id]
-                    self.sim.on_finish(self, sreq, None)
-            self.step_ends.append(end)
-            self.step_cont.append(cont)
+                rec.num_output_tokens = len(r.output_token_ids)
+                sreq.last_step = step
+                sreq.steady_from = step + 1
+            for r, reason in res.finished:
+                sreq = r.driver_state
+                rec = sreq.record
+                if keep:
+                    rec.token_times_s.extend(ends[sreq.steady_from:step + 1])
+                rec.num_output_tokens = len(r.output_token_ids)
+                rec.last_token_s = end
+                sreq.last_step = step
+                rec.finish_reason = "abort" if sreq.cancel_tokens else reason
+                rec.finish_s = end
+                del live[r.request_id]
+                finished.append(sreq)
             self.step_idx = step + 1
-            self._record_step(step, now, end, 1, f)
-
-    # --------------------------------------------------------------- windows
-    def _window_ends(self, now: float, k: int, horizon: float) -> list[float]:
-        """End times of the window's steps that start before the next outside event."""
-        running = self.scheduler.running
-        n = len(running)
-        ctx = n
-        for r in running:
-            ctx += r.num_computed_tokens
-        ends = []
-        t = now
-        for dt in self.cost.decode_times(n, ctx, k):
-            if t >= horizon:
+            t = end
+            if res.finished or res.admitted or res.leave:
+                self._record_step(seg_step, seg_start, t, self.step_idx - seg_step, seg_feat)
+                seg_start, seg_step, seg_feat = t, self.step_idx, None
+            if res.leave:
+                leave = True
                 break
-            t = t + dt  # the same addition SimPy does for a single step's timeout
-            ends.append(t)
-        return ends
+            if finished:
+                break
+        if seg_feat is not None:
+            self._record_step(seg_step, seg_start, t, self.step_idx - seg_step, seg_feat)
+        if leave:
+            self._leave_steady()
+            self._plain_next = True  # the step the decoder refused goes to schedule()
+        if t > now or not leave:
+            # Steps were taken (advance the clock to their end), or an outside event is due
+            # now: let it happen before going on.
+            yield self.sim.timeout_at(t)
+        for sreq in finished:
+            sim.on_finish(self, sreq, None)
 
-    def _finish_window(self, start: float, ends: list[float]) -> None:
-        sched = self.scheduler
-        live = self.live
-        k = len(ends)
-        step0 = self.step_idx
-        running = sched.running
-        n = len(running)
-        f_first = _decode_features(running)
-        end = ends[-1]
-        cont_first = 0
-        gaps = self.other_gaps
-        keep = self.keep_token_times
-        for r in running:
-            sreq = r.driver_state
-            rec = sreq.record
-            if sreq.last_step == step0 - 1:
-                cont_first += 1
-            else:
-                gaps.append(ends[0] - rec.last_token_s)
-            if keep:
-                rec.token_times_s.extend(ends)
-            sreq.last_step = step0 + k - 1
-            rec.last_token_s = end
-            rec.num_output_tokens += k
-        finished = sched.advance_decode_window(k, TOKEN)
-        for o in finished:
-            sreq = live.pop(o.request_id)
-            rec = sreq.record
-            rec.finish_reason = "abort" if sreq.cancel_tokens else o.finish_reason
-            rec.finish_s = end
-            self.sim.on_finish(self, sreq, None)
-        self.step_ends.extend(ends)
-        self.step_cont.append(cont_first)
-        self.step_cont.extend([n] * (k - 1))
-        self.step_idx = step0 + k
-        self._record_step(step0, start, end, k, f_first)
-
+    # --------------------------------------------------------------- records
     def _record_step(self, step: int, start: float, end: float, num_steps: int, f) -> None:
         if not self.sim.keep_steps:
             return
@@ -276,12 +364,3 @@ class Replica:
         other = np.asarray(self.other_gaps)
         return (np.concatenate([vals[keep], other]),
                 np.concatenate([w[keep], np.ones(len(other), dtype=np.int64)]))
-
-
-def _decode_features(running):
-    from engine.core.features import BatchFeatures
-    n = len(running)
-    ctx = n
-    for r in running:
-        ctx += r.num_computed_tokens
-    return BatchFeatures(num_reqs=n, num_decode_reqs=n, decode_context_tokens=ctx)

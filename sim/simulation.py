@@ -21,8 +21,8 @@ ROUTERS = ("round_robin", "random", "least_outstanding", "prefix_affinity")
 
 
 class TimeoutAt(Event):
-    """Like simpy's Timeout, but at an absolute time: a window of k steps then ends at exactly
-    the float a chain of k single-step timeouts would reach (SimPy adds now + delay)."""
+    """Like simpy's Timeout, but at an absolute time: k steady steps run back to back then end
+    at exactly the float a chain of k single-step timeouts would reach (SimPy adds now + delay)."""
 
     def __init__(self, env: simpy.Environment, at: float) -> None:
         self.env = env
@@ -56,7 +56,7 @@ class SimResult:
 
 class Simulation:
     def __init__(self, workload, scheduler_config: SchedulerConfig, cost_model, num_replicas: int = 1,
-                 router: str = "round_robin", seed: int = 0, use_windows: bool = True,
+                 router: str = "round_robin", seed: int = 0, use_steady: bool = True,
                  keep_token_times: bool = False, keep_steps: bool = True, progress: bool = False,
                  slo: dict | None = None, max_time_s: float | None = None) -> None:
         if router not in ROUTERS:
@@ -66,9 +66,10 @@ class Simulation:
         self.env = simpy.Environment()
         self.workload = workload
         self.closed_loop = getattr(workload, "closed_loop_concurrency", None)
-        # Windows are exact when every outside event is known ahead: open-loop arrivals, or a
-        # closed loop on one replica (its new arrivals come at its own window ends).
-        self.use_windows = use_windows and (self.closed_loop is None or num_replicas == 1)
+        # Steady runs are exact when every outside event is known ahead: open-loop arrivals,
+        # or a closed loop on one replica (its new arrivals come when its own requests finish,
+        # which ends a steady run).
+        self.use_steady = use_steady and (self.closed_loop is None or num_replicas == 1)
         self.keep_token_times = keep_token_times
         self.keep_steps = keep_steps
         self.slo = slo

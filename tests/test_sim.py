@@ -1,4 +1,4 @@
-"""Simulator: metrics on hand-built timelines, queueing laws, determinism, exact windows."""
+"""Simulator: metrics on hand-built timelines, queueing laws, determinism, exact fast paths."""
 import math
 
 import numpy as np
@@ -115,13 +115,13 @@ def test_same_seed_same_results():
     assert not a.requests["finish_s"].equals(c.requests["finish_s"])
 
 
-# ----------------------------------------------------- windows are exact
+# ------------------------------------------- steady decoding is exact
 TIMESTAMPS = ["arrival_s", "first_scheduled_s", "first_token_s", "last_token_s", "finish_s",
               "num_output_tokens", "num_cached_tokens", "num_preemptions", "finish_reason", "replica"]
 
 
 @pytest.mark.parametrize("case", ["plain", "preempting", "cancellation", "replicas", "closed_loop"])
-def test_decode_windows_give_identical_timestamps(case):
+def test_steady_decoding_gives_identical_timestamps(case):
     cfg = SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=64, max_model_len=4096,
                           block_size=16, num_gpu_blocks=4000)
     kw = {}
@@ -136,8 +136,8 @@ def test_decode_windows_give_identical_timestamps(case):
     if case == "closed_loop":
         extra = {"arrival": {"type": "concurrency", "concurrency": 24}}
     cost = AnalyticCostModel("llama-3.1-8b", "h100-sxm")
-    slow = sim_run(_wl(11, **extra), cfg, cost, use_windows=False, keep_token_times=True, **kw)
-    fast = sim_run(_wl(11, **extra), cfg, cost, use_windows=True, keep_token_times=True, **kw)
+    slow = sim_run(_wl(11, **extra), cfg, cost, use_steady=False, keep_token_times=True, **kw)
+    fast = sim_run(_wl(11, **extra), cfg, cost, use_steady=True, keep_token_times=True, **kw)
     assert slow.requests[TIMESTAMPS].equals(fast.requests[TIMESTAMPS])
     assert [r.token_times_s for r in slow.records] == [r.token_times_s for r in fast.records]
     # The ITL sample is the same multiset of gaps.
@@ -147,7 +147,7 @@ def test_decode_windows_give_identical_timestamps(case):
         res.itl_sorted.sort()
     assert np.array_equal(slow.itl_sorted, fast.itl_sorted)
     assert fast.summary["num_steps"] == slow.summary["num_steps"]
-    assert len(fast.steps) < len(slow.steps)  # windows actually happened
+    assert len(fast.steps) < len(slow.steps)  # steady runs actually happened
     if case == "preempting":
         assert slow.summary["requests"]["preemptions"] > 0
     if case == "cancellation":

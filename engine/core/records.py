@@ -39,7 +39,8 @@ RequestRecord.COLUMNS = tuple(f.name for f in fields(RequestRecord) if f.name !=
 
 @dataclass(slots=True)
 class StepRecord:
-    """One engine step (num_steps == 1) or a simulator window of identical decode steps."""
+    """One engine step (num_steps == 1), or a run of simulated steady decode steps (num_steps
+    steps; the features are those of the first)."""
 
     step: int                      # index of the first step
     start_s: float

@@ -245,44 +245,12 @@ class Scheduler:
         new_data: list[NewRequestData] = []
         resumed_data: list[NewRequestData] = []
         if not preempted and waiting:
-            chunked = self.config.enable_chunked_prefill
-            reserve = self.config.reserve_full_prompt
-            watermark = self.config.watermark_blocks
-            max_num_seqs = self.max_num_seqs
-            while waiting and budget > 0:
-                if len(running) >= max_num_seqs:
-                    break
-                req = waiting.peek_request()
-                # Preempted requests were reset to 0 computed tokens: they look up the prefix
-                # cache too and may hit their own freed blocks.
-                hits, num_hit = kvm.get_computed_blocks(req)
-                n = req.num_tokens - num_hit
-                if 0 < thr < n:
-                    n = thr
-                if not chunked and n > budget:
-                    break
-                if n > budget:
-                    n = budget
-                blocks = kvm.allocate_slots(
-                    req, n, num_hit, hits,
-                    num_reserve_tokens=req.num_tokens if reserve else 0,
-                    num_watermark_blocks=watermark if running else 0,
-                )
-                if blocks is None:
-                    break  # head-of-line: no skipping ahead
-                waiting.pop_request()
-                running.append(req)
+            admitted, budget = self._admit_waiting(budget, thr)
+            for req, num_hit, n, was_new in admitted:
                 rid = req.request_id
-                is_new = req.status == _WAITING
-                (new_data if is_new else resumed_data).append(NewRequestData(
-                    rid, req.prompt_token_ids, [] if is_new else list(req.output_token_ids),
+                (new_data if was_new else resumed_data).append(NewRequestData(
+                    rid, req.prompt_token_ids, [] if was_new else list(req.output_token_ids),
                     req.sampling_params, kvm.get_block_ids(rid), num_hit, req.eos_token_id))
-                req.status = _RUNNING
-                req.num_computed_tokens = num_hit + n
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
-                kvm.num_queried_tokens += req.num_tokens
-                kvm.num_hit_tokens += num_hit
                 num_scheduled[rid] = n
                 if n == 1:
                     d_n += 1
@@ -291,7 +259,6 @@ class Scheduler:
                     feats.add_chunk(n, num_hit)
                 if num_hit + n == req.num_tokens:
                     sampling.append(rid)
-                budget -= n
 
         feats.num_decode_reqs = d_n
         feats.decode_context_tokens = d_ctx
@@ -310,6 +277,52 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         return out
+
+    def _admit_waiting(self, budget: int, thr: int) -> tuple[list[tuple[Request, int, int, bool]], int]:
+        """The waiting part of a step: admit from the head of the queue while the token budget,
+        max_num_seqs and the KV pool allow (head-of-line: the first refusal ends it).
+
+        Returns [(request, prefix-hit tokens, tokens scheduled, was new)] and the budget left.
+        The admitted requests are RUNNING with num_computed_tokens already advanced.
+        """
+        waiting, running, kvm = self.waiting, self.running, self.kv_cache_manager
+        chunked = self.config.enable_chunked_prefill
+        reserve = self.config.reserve_full_prompt
+        watermark = self.config.watermark_blocks
+        max_num_seqs = self.max_num_seqs
+        admitted = []
+        while waiting and budget > 0:
+            if len(running) >= max_num_seqs:
+                break
+            req = waiting.peek_request()
+            # Preempted requests were reset to 0 computed tokens: they look up the prefix
+            # cache too and may hit their own freed blocks.
+            hits, num_hit = kvm.get_computed_blocks(req)
+            n = req.num_tokens - num_hit
+            if 0 < thr < n:
+                n = thr
+            if not chunked and n > budget:
+                break
+            if n > budget:
+                n = budget
+            blocks = kvm.allocate_slots(
+                req, n, num_hit, hits,
+                num_reserve_tokens=req.num_tokens if reserve else 0,
+                num_watermark_blocks=watermark if running else 0,
+            )
+            if blocks is None:
+                break  # head-of-line: no skipping ahead
+            waiting.pop_request()
+            running.append(req)
+            admitted.append((req, num_hit, n, req.status == _WAITING))
+            req.status = _RUNNING
+            req.num_computed_tokens = num_hit + n
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            kvm.num_queried_tokens += req.num_tokens
+            kvm.num_hit_tokens += num_hit
+            budget -= n
+        return admitted, budget
 
     # ------------------------------------------------------------------ update
     def update_from_output(
@@ -381,140 +394,6 @@ class Scheduler:
         if stopped:
             drop = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in drop]
-        return outputs
-
-    # ------------------------------------------------------------ decode windows
-    def decode_window(self, max_steps: int, token_id: int) -> int:
-        """How many of the next steps are certain to be identical pure-decode steps.
-
-        A driver that samples `token_id` for every request may then call
-        `advance_decode_window(k, token_id)` instead of k rounds of schedule() +
-        update_from_output(): the results are the same. The conditions, checked on the state
-        between two steps:
-          - every running request is decoding (exactly one token to compute) and all of them fit
-            in the token budget, so each step schedules each of them one token;
-          - no waiting request can be admitted: none waits, max_num_seqs or the budget is used
-            up, or the head's allocation fails now (it keeps failing: free blocks only shrink
-            while decoding and its prefix hits can only be evicted);
-          - the free blocks cover every block the window's tokens cross into (no preemption);
-          - no request finishes before the last step of the window (`token_id` stops nobody).
-        Returns 0 when fewer than 2 steps qualify (a plain step is then just as cheap).
-        """
-        running = self.running
-        n_run = len(running)
-        if max_steps < 2 or n_run == 0 or n_run > self.max_num_batched_tokens:
-            return 0
-        # Checked first: an admissible head is the common reason for no window.
-        if self.waiting and n_run < self.max_num_seqs and n_run < self.max_num_batched_tokens:
-            if self._head_admissible():
-                return 0
-        k = max_steps
-        for r in running:
-            if r.num_tokens - r.num_computed_tokens != 1:
-                return 0
-            if r.stop_ids is not None and token_id in r.stop_ids:
-                return 0
-            left = r.token_limit - r.num_tokens  # the step that reaches the limit finishes it
-            if left < k:
-                k = left
-        if k < 2:
-            return 0
-        # Blocks: request r (c computed tokens) needs a new block at every step t (1-based) whose
-        # token position c + t - 1 is a multiple of block_size.
-        bs = self.block_size
-        free = self.kv_cache_manager.num_free_blocks
-        firsts = [(-r.num_computed_tokens) % bs + 1 for r in running]
-
-        def need(steps: int) -> int:
-            return sum((steps - f) // bs + 1 for f in firsts if f <= steps)
-
-        if need(k) > free:
-            lo, hi = 1, k  # need(lo) may exceed free too: then no window
-            if need(1) > free:
-                return 0
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if need(mid) <= free:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            k = lo
-        return k if k >= 2 else 0
-
-    def _head_admissible(self) -> bool:
-        """Would the head of the waiting queue be admitted if asked now? (no side effects)"""
-        req = self.waiting.peek_request()
-        kvm = self.kv_cache_manager
-        hits, num_hit = kvm.get_computed_blocks(req)
-        budget = self.max_num_batched_tokens - len(self.running)
-        n = req.num_tokens - num_hit
-        thr = self.config.long_prefill_token_threshold
-        if 0 < thr < n:
-            n = thr
-        if not self.config.enable_chunked_prefill and n > budget:
-            return False
-        n = min(n, budget)
-        bs = self.block_size
-        need_tokens = min(num_hit + n, self.max_model_len)
-        if self.config.reserve_full_prompt:
-            need_tokens = max(need_tokens, min(req.num_tokens, self.max_model_len))
-        evictable = sum(1 for b in hits if b.ref_cnt == 0)
-        needed = -(-need_tokens // bs) - len(hits) + evictable + self.config.watermark_blocks
-        return needed <= kvm.num_free_blocks
-
-    def advance_decode_window(self, k: int, token_id: int) -> list[EngineCoreOutput]:
-        """Apply k steps that `decode_window` approved, as k rounds of schedule() and
-        update_from_output() with `token_id` sampled by everyone would have.
-
-        Block allocations and prefix-cache insertions happen in the same order (step, then
-        running order), so block ids and cache contents are identical too. Returns the outputs
-        of the requests that finish in the last step (in running order, as they are freed).
-        """
-        running = self.running
-        kvm = self.kv_cache_manager
-        pool = kvm.block_pool
-        bs = self.block_size
-        caching = kvm.enable_caching
-        # (step, running index, kind) events: 0 = allocate a block, 1 = cache a full block.
-        events: list[tuple[int, int, int]] = []
-        tail = [token_id] * k
-        for idx, r in enumerate(running):
-            c = r.num_computed_tokens
-            # token position c + t - 1 starts a new block at these steps t:
-            first = (-c) % bs + 1
-            if first <= k:
-                events.extend([(t, idx, 0) for t in range(first, k + 1, bs)])
-            if caching:
-                # ... and the computed count c + t reaches a multiple of bs at these:
-                first = (-c) % bs or bs
-                if first <= k:
-                    events.extend([(t, idx, 1) for t in range(first, k + 1, bs)])
-            r.output_token_ids.extend(tail)
-            r.all_token_ids.extend(tail)
-            r.num_tokens += k
-            r.num_computed_tokens = c + k
-        if events:
-            events.sort()
-            req_to_blocks = kvm.req_to_blocks
-            num_cached = kvm.num_cached_block
-            for _, idx, kind in events:
-                r = running[idx]
-                blocks = req_to_blocks[r.request_id]
-                if kind == 0:
-                    blocks.extend(pool.get_new_blocks(1))
-                else:
-                    kvm._cache_full_blocks(r, blocks, len(blocks))
-                    assert num_cached[r.request_id] == len(blocks)
-        # Finishes (length) in the last step, in running order like update_from_output.
-        outputs: list[EngineCoreOutput] = []
-        stopped = [r for r in running if r.num_tokens >= r.token_limit]
-        for r in stopped:
-            r.status = _LENGTH
-            self._free_request(r)
-            outputs.append(EngineCoreOutput(r.request_id, [token_id], "length", None))
-        if stopped:
-            drop = {id(r) for r in stopped}
-            self.running = [r for r in running if id(r) not in drop]
         return outputs
 
     # ------------------------------------------------------------------ checks

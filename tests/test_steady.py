@@ -1,0 +1,125 @@
+"""SteadyDecoder steps must leave the scheduler exactly where plain steps would."""
+import random
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from engine.core import Request, SamplingParams, Scheduler, SchedulerConfig
+from engine.core.steady import SteadyDecoder
+
+TOKEN = 7
+
+
+def state(s: Scheduler):
+    kvm = s.kv_cache_manager
+    return (
+        [(r.request_id, r.num_computed_tokens, r.num_tokens, len(r.all_token_ids), r.output_token_ids[-3:],
+          r.status, tuple(kvm.get_block_ids(r.request_id))) for r in s.running],
+        [(r.request_id, r.num_computed_tokens, r.num_tokens, r.status) for r in s.waiting],
+        [b.block_id for b in kvm.block_pool.free_queue],
+        sorted((h, tuple(b.block_id for b in kvm.block_pool.cached_blocks(h))) for h in kvm.block_pool.cached),
+        dict(kvm.num_cached_block), kvm.num_queried_tokens, kvm.num_hit_tokens, s.num_preemptions,
+    )
+
+
+def plain_step(s: Scheduler):
+    out = s.schedule()
+    outs = s.update_from_output(out, dict.fromkeys(out.sampling_req_ids, [TOKEN]))
+    return out, outs
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_steady_steps_equal_plain_steps(data):
+    bs = data.draw(st.sampled_from([1, 2, 4, 16]))
+    mml = data.draw(st.integers(32, 240))
+    cfg = dict(max_num_batched_tokens=data.draw(st.integers(4, 300)),
+               max_num_seqs=data.draw(st.integers(1, 10)), max_model_len=mml, block_size=bs,
+               num_gpu_blocks=1 + -(-mml // bs) + data.draw(st.integers(0, 40)),
+               enable_prefix_caching=data.draw(st.booleans()),
+               reserve_full_prompt=data.draw(st.booleans()),
+               long_prefill_token_threshold=data.draw(st.sampled_from([0, 0, 8, 40])),
+               policy=data.draw(st.sampled_from(["fcfs", "priority"])))
+    a, b = Scheduler(SchedulerConfig(**cfg)), Scheduler(SchedulerConfig(**cfg))
+    shared = [data.draw(st.integers(1, 3)) for _ in range(40)]
+    reqs = []
+    for i in range(data.draw(st.integers(1, 10))):
+        plen = data.draw(st.integers(1, mml - 2))
+        prompt = (shared + [100 + i] * plen)[:plen] if data.draw(st.booleans()) else [100 + i] * plen
+        reqs.append((data.draw(st.integers(0, 60)), f"r{i}", prompt,
+                     data.draw(st.integers(1, mml - plen)), data.draw(st.integers(0, 2)),
+                     data.draw(st.one_of(st.none(), st.integers(0, 80)))))
+    rng = random.Random(data.draw(st.integers(0, 1000)))
+    steady = None
+    steady_steps = 0
+    fin_a, fin_b = {}, {}
+    for k in range(3000):
+        aborts = [rid for (t, rid, *_rest, ab) in reqs if ab == k and t <= k]
+        for (t, rid, prompt, mt, prio, _) in reqs:
+            if t == k:
+                for s in (a, b):
+                    s.add_request(Request(rid, list(prompt), SamplingParams(max_tokens=mt, ignore_eos=True),
+                                          arrival_time=float(t), priority=prio))
+        if aborts:
+            from engine.core import RequestStatus
+            a.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
+            if steady is not None:
+                steady.abort(aborts)
+            else:
+                b.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
+        _, outs = plain_step(a)
+        for o in outs:
+            if o.finish_reason:
+                fin_a[o.request_id] = (k, o.finish_reason)
+        res = None
+        if steady is None and SteadyDecoder.can_enter(b, TOKEN) and rng.random() < 0.8:
+            steady = SteadyDecoder(b, TOKEN)
+        if steady is not None:
+            res = steady.try_step()
+            if res is None:
+                steady.leave()
+                steady = None
+            else:
+                steady_steps += 1
+                for r, reason in res.finished:
+                    fin_b[r.request_id] = (k, reason)
+        if res is None:
+            _, outs = plain_step(b)
+            for o in outs:
+                if o.finish_reason:
+                    fin_b[o.request_id] = (k, o.finish_reason)
+        # Compare: leave (write back) at random points, and always before comparing.
+        if steady is not None and (res.leave or rng.random() < 0.3):
+            steady.leave()
+            steady = None
+        if steady is None:
+            assert state(a) == state(b), f"diverged at step {k}"
+            b.check_invariants()
+        if not a.has_unfinished_requests() and k > max(r[0] for r in reqs):
+            break
+    if steady is not None:
+        steady.leave()
+    assert state(a) == state(b)
+    assert fin_a == fin_b
+    event(f"steady steps > 0: {steady_steps > 0}")
+
+
+def test_steady_decoder_features_and_admission():
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512,
+                                  block_size=16, num_gpu_blocks=200))
+    for i in range(3):
+        s.add_request(Request(f"r{i}", [i] * 20, SamplingParams(max_tokens=50, ignore_eos=True)))
+    plain_step(s)
+    d = SteadyDecoder(s, TOKEN)
+    res = d.try_step()
+    assert res.num_decodes == 3 and res.features.decode_context_tokens == 3 * 21
+    s.add_request(Request("new", [9] * 30, SamplingParams(max_tokens=5, ignore_eos=True)))
+    res = d.try_step()
+    assert [a[0].request_id for a in res.admitted] == ["new"] and res.features.prefill_chunks == [(30, 0)]
+    assert [r.request_id for r in res.first_tokens] == ["new"]
+    assert res.features.decode_context_tokens == 3 * 22
+    res = d.try_step()
+    assert res.num_decodes == 4
+    d.leave()
+    assert [r.num_tokens for r in s.running] == [20 + 4, 20 + 4, 20 + 4, 30 + 2]
+    s.check_invariants()
