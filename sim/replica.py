@@ -264,10 +264,15 @@ class Replica:
             if res is None:
                 leave = True
                 break
-            f = res.features
+            if res.admitted:
+                f = res.features
+                dt = cost.step_time(f)
+            else:  # the same arithmetic as step_time(features) of a pure decode step
+                f = None
+                dt = cost.decode_step_time(res.num_decodes, res.decode_context_tokens)
             if seg_feat is None:
-                seg_feat = f
-            end = t + cost.step_time(f)  # the same addition SimPy does for a single step
+                seg_feat = f if f is not None else res.features
+            end = t + dt  # the same addition SimPy does for a single step
             ends.append(end)
             if late:
                 for sreq in late:

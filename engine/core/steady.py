@@ -3,12 +3,12 @@
 When every running request is decoding, a step (schedule() + update_from_output() with every
 sampling request given the same token) changes each running request in the same way: one more
 computed token and one more output token. `SteadyDecoder` keeps those requests *lazy*: each
-remembers the computed count c0 it had at steady step S0, and at steady step t it stands at
-c0 + (t - S0). Only what a step can actually change is done per step, in the order schedule()
+remembers the computed count c0 it had at steady step s0, and at steady step t it stands at
+c0 + (t - s0). Only what a step can actually change is done per step, in the order schedule()
 does it:
 
-    running part   a request whose next token position starts a block gets one (block events,
-                   popped from a heap in running order); a request whose block fills caches it
+    running part   a request whose next token position starts a block gets one, a request
+                   whose block fills caches it (block events, from a heap, in running order)
     waiting part   Scheduler._admit_waiting, the very code schedule() runs
     update         requests reaching their length limit finish (finish heap, running order); new
                    requests that computed their whole prompt sample their first token through
@@ -16,10 +16,10 @@ does it:
 
 A step it cannot do this way (a decode would need a block the pool does not have, i.e. a
 preemption; more running requests than the token budget) is refused before anything changes
-(`try_step` returns None); a step that admits a partial prefill chunk is done, then the decoder
-asks to be left (`StepResult.leave`). `leave()` writes every lazy request's real counters and
-tokens back. Every decision is the general scheduler's: tests/test_steady.py checks the whole
-state against plain steps after every step.
+(`try_step` returns None); after a step that admitted a partial prefill chunk the decoder asks
+to be left (`StepResult.leave`). `leave()` writes every lazy request's real counters and tokens
+back. Every decision is the general scheduler's: tests/test_steady.py checks the whole state
+against plain steps after every step.
 
 Only drivers that sample one fixed token for everybody (the simulator) can use it.
 """
@@ -29,22 +29,36 @@ import heapq
 from dataclasses import dataclass, field
 
 from engine.core.features import BatchFeatures
-from engine.core.output import EngineCoreOutput, SchedulerOutput
+from engine.core.output import SchedulerOutput
 from engine.core.request import Request, RequestStatus
 
-_RUNNING = RequestStatus.RUNNING
 _LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
+_SHIFT = 32            # event key = step << 32 | seq << 1 | kind (ints compare fastest in a heap)
+_SEQ_MASK = (1 << 31) - 1
 _ALLOC, _CACHE = 0, 1
 
 
 @dataclass(slots=True)
 class StepResult:
-    features: BatchFeatures
     num_decodes: int                                   # lazy decodes that got a token
-    admitted: list[tuple[Request, int, int, bool]]     # (request, prefix hits, tokens, was new)
-    first_tokens: list[Request] = field(default_factory=list)   # admitted, sampled a token
-    finished: list[tuple[Request, str]] = field(default_factory=list)  # (request, reason)
-    leave: bool = False                                 # a partial prefill joined running
+    decode_context_tokens: int                         # KV tokens they read
+    admitted: list = field(default_factory=list)       # (request, prefix hits, tokens, was new)
+    first_tokens: list = field(default_factory=list)   # admitted requests that sampled a token
+    finished: list = field(default_factory=list)       # (request, finish reason)
+    leave: bool = False                                # a partial prefill joined running
+
+    @property
+    def features(self) -> BatchFeatures:
+        f = BatchFeatures(num_decode_reqs=self.num_decodes,
+                          decode_context_tokens=self.decode_context_tokens)
+        for _r, num_hit, n, _new in self.admitted:
+            if n == 1:
+                f.num_decode_reqs += 1
+                f.decode_context_tokens += num_hit + 1
+            else:
+                f.add_chunk(n, num_hit)
+        f.num_reqs = self.num_decodes + len(self.admitted)
+        return f
 
 
 class SteadyDecoder:
@@ -54,12 +68,14 @@ class SteadyDecoder:
         self.tok_list = [token_id]
         self.bs = s.block_size
         self.caching = s.kv_cache_manager.enable_caching
-        self.t = 0                      # steady steps done
-        self.lazy: dict[str, tuple[int, int, int]] = {}   # request id -> (c0, S0, seq)
-        self.ctx_base = 0               # sum over lazy of (c0 - S0 + 1): KV read at step t = base + N t
-        self.events: list[tuple[int, int, int, str]] = []  # (step, seq, kind, request id)
-        self.finishes: list[tuple[int, int, str]] = []     # (step, seq, request id)
-        self.seq = 0
+        self.t = 0                       # steady steps done
+        self.lazy: dict[str, int] = {}   # request id -> seq (its rank in running order)
+        self.members: list[Request | None] = []   # by seq; None once it left the lazy set
+        self.c0: list[int] = []          # by seq: computed tokens when it joined ...
+        self.s0: list[int] = []          # ... at this steady step
+        self.ctx_base = 0                # sum over lazy of (c0 - s0 + 1): KV read at step t = base + N t
+        self.events: list[int] = []      # block events, keys as above
+        self.finishes: list[int] = []    # step << 32 | seq
         self.active = True
         for r in s.running:
             self._join(r, 0)
@@ -80,41 +96,50 @@ class SteadyDecoder:
     def _join(self, r: Request, s0: int) -> None:
         """r is decode-ready before steady step s0: it computes position c0 at step s0."""
         c0 = r.num_computed_tokens
-        seq = self.seq
-        self.seq += 1
-        self.lazy[r.request_id] = (c0, s0, seq)
+        seq = len(self.members)
+        self.members.append(r)
+        self.c0.append(c0)
+        self.s0.append(s0)
+        self.lazy[r.request_id] = seq
         self.ctx_base += c0 - s0 + 1
         bs = self.bs
-        rid = r.request_id
         ev = self.events
-        heapq.heappush(ev, (s0 + (-c0) % bs, seq, _ALLOC, rid))          # position c0 + k starts a block
-        if self.caching:
-            heapq.heappush(ev, (s0 + (-(c0 + 1)) % bs, seq, _CACHE, rid))  # position c0 + k fills one
-        heapq.heappush(self.finishes, (s0 + r.token_limit - c0 - 2, seq, rid))
+        # Position c0 + k starts a block at step s0 + k for k = (-c0) mod bs, then every bs.
+        heapq.heappush(ev, ((s0 + (-c0) % bs) << _SHIFT) | (seq << 1) | _ALLOC)
+        if self.caching:  # ... and fills one at k = (-(c0 + 1)) mod bs
+            heapq.heappush(ev, ((s0 + (-(c0 + 1)) % bs) << _SHIFT) | (seq << 1) | _CACHE)
+        # After step t its num_tokens is c0 + (t - s0) + 2: the length limit is reached at
+        heapq.heappush(self.finishes, ((s0 + r.token_limit - c0 - 2) << _SHIFT) | seq)
 
-    def _sync(self, r: Request, c0: int, s0: int, computed: int, num_tokens: int) -> None:
-        """Write a lazy request's counters and tokens for a given point."""
-        r.num_computed_tokens = computed
+    def _fill(self, r: Request, num_tokens: int) -> None:
         missing = num_tokens - len(r.all_token_ids)
         if missing > 0:
             tail = [self.tok] * missing
             r.all_token_ids.extend(tail)
             r.output_token_ids.extend(tail)
-        r.num_tokens = num_tokens
 
-    def _drop(self, rid: str) -> tuple[int, int, int]:
-        c0, s0, seq = self.lazy.pop(rid)
+    def _write_back(self, r: Request, computed: int) -> Request:
+        r.num_computed_tokens = computed
+        self._fill(r, computed + 1)
+        r.num_tokens = computed + 1
+        return r
+
+    def _drop(self, seq: int) -> int:
+        """Take a request out of the lazy set; returns its computed count before step t."""
+        r = self.members[seq]
+        self.members[seq] = None
+        del self.lazy[r.request_id]
+        c0, s0 = self.c0[seq], self.s0[seq]
         self.ctx_base -= c0 - s0 + 1
-        return c0, s0, seq
+        return c0 + self.t - s0
 
     def leave(self) -> None:
         """Write back every lazy request (between steps) and stop."""
         t = self.t
-        reqs = self.s.requests
-        for rid, (c0, s0, _) in self.lazy.items():
-            computed = c0 + t - s0
-            self._sync(reqs[rid], c0, s0, computed, computed + 1)
+        for seq in self.lazy.values():
+            self._write_back(self.members[seq], self.c0[seq] + t - self.s0[seq])
         self.lazy.clear()
+        self.members.clear()
         self.events.clear()
         self.finishes.clear()
         self.ctx_base = 0
@@ -122,23 +147,12 @@ class SteadyDecoder:
 
     def abort(self, request_ids) -> None:
         """Abort requests between steps (they may be lazy, waiting or unknown)."""
-        t = self.t
-        reqs = self.s.requests
         for rid in request_ids:
-            if rid in self.lazy:
-                c0, s0, _ = self._drop(rid)
-                computed = c0 + t - s0
-                self._sync(reqs[rid], c0, s0, computed, computed + 1)
+            seq = self.lazy.get(rid)
+            if seq is not None:
+                r = self.members[seq]
+                self._write_back(r, self._drop(seq))
         self.s.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
-
-    def position(self, rid: str) -> tuple[int, int]:
-        """(num_computed_tokens, num_tokens) of a request between steps, lazy or not."""
-        if rid in self.lazy:
-            c0, s0, _ = self.lazy[rid]
-            c = c0 + self.t - s0
-            return c, c + 1
-        r = self.s.requests[rid]
-        return r.num_computed_tokens, r.num_tokens
 
     # ------------------------------------------------------------------ step
     def try_step(self) -> StepResult | None:
@@ -149,82 +163,108 @@ class SteadyDecoder:
             return None
         t = self.t
         kvm = s.kv_cache_manager
-        pool = kvm.block_pool
-        reqs = s.requests
+        members = self.members
 
-        # 1. Running part: block events of this step, refused if the pool cannot cover them.
+        # 1. Running part: the block events of this step, refused whole if the pool cannot
+        #    cover the allocations (a preemption, which schedule() must decide).
         ev = self.events
-        todo = []
-        while ev and ev[0][0] == t:
-            e = heapq.heappop(ev)
-            if e[3] in lazy and lazy[e[3]][2] == e[1]:
-                todo.append(e)
-        need = sum(1 for e in todo if e[2] == _ALLOC)
-        if need > kvm.num_free_blocks:
-            for e in todo:
-                heapq.heappush(ev, e)
-            return None  # a preemption: the general path decides it
-        bs = self.bs
-        for e in todo:
-            rid = e[3]
-            r = reqs[rid]
-            blocks = kvm.req_to_blocks[rid]
-            if e[2] == _ALLOC:
-                blocks.extend(pool.get_new_blocks(1))
-            else:
-                c0, s0, _ = lazy[rid]
-                # The block holding position p = c0 + t - s0 fills: its tokens are all known.
-                p = c0 + t - s0
-                self._sync(r, c0, s0, r.num_computed_tokens, p + 1)
-                kvm._cache_full_blocks(r, blocks, (p + 1) // bs)
-            heapq.heappush(ev, (t + bs, e[1], e[2], rid))
+        if ev and ev[0] >> _SHIFT == t:
+            todo = []
+            need = 0
+            while ev and ev[0] >> _SHIFT == t:
+                key = heapq.heappop(ev)
+                if members[(key >> 1) & _SEQ_MASK] is not None:
+                    todo.append(key)
+                    need += 1 - (key & 1)
+            if need > kvm.num_free_blocks:
+                for key in todo:
+                    heapq.heappush(ev, key)
+                return None
+            self._block_events(todo, t)
 
         # 2. Waiting part: the scheduler's own admission code.
-        budget = s.max_num_batched_tokens - n_dec
-        admitted: list = []
-        if s.waiting and budget > 0 and n_dec < s.max_num_seqs:
-            admitted, budget = s._admit_waiting(budget, s.config.long_prefill_token_threshold)
+        res = StepResult(n_dec, self.ctx_base + n_dec * t)
+        if s.waiting and n_dec < s.max_num_seqs and n_dec < s.max_num_batched_tokens:
+            res.admitted, _ = s._admit_waiting(s.max_num_batched_tokens - n_dec,
+                                               s.config.long_prefill_token_threshold)
 
-        f = BatchFeatures(num_decode_reqs=n_dec, decode_context_tokens=self.ctx_base + n_dec * t)
-        for r, num_hit, n, _ in admitted:
-            if n == 1:
-                f.num_decode_reqs += 1
-                f.decode_context_tokens += num_hit + 1
-            else:
-                f.add_chunk(n, num_hit)
-        f.num_reqs = n_dec + len(admitted)
-        result = StepResult(f, n_dec, admitted)
-
-        # 3. Update: lazy requests at their length limit finish, in running order.
+        # 3. Update: lazy requests at their length limit finish, in running order ...
         fin = self.finishes
-        while fin and fin[0][0] == t:
-            _, seq, rid = heapq.heappop(fin)
-            if rid not in lazy or lazy[rid][2] != seq:
-                continue
-            c0, s0, _ = self._drop(rid)
-            r = reqs[rid]
-            computed = c0 + t - s0 + 1
-            self._sync(r, c0, s0, computed, computed + 1)
-            r.status = _LENGTH
-            s._free_request(r)
-            s.running.remove(r)
-            result.finished.append((r, "length"))
+        if fin and fin[0] >> _SHIFT == t:
+            while fin and fin[0] >> _SHIFT == t:
+                seq = heapq.heappop(fin) & _SEQ_MASK
+                r = members[seq]
+                if r is None:
+                    continue
+                self._write_back(r, self._drop(seq) + 1)
+                r.status = _LENGTH
+                s._free_request(r)
+                s.running.remove(r)
+                res.finished.append((r, "length"))
         # ... then admitted requests that computed their whole prompt sample their first token.
-        sampling = [r.request_id for r, num_hit, n, _ in admitted if num_hit + n == r.num_tokens]
-        if len(sampling) < len(admitted):
-            result.leave = True  # a partial prefill chunk is running: general steps from here
-        if sampling:
-            out = SchedulerOutput([], [], None, {}, 0, set(), set(), sampling_req_ids=sampling)
-            outs: list[EngineCoreOutput] = s.update_from_output(out, dict.fromkeys(sampling, self.tok_list))
-            for o in outs:
-                r = reqs.get(o.request_id)
-                if o.finish_reason is not None:
-                    # freed by update_from_output; find the object among the admitted
-                    r = next(a[0] for a in admitted if a[0].request_id == o.request_id)
-                    result.first_tokens.append(r)
-                    result.finished.append((r, o.finish_reason))
-                else:
-                    result.first_tokens.append(r)
-                    self._join(r, t + 1)
+        if res.admitted:
+            done = [a[0] for a in res.admitted if a[1] + a[2] == a[0].num_tokens]
+            res.leave = len(done) < len(res.admitted)  # a partial chunk runs: plain steps next
+            if done:
+                ids = [r.request_id for r in done]
+                out = SchedulerOutput([], [], None, {}, 0, set(), set(), sampling_req_ids=ids)
+                outs = s.update_from_output(out, dict.fromkeys(ids, self.tok_list))
+                for r, o in zip(done, outs):
+                    res.first_tokens.append(r)
+                    if o.finish_reason is None:
+                        self._join(r, t + 1)
+                    else:
+                        res.finished.append((r, o.finish_reason))
         self.t = t + 1
-        return result
+        return res
+
+    def _block_events(self, keys: list[int], t: int) -> None:
+        """Allocate and cache blocks exactly as allocate_slots would for these decodes."""
+        kvm = self.s.kv_cache_manager
+        pool = kvm.block_pool
+        q = pool.free_queue
+        head = q.head
+        cached = pool.cached
+        caching = self.caching
+        req_to_blocks = kvm.req_to_blocks
+        num_cached = kvm.num_cached_block
+        members, c0s, s0s = self.members, self.c0, self.s0
+        bs = self.bs
+        ev = self.events
+        step_ahead = bs << _SHIFT
+        for key in keys:
+            seq = (key >> 1) & _SEQ_MASK
+            r = members[seq]
+            rid = r.request_id
+            blocks = req_to_blocks[rid]
+            if key & 1 == _ALLOC:
+                b = head.next_free  # pool.get_new_blocks(1), inlined
+                if caching and b.block_hash is not None:
+                    pool._evict(b)
+                b.ref_cnt = 1
+                nxt = b.next_free
+                head.next_free = nxt
+                nxt.prev_free = head
+                b.prev_free = b.next_free = None
+                q.num_free_blocks -= 1
+                blocks.append(b)
+            else:
+                # Position p = c0 + t - s0 fills block j: its tokens are all known by now.
+                p = c0s[seq] + t - s0s[seq]
+                j = (p + 1) // bs - 1
+                self._fill(r, p + 1)
+                if num_cached[rid] != j:
+                    kvm._cache_full_blocks(r, blocks, j + 1)
+                else:
+                    hashes = r.block_hashes
+                    if len(hashes) <= j:
+                        kvm._ensure_block_hashes(r, j + 1)
+                    b = blocks[j]
+                    if b.block_hash is None:
+                        h = b.block_hash = hashes[j]
+                        if h in cached:
+                            pool.cache_block(b, h)
+                        else:
+                            cached[h] = b
+                    num_cached[rid] = j + 1
+            heapq.heappush(ev, key + step_ahead)
