@@ -37,8 +37,14 @@ class SimRequest:
         self.spec = spec
         self.record = record
         self.last_step = -2         # step index of its latest token
-        self.cancel_tokens = False  # its max_tokens is the client's disconnect point
+        self.cancel_tokens = None   # the client disconnects after this many output tokens
         self.steady_from = -1       # first step it decoded lazily in the current steady run
+
+
+def _disconnect_point(r: Request) -> int | None:
+    """num_tokens at which a request's client hangs up (steady runs stop there to abort it)."""
+    m = r.driver_state.cancel_tokens
+    return None if m is None else r.num_prompt_tokens + m
 
 
 class Replica:
@@ -88,13 +94,11 @@ class Replica:
             spec, rec = sreq.spec, sreq.record
             req = Request(spec.request_id, spec.token_ids(), _SHARED_SP, arrival_time=rec.arrival_s,
                           priority=spec.priority)
-            max_tokens = spec.output_len
-            if spec.cancel_after_tokens is not None and spec.cancel_after_tokens < max_tokens:
-                # A client that disconnects after m tokens: the request ends at that step, as an
-                # abort, exactly when the server would notice at the next step boundary.
-                max_tokens = max(1, spec.cancel_after_tokens)
-                sreq.cancel_tokens = True
-            req.max_tokens = max_tokens
+            req.max_tokens = spec.output_len
+            if spec.cancel_after_tokens is not None and spec.cancel_after_tokens < spec.output_len:
+                # The client disconnects after receiving that many tokens; the server notices
+                # at the next step boundary and aborts the request (the scheduler's abort path).
+                sreq.cancel_tokens = max(1, spec.cancel_after_tokens)
             try:
                 sched.add_request(req)
             except ValueError as e:
@@ -198,10 +202,12 @@ class Replica:
             rec.last_token_s = end
             rec.num_output_tokens += 1
             if o.finish_reason is not None:
-                rec.finish_reason = "abort" if sreq.cancel_tokens else o.finish_reason
+                rec.finish_reason = o.finish_reason
                 rec.finish_s = end
                 del live[o.request_id]
                 finished.append(sreq)
+            elif sreq.cancel_tokens is not None and rec.num_output_tokens >= sreq.cancel_tokens:
+                self.aborts.append(o.request_id)
         self.step_ends.append(end)
         self.step_cont.append(cont)
         self.step_idx = step + 1
@@ -211,7 +217,7 @@ class Replica:
 
     # ---------------------------------------------------------------- steady
     def _enter_steady(self) -> None:
-        self.steady = SteadyDecoder(self.scheduler, TOKEN)
+        self.steady = SteadyDecoder(self.scheduler, TOKEN, watch=_disconnect_point)
         step = self.step_idx
         for r in self.scheduler.running:
             r.driver_state.steady_from = step
@@ -308,6 +314,10 @@ class Replica:
                 rec.num_output_tokens = len(r.output_token_ids)
                 sreq.last_step = step
                 sreq.steady_from = step + 1
+                if sreq.cancel_tokens is not None and rec.num_output_tokens >= sreq.cancel_tokens:
+                    self.aborts.append(r.request_id)
+            for r in res.watched:  # its client hangs up now: aborted at the boundary
+                self.aborts.append(r.request_id)
             for r, reason in res.finished:
                 sreq = r.driver_state
                 rec = sreq.record
@@ -316,7 +326,7 @@ class Replica:
                 rec.num_output_tokens = len(r.output_token_ids)
                 rec.last_token_s = end
                 sreq.last_step = step
-                rec.finish_reason = "abort" if sreq.cancel_tokens else reason
+                rec.finish_reason = reason
                 rec.finish_s = end
                 del live[r.request_id]
                 finished.append(sreq)
@@ -328,7 +338,7 @@ class Replica:
             if res.leave:
                 leave = True
                 break
-            if finished:
+            if finished or self.aborts:
                 break
         if seg_feat is not None:
             self._record_step(seg_step, seg_start, t, self.step_idx - seg_step, seg_feat)

@@ -45,6 +45,7 @@ class StepResult:
     admitted: list = field(default_factory=list)       # (request, prefix hits, tokens, was new)
     first_tokens: list = field(default_factory=list)   # admitted requests that sampled a token
     finished: list = field(default_factory=list)       # (request, finish reason)
+    watched: list = field(default_factory=list)        # requests that reached their watch point
     leave: bool = False                                # a partial prefill joined running
 
     @property
@@ -62,8 +63,13 @@ class StepResult:
 
 
 class SteadyDecoder:
-    def __init__(self, scheduler, token_id: int) -> None:
+    """`watch(request)` may return a num_tokens at which the driver wants to hear about a lazy
+    request (e.g. a client that disconnects after so many tokens): the step at whose end the
+    request reaches it lists it in StepResult.watched."""
+
+    def __init__(self, scheduler, token_id: int, watch=None) -> None:
         s = self.s = scheduler
+        self.watch = watch
         self.tok = token_id
         self.tok_list = [token_id]
         self.bs = s.block_size
@@ -75,7 +81,7 @@ class SteadyDecoder:
         self.s0: list[int] = []          # ... at this steady step
         self.ctx_base = 0                # sum over lazy of (c0 - s0 + 1): KV read at step t = base + N t
         self.events: list[int] = []      # block events, keys as above
-        self.finishes: list[int] = []    # step << 32 | seq
+        self.finishes: list[int] = []    # step << 32 | seq << 1 | watch (0: length limit)
         self.active = True
         for r in s.running:
             self._join(r, 0)
@@ -109,7 +115,11 @@ class SteadyDecoder:
         if self.caching:  # ... and fills one at k = (-(c0 + 1)) mod bs
             heapq.heappush(ev, ((s0 + (-(c0 + 1)) % bs) << _SHIFT) | (seq << 1) | _CACHE)
         # After step t its num_tokens is c0 + (t - s0) + 2: the length limit is reached at
-        heapq.heappush(self.finishes, ((s0 + r.token_limit - c0 - 2) << _SHIFT) | seq)
+        heapq.heappush(self.finishes, ((s0 + r.token_limit - c0 - 2) << _SHIFT) | (seq << 1))
+        if self.watch is not None:
+            w = self.watch(r)
+            if w is not None and c0 + 1 < w < r.token_limit:
+                heapq.heappush(self.finishes, ((s0 + w - c0 - 2) << _SHIFT) | (seq << 1) | 1)
 
     def _fill(self, r: Request, num_tokens: int) -> None:
         missing = num_tokens - len(r.all_token_ids)
@@ -192,9 +202,13 @@ class SteadyDecoder:
         fin = self.finishes
         if fin and fin[0] >> _SHIFT == t:
             while fin and fin[0] >> _SHIFT == t:
-                seq = heapq.heappop(fin) & _SEQ_MASK
+                key = heapq.heappop(fin)
+                seq = (key >> 1) & _SEQ_MASK
                 r = members[seq]
                 if r is None:
+                    continue
+                if key & 1:
+                    res.watched.append(r)
                     continue
                 self._write_back(r, self._drop(seq) + 1)
                 r.status = _LENGTH
