@@ -404,3 +404,19 @@ def test_batch_features_hand_calculation():
     assert f.prefill_chunks == [(99, 99)]  # b's second chunk on 99 cached tokens
     assert f.prefill_attn_pairs == 99 * 99 + 99 * 100 // 2
     assert f.num_tokens == out.total_num_scheduled_tokens == 100
+
+
+def test_priority_ties_cannot_preempt_each_other_for_ever():
+    # Two requests with equal (priority, arrival_time) in a pool that cannot hold both: the
+    # victim must be the same one every time (the later id), so the other one finishes.
+    s = make_scheduler(policy="priority", max_num_batched_tokens=11, max_num_seqs=2, max_model_len=11,
+                       block_size=1, num_gpu_blocks=14, enable_chunked_prefill=False,
+                       long_prefill_token_threshold=3, enable_prefix_caching=False)
+    for rid, prio in (("r0", 0), ("r1", 1), ("r2", 1)):
+        s.add_request(Request(rid, [1] * 10, SamplingParams(max_tokens=1), arrival_time=1.0,
+                              priority=prio, eos_token_id=0))
+    for _ in range(60):
+        if not s.has_unfinished_requests():
+            break
+        step(s, token=0)
+    assert not s.has_unfinished_requests()

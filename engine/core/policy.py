@@ -105,7 +105,7 @@ class HeapQueue(WaitingQueue):
 
 class PriorityQueue(HeapQueue):
     """vLLM's PRIORITY policy: (priority, arrival_time, request_id), lower first; the victim is the
-    running request with the largest (priority, arrival_time)."""
+    running request that ranks last."""
 
     @staticmethod
     def key(r: Request):
@@ -113,7 +113,10 @@ class PriorityQueue(HeapQueue):
 
     @staticmethod
     def victim_key(r: Request):
-        return (r.priority, r.arrival_time)
+        # vLLM compares (priority, arrival_time); the request id settles exact ties the way the
+        # waiting heap does, so the best-ranked request is never the victim and always
+        # progresses (two equal requests could otherwise preempt each other for ever).
+        return (r.priority, r.arrival_time, r.request_id)
 
 
 class ShortestPromptFirstQueue(HeapQueue):

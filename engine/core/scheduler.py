@@ -350,8 +350,8 @@ class Scheduler:
                 continue  # aborted (or preempted) while the step ran
             status = None
             out_ids = req.output_token_ids
-            if len(toks) == 1:  # the common case, without the loop
-                tok = toks[0]
+            n0 = len(out_ids)
+            for tok in toks:
                 out_ids.append(tok)
                 req.all_token_ids.append(tok)
                 req.num_tokens += 1
@@ -361,29 +361,12 @@ class Scheduler:
                     status = _STOPPED
                     if tok != req.eos_token_id or req.sampling_params.ignore_eos:
                         req.stop_reason = tok
-                elif req.num_tokens >= req.token_limit:
-                    status = _LENGTH
-                else:
-                    append(EngineCoreOutput(rid, toks))
-                    continue
-            else:
-                for k, tok in enumerate(toks):
-                    out_ids.append(tok)
-                    req.all_token_ids.append(tok)
-                    req.num_tokens += 1
-                    stop_ids = req.stop_ids
-                    if stop_ids is not None and tok in stop_ids and (
-                            len(out_ids) >= req.sampling_params.min_tokens):
-                        status = _STOPPED
-                        if tok != req.eos_token_id or req.sampling_params.ignore_eos:
-                            req.stop_reason = tok
-                    elif req.num_tokens >= req.token_limit:
-                        status = _LENGTH
-                    else:
-                        continue
-                    if k + 1 < len(toks):
-                        toks = toks[:k + 1]
                     break
+                if req.num_tokens >= req.token_limit:
+                    status = _LENGTH
+                    break
+            if status is not None and len(out_ids) - n0 < len(toks):
+                toks = toks[:len(out_ids) - n0]  # tokens after the stop are dropped
             if status is None:
                 append(EngineCoreOutput(rid, toks))
             else:

@@ -236,10 +236,7 @@ class SteadyDecoder:
         """Allocate and cache blocks exactly as allocate_slots would for these decodes."""
         kvm = self.s.kv_cache_manager
         pool = kvm.block_pool
-        q = pool.free_queue
-        head = q.head
         cached = pool.cached
-        caching = self.caching
         req_to_blocks = kvm.req_to_blocks
         num_cached = kvm.num_cached_block
         members, c0s, s0s = self.members, self.c0, self.s0
@@ -252,16 +249,7 @@ class SteadyDecoder:
             rid = r.request_id
             blocks = req_to_blocks[rid]
             if key & 1 == _ALLOC:
-                b = head.next_free  # pool.get_new_blocks(1), inlined
-                if caching and b.block_hash is not None:
-                    pool._evict(b)
-                b.ref_cnt = 1
-                nxt = b.next_free
-                head.next_free = nxt
-                nxt.prev_free = head
-                b.prev_free = b.next_free = None
-                q.num_free_blocks -= 1
-                blocks.append(b)
+                blocks.extend(pool.get_new_blocks(1))
             else:
                 # Position p = c0 + t - s0 fills block j: its tokens are all known by now.
                 p = c0s[seq] + t - s0s[seq]
