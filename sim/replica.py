@@ -250,6 +250,7 @@ class Replica:
         sim = self.sim
         live = self.live
         cost = self.cost
+        cost_time = cost._time
         ends, cont, gaps = self.step_ends, self.step_cont, self.other_gaps
         keep = self.keep_token_times
         horizon = sim.next_arrival_s
@@ -275,7 +276,8 @@ class Replica:
                 dt = cost.step_time(f)
             else:  # the same arithmetic as step_time(features) of a pure decode step
                 f = None
-                dt = cost.decode_step_time(res.num_decodes, res.decode_context_tokens)
+                n = res.num_decodes
+                dt = cost_time(n, n, 0, 0, 0, res.decode_context_tokens)
             if seg_feat is None:
                 seg_feat = f if f is not None else res.features
             end = t + dt  # the same addition SimPy does for a single step

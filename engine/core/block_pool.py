@@ -131,8 +131,14 @@ class BlockPool:
         head = q.head
         b = head.next_free
         for _ in range(n):
-            if cached is not None and b.block_hash is not None:
-                self._evict(b)
+            h = b.block_hash
+            if h is not None and cached is not None:  # lazy eviction (self._evict, inlined)
+                v = cached.get(h)
+                if v is b:
+                    del cached[h]
+                elif v is not None:
+                    self._evict(b)
+                b.block_hash = None
             b.ref_cnt = 1
             out.append(b)
             nxt = b.next_free

@@ -26,7 +26,7 @@ Only drivers that sample one fixed token for everybody (the simulator) can use i
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.core.features import BatchFeatures
 from engine.core.output import SchedulerOutput
@@ -40,13 +40,14 @@ _ALLOC, _CACHE = 0, 1
 
 @dataclass(slots=True)
 class StepResult:
-    num_decodes: int                                   # lazy decodes that got a token
-    decode_context_tokens: int                         # KV tokens they read
-    admitted: list = field(default_factory=list)       # (request, prefix hits, tokens, was new)
-    first_tokens: list = field(default_factory=list)   # admitted requests that sampled a token
-    finished: list = field(default_factory=list)       # (request, finish reason)
-    watched: list = field(default_factory=list)        # requests that reached their watch point
-    leave: bool = False                                # a partial prefill joined running
+    # The lists are empty tuples unless something happened (a step is usually just decodes).
+    num_decodes: int                 # lazy decodes that got a token
+    decode_context_tokens: int       # KV tokens they read
+    admitted: list | tuple = ()      # (request, prefix hits, tokens, was new)
+    first_tokens: list | tuple = ()  # admitted requests that sampled a token
+    finished: list | tuple = ()      # (request, finish reason)
+    watched: list | tuple = ()       # requests that reached their watch point
+    leave: bool = False              # a partial prefill joined running
 
     @property
     def features(self) -> BatchFeatures:
@@ -190,7 +191,7 @@ class SteadyDecoder:
                 for key in todo:
                     heapq.heappush(ev, key)
                 return None
-            self._block_events(todo, t)
+            self._block_events(todo, t, need)
 
         # 2. Waiting part: the scheduler's own admission code.
         res = StepResult(n_dec, self.ctx_base + n_dec * t)
@@ -201,6 +202,7 @@ class SteadyDecoder:
         # 3. Update: lazy requests at their length limit finish, in running order ...
         fin = self.finishes
         if fin and fin[0] >> _SHIFT == t:
+            res.finished, res.watched = [], []
             while fin and fin[0] >> _SHIFT == t:
                 key = heapq.heappop(fin)
                 seq = (key >> 1) & _SEQ_MASK
@@ -220,6 +222,9 @@ class SteadyDecoder:
             done = [a[0] for a in res.admitted if a[1] + a[2] == a[0].num_tokens]
             res.leave = len(done) < len(res.admitted)  # a partial chunk runs: plain steps next
             if done:
+                res.first_tokens = []
+                if not res.finished:
+                    res.finished = []
                 ids = [r.request_id for r in done]
                 out = SchedulerOutput([], [], None, {}, 0, set(), set(), sampling_req_ids=ids)
                 outs = s.update_from_output(out, dict.fromkeys(ids, self.tok_list))
@@ -232,8 +237,13 @@ class SteadyDecoder:
         self.t = t + 1
         return res
 
-    def _block_events(self, keys: list[int], t: int) -> None:
-        """Allocate and cache blocks exactly as allocate_slots would for these decodes."""
+    def _block_events(self, keys: list[int], t: int, need: int) -> None:
+        """Allocate and cache blocks as allocate_slots would for these decodes.
+
+        The step's new blocks are popped from the free queue at once, in the order the requests
+        ask for them. Caching a filled block in between touches no free block, so the blocks
+        each request gets are the ones step-by-step allocation would give it.
+        """
         kvm = self.s.kv_cache_manager
         pool = kvm.block_pool
         cached = pool.cached
@@ -243,13 +253,15 @@ class SteadyDecoder:
         bs = self.bs
         ev = self.events
         step_ahead = bs << _SHIFT
+        new_blocks = iter(pool.get_new_blocks(need)) if need else None
+        salted_or_first = kvm._ensure_block_hashes
         for key in keys:
             seq = (key >> 1) & _SEQ_MASK
             r = members[seq]
             rid = r.request_id
             blocks = req_to_blocks[rid]
             if key & 1 == _ALLOC:
-                blocks.extend(pool.get_new_blocks(1))
+                blocks.append(next(new_blocks))
             else:
                 # Position p = c0 + t - s0 fills block j: its tokens are all known by now.
                 p = c0s[seq] + t - s0s[seq]
@@ -259,8 +271,10 @@ class SteadyDecoder:
                     kvm._cache_full_blocks(r, blocks, j + 1)
                 else:
                     hashes = r.block_hashes
-                    if len(hashes) <= j:
-                        kvm._ensure_block_hashes(r, j + 1)
+                    if len(hashes) == j and j > 0:  # the usual case: one more block, inlined
+                        hashes.append(hash((hashes[-1], tuple(r.all_token_ids[j * bs:(j + 1) * bs]))))
+                    elif len(hashes) <= j:
+                        salted_or_first(r, j + 1)
                     b = blocks[j]
                     if b.block_hash is None:
                         h = b.block_hash = hashes[j]
