@@ -1,0 +1,199 @@
+"""The model runner: applies each SchedulerOutput diff to its per-request state, runs one forward
+for the whole mixed batch (prefill chunks and decodes together) and samples.
+
+The scheduler and the runner each keep their own copy of every request's tokens; only ids, token
+counts and block-id deltas cross the seam (vLLM V1's design):
+
+    new request       NewRequestData: prompt, block ids, prefix-cache hits (num_computed_tokens)
+    resumed request   NewRequestData: prompt + outputs so far (recomputed), its whole new block list
+    still running     CachedRequestData: blocks added this step, computed count before the step
+    preempted         block list dropped (the state, and a seeded request's generator, stay)
+    finished/aborted  state dropped
+
+A request whose tokens are all computed after this step (its last prefill chunk, or a decode)
+gets one logits row and one sampled token, which the runner appends to its own token list; a
+non-final prefill chunk samples nothing.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import allocate_kv_cache, build_metadata, build_positions
+from engine.attention.backend import BACKEND_ENV
+from engine.core.output import SchedulerOutput
+from engine.core.sampling_params import SamplingParams
+from engine.model.llama import LlamaForCausalLM
+from engine.runner.cpu_attention import cpu_attention_backend
+from engine.sampler import Sampler, make_generator
+
+
+@dataclass(slots=True)
+class RequestState:
+    """The runner's view of one request (also the sampler's SamplingRow)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int            # tokens whose KV is in the cache
+    min_tokens_stop_ids: tuple[int, ...]
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)  # prompt + outputs
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Wall-clock split of the last `execute` (seconds)."""
+
+    prepare_s: float = 0.0
+    forward_s: float = 0.0   # forward + logits; CUDA-event time on GPU
+    sample_s: float = 0.0
+
+
+class ModelRunner:
+    """Call `initialize_kv_cache(num_blocks)` (after any `profile_forward`) before `execute`."""
+
+    def __init__(self, model: LlamaForCausalLM, block_size: int, device: torch.device | str = "cpu",
+                 seed: int = 0) -> None:
+        self.model = model
+        self.device = torch.device(device)
+        if self.device.type == "cpu" and model.attn_backend is None and not os.environ.get(BACKEND_ENV):
+            model.attn_backend = cpu_attention_backend()
+        self.dtype = next(model.parameters()).dtype
+        self.block_size = block_size
+        self.num_blocks = 0
+        self.kv_caches: list[torch.Tensor] = []
+        self.requests: dict[str, RequestState] = {}
+        self.sampler = Sampler(make_generator(seed, self.device))
+        self.times = StepTimes()
+        self._cuda = self.device.type == "cuda"
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        c = self.model.config
+        self.num_blocks = num_blocks
+        self.kv_caches = []  # free the old cache before allocating the new one
+        self.kv_caches = allocate_kv_cache(c.num_layers, num_blocks, self.block_size, c.num_kv_heads,
+                                           c.head_dim, self.dtype, self.device)
+
+    # ------------------------------------------------------------------ state
+    def _add(self, d, resumed: bool) -> None:
+        sp = d.sampling_params
+        old = self.requests.get(d.req_id) if resumed else None
+        out_ids = list(d.output_token_ids)
+        stop_ids = tuple(sp.stop_token_ids) if d.eos_token_id is None else (d.eos_token_id, *sp.stop_token_ids)
+        if old is not None:
+            gen = old.generator  # a seeded request keeps its random stream across preemption
+        else:
+            gen = make_generator(sp.seed, self.device) if sp.seed is not None else None
+        self.requests[d.req_id] = RequestState(
+            req_id=d.req_id, prompt_token_ids=list(d.prompt_token_ids), output_token_ids=out_ids,
+            sampling_params=sp, block_ids=list(d.block_ids), num_computed_tokens=d.num_computed_tokens,
+            min_tokens_stop_ids=stop_ids, generator=gen, token_ids=list(d.prompt_token_ids) + out_ids)
+
+    def update_states(self, out: SchedulerOutput) -> None:
+        reqs = self.requests
+        for rid in out.finished_req_ids:
+            reqs.pop(rid, None)
+        for rid in out.preempted_req_ids:
+            st = reqs.get(rid)
+            if st is not None:
+                st.block_ids = []
+                st.num_computed_tokens = 0
+        for d in out.scheduled_new_reqs:
+            self._add(d, resumed=False)
+        for d in out.scheduled_resumed_reqs:
+            self._add(d, resumed=True)
+        c = out.scheduled_cached_reqs
+        for rid, new_blocks, computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
+            st = reqs[rid]
+            if new_blocks:
+                st.block_ids.extend(new_blocks)
+            st.num_computed_tokens = computed
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """Run the step `out` describes; returns {req_id: [token]} for requests that sampled."""
+        t0 = time.perf_counter()
+        self.update_states(out)
+        if not out.num_scheduled_tokens:
+            self.times = StepTimes(prepare_s=time.perf_counter() - t0)
+            return {}
+        reqs = self.requests
+        ids: list[int] = []
+        block_ids: list[list[int]] = []
+        computed: list[int] = []
+        new: list[int] = []
+        sample_rows: list[int] = []        # flattened row of each sampling request's last token
+        sampling: list[RequestState] = []
+        row = 0
+        for rid, n in out.num_scheduled_tokens.items():
+            st = reqs[rid]
+            c = st.num_computed_tokens
+            ids.extend(st.token_ids[c:c + n])
+            block_ids.append(st.block_ids)
+            computed.append(c)
+            new.append(n)
+            row += n
+            st.num_computed_tokens = c + n
+            if c + n >= len(st.token_ids):
+                sample_rows.append(row - 1)
+                sampling.append(st)
+        dev = self.device
+        md = build_metadata(block_ids, computed, new, self.block_size, dev)
+        positions = build_positions(computed, new, dev)
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
+        rows_t = torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True) if sampling else None
+        t1 = time.perf_counter()
+        if self._cuda:
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev0.record()
+        hidden = self.model(input_ids, positions, self.kv_caches, md)
+        logits = self.model.compute_logits(hidden[rows_t]) if sampling else None
+        if self._cuda:
+            ev1.record()
+        t2 = time.perf_counter()
+        sampled: dict[str, list[int]] = {}
+        if sampling:
+            toks = self.sampler(logits, sampling)
+            for st, tok in zip(sampling, toks):
+                st.token_ids.append(tok)
+                st.output_token_ids.append(tok)
+                sampled[st.req_id] = [tok]
+        t3 = time.perf_counter()
+        if self._cuda:
+            ev1.synchronize()
+            fwd = ev0.elapsed_time(ev1) / 1e3
+            # The sampler's .tolist() waited for the forward: charge only the rest to sampling.
+            self.times = StepTimes(t1 - t0, fwd, max(0.0, (t3 - t1) - fwd))
+        else:
+            self.times = StepTimes(t1 - t0, t2 - t1, t3 - t2)
+        return sampled
+
+    # ------------------------------------------------------------------ profiling
+    @torch.inference_mode()
+    def profile_forward(self, num_tokens: int, num_logit_rows: int) -> None:
+        """A dummy forward of `num_tokens` prompt tokens plus `num_logit_rows` logits rows, for memory
+        profiling. Uses a throw-away one-block cache (every position maps to block 0), so the real
+        cache may be allocated afterwards."""
+        c = self.model.config
+        bs = self.block_size
+        kv = allocate_kv_cache(c.num_layers, 1, bs, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+        nblk = -(-num_tokens // bs)
+        md = build_metadata([[0] * nblk], [0], [num_tokens], bs, self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        pos = torch.arange(num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, pos, kv, md)
+        rows = min(num_logit_rows, num_tokens)
+        logits = self.model.compute_logits(hidden[-rows:])
+        logits.softmax(-1).sort(-1)  # the sampler's largest temporaries (top-k/top-p sort)
+        del kv, hidden, logits

@@ -1,0 +1,194 @@
+"""Token sampling for one step's batch of logits, each row with its own SamplingParams.
+
+The order follows vLLM V1's sampler:
+
+1. min_tokens: EOS and stop token ids get -inf while a request has fewer than min_tokens outputs;
+2. penalties (OpenAI / vLLM semantics):
+     repetition  r over prompt + output tokens: logit / r if logit > 0 else logit * r
+     frequency   f over output tokens:          logit - f * count(token in output)
+     presence    p over output tokens:          logit - p * (token in output)
+3. greedy rows (temperature 0): argmax of the penalised logits;
+4. the others: logits / temperature, then top-k (ties with the k-th value kept) and top-p (the
+   smallest prefix of the sorted distribution whose mass reaches p, at least one token), then a
+   draw by the exponential race `argmax(probs / Exp(1))`, which samples from `probs`.
+
+A request with a `seed` draws its Exp(1) noise from its own torch.Generator, one row at a time, so
+its tokens depend only on its own logits and seed, never on which requests share the batch.
+Unseeded rows share the engine's generator. Every step is vectorised over the rows that need it;
+an all-greedy batch without penalties or min_tokens is one argmax.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from engine.core.sampling_params import SamplingParams
+
+# Below this temperature a request is sampled greedily (as in vLLM): dividing by ~0 overflows.
+GREEDY_EPS = 1e-5
+
+
+class SamplingRow(Protocol):
+    """What the sampler reads from each request (the runner's per-request state provides it)."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    min_tokens_stop_ids: Sequence[int]  # EOS + stop_token_ids: masked while outputs < min_tokens
+    generator: torch.Generator | None
+
+
+@dataclass(slots=True)
+class Row:
+    """A stand-alone SamplingRow (tests and callers without runner state)."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    min_tokens_stop_ids: Sequence[int] = ()
+    generator: torch.Generator | None = field(default=None)
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def is_greedy(sp: SamplingParams) -> bool:
+    return sp.temperature < GREEDY_EPS
+
+
+def has_penalties(sp: SamplingParams) -> bool:
+    return sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place: -inf on the stop ids of rows that have not yet produced min_tokens outputs."""
+    r_idx: list[int] = []
+    c_idx: list[int] = []
+    for i, row in enumerate(rows):
+        mt = row.sampling_params.min_tokens
+        if mt and len(row.output_token_ids) < mt and row.min_tokens_stop_ids:
+            ids = row.min_tokens_stop_ids
+            r_idx.extend([i] * len(ids))
+            c_idx.extend(ids)
+    if r_idx:
+        dev = logits.device
+        logits[torch.tensor(r_idx, device=dev), torch.tensor(c_idx, device=dev)] = float("-inf")
+
+
+def _token_table(seqs: list[Sequence[int]], vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded [M, L] id tensor (padding = `vocab`, an extra column dropped later) + lengths."""
+    width = max((len(s) for s in seqs), default=0)
+    t = torch.full((len(seqs), max(width, 1)), vocab, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        if s:
+            t[i, : len(s)] = torch.as_tensor(s, dtype=torch.int64)
+    return t.to(device), width
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place: repetition, frequency and presence penalties on the rows that set any of them."""
+    idx = [i for i, row in enumerate(rows) if has_penalties(row.sampling_params)]
+    if not idx:
+        return
+    dev = logits.device
+    m, vocab = len(idx), logits.shape[1]
+    sel = [rows[i] for i in idx]
+    out_ids, _ = _token_table([r.output_token_ids for r in sel], vocab, dev)
+    counts = torch.zeros((m, vocab + 1), dtype=logits.dtype, device=dev)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+    in_output = counts > 0
+    rows_t = torch.tensor(idx, device=dev)
+    lg = logits[rows_t]
+
+    rep = torch.tensor([r.sampling_params.repetition_penalty for r in sel], dtype=logits.dtype, device=dev)
+    if bool((rep != 1.0).any()):
+        prompt_ids, _ = _token_table([r.prompt_token_ids for r in sel], vocab, dev)
+        seen = torch.zeros((m, vocab + 1), dtype=torch.bool, device=dev)
+        seen.scatter_(1, prompt_ids, True)
+        seen = seen[:, :vocab] | in_output
+        rep = rep[:, None]
+        lg = torch.where(seen, torch.where(lg > 0, lg / rep, lg * rep), lg)
+    freq = torch.tensor([r.sampling_params.frequency_penalty for r in sel], dtype=logits.dtype, device=dev)
+    pres = torch.tensor([r.sampling_params.presence_penalty for r in sel], dtype=logits.dtype, device=dev)
+    lg = lg - freq[:, None] * counts - pres[:, None] * in_output.to(logits.dtype)
+    logits[rows_t] = lg
+
+
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """Mask (with -inf) everything outside each row's top-k and top-p set. k: int64 [N] (vocab = off),
+    p: float [N] (1 = off). Returns a new tensor."""
+    if k is None and p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if k is not None:
+        vocab = logits.shape[1]
+        kth = sorted_logits.gather(1, (vocab - k.clamp(1, vocab)).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if p is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1.0 - p).unsqueeze(1)
+        drop[:, -1] = False  # the most likely token always survives
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def random_sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None],
+                  default: torch.Generator | None) -> torch.Tensor:
+    """One draw per row from `probs` [N, V] via argmax(probs / Exp(1)); seeded rows use their own
+    generator (row by row), the rest one batched draw from `default`."""
+    q = torch.empty_like(probs)
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if len(seeded) < len(generators):
+        q.exponential_(generator=default)
+    for i in seeded:
+        q[i].exponential_(generator=generators[i])
+    return probs.div_(q).argmax(dim=-1)
+
+
+class Sampler:
+    """Samples one token per row. `generator` serves the unseeded random rows (engine seed)."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+        """logits: fp32 [N, vocab], modified in place. Returns N token ids."""
+        n = len(rows)
+        if logits.shape[0] != n:
+            raise ValueError(f"sampler: {logits.shape[0]} logit rows for {n} requests")
+        if n == 0:
+            return []
+        apply_min_tokens(logits, rows)
+        apply_penalties(logits, rows)
+        greedy = [is_greedy(r.sampling_params) for r in rows]
+        if all(greedy):
+            return logits.argmax(dim=-1).tolist()
+        out = logits.argmax(dim=-1) if any(greedy) else torch.empty(n, dtype=torch.int64, device=logits.device)
+        rand = [i for i in range(n) if not greedy[i]]
+        sel = [rows[i] for i in rand]
+        dev = logits.device
+        rand_t = torch.tensor(rand, device=dev)
+        lg = logits[rand_t] if len(rand) < n else logits
+        temp = torch.tensor([r.sampling_params.temperature for r in sel], dtype=lg.dtype, device=dev)
+        lg = lg / temp[:, None]
+        vocab = lg.shape[1]
+        ks = [r.sampling_params.top_k for r in sel]
+        ps = [r.sampling_params.top_p for r in sel]
+        k = None
+        if any(0 < x < vocab for x in ks):
+            k = torch.tensor([x if 0 < x < vocab else vocab for x in ks], dtype=torch.int64, device=dev)
+        p = torch.tensor(ps, dtype=lg.dtype, device=dev) if any(x < 1.0 for x in ps) else None
+        lg = apply_top_k_top_p(lg, k, p)
+        probs = lg.softmax(dim=-1)
+        drawn = random_sample(probs, [r.generator for r in sel], self.generator)
+        if len(rand) < n:
+            out[rand_t] = drawn
+        else:
+            out = drawn
+        return out.tolist()

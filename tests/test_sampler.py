@@ -1,0 +1,178 @@
+"""The sampler against independent computations: top-k / top-p masks, penalty formulas, min_tokens,
+seeded draws that do not depend on batch mates, mixed parameters in one batch."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from engine.core.sampling_params import SamplingParams  # noqa: E402
+from engine.sampler import Row, Sampler, apply_top_k_top_p, make_generator  # noqa: E402
+
+NEG_INF = float("-inf")
+
+
+def kept(masked: torch.Tensor) -> list[set[int]]:
+    return [set(torch.nonzero(torch.isfinite(r)).flatten().tolist()) for r in masked]
+
+
+def expected_top_k(row: list[float], k: int) -> set[int]:
+    kth = sorted(row, reverse=True)[k - 1]
+    return {i for i, x in enumerate(row) if x >= kth}
+
+
+def expected_top_p(row: list[float], p: float, allowed: set[int] | None = None) -> set[int]:
+    """Smallest set of most likely tokens whose probability mass reaches p (float64, by hand)."""
+    idx = sorted(allowed if allowed is not None else range(len(row)), key=lambda i: -row[i])
+    m = max(row[i] for i in idx)
+    z = sum(math.exp(row[i] - m) for i in idx)
+    out, mass = set(), 0.0
+    for i in idx:
+        out.add(i)
+        mass += math.exp(row[i] - m) / z
+        if mass >= p:
+            break
+    return out
+
+
+def test_top_k_mask():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g)
+    logits[5, :10] = 3.0  # ties at the k-th value are all kept
+    k = torch.tensor([1, 5, 50, 17, 2, 4])
+    got = kept(apply_top_k_top_p(logits.clone(), k, None))
+    for i in range(6):
+        assert got[i] == expected_top_k(logits[i].tolist(), int(k[i]))
+    assert got[5] == set(range(10))
+
+
+def test_top_p_mask_and_top_k_then_top_p():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 40, generator=g) * 2
+    p = torch.tensor([0.05, 0.5, 0.9, 0.999, 1.0])
+    got = kept(apply_top_k_top_p(logits.clone(), None, p))
+    for i in range(5):
+        assert got[i] == expected_top_p(logits[i].tolist(), float(p[i]))
+    assert len(got[0]) >= 1 and got[4] == set(range(40))
+    # top-k first, then top-p over the renormalised top-k distribution (vLLM's order).
+    k = torch.tensor([3, 10, 40, 5, 1])
+    got = kept(apply_top_k_top_p(logits.clone(), k, p))
+    for i in range(5):
+        row = logits[i].tolist()
+        assert got[i] == expected_top_p(row, float(p[i]), expected_top_k(row, int(k[i])))
+
+
+def test_penalties_formulas():
+    v = 12
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(3, v, generator=g) * 3
+    prompt = [1, 2, 2, 5]
+    output = [2, 3, 3, 3, 7]
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=1.7),
+        SamplingParams(temperature=0, frequency_penalty=0.6, presence_penalty=-0.4),
+        SamplingParams(temperature=0, repetition_penalty=0.8, frequency_penalty=1.1, presence_penalty=0.3),
+    ]
+    rows = [Row(sp, prompt, output) for sp in params]
+    from engine.sampler import apply_penalties
+
+    got = base.clone()
+    apply_penalties(got, rows)
+    counts = {t: output.count(t) for t in set(output)}
+    for r, sp in enumerate(params):
+        for t in range(v):
+            x = float(base[r, t])
+            if t in prompt or t in counts:
+                rp = sp.repetition_penalty
+                x = x / rp if x > 0 else x * rp
+            x -= sp.frequency_penalty * counts.get(t, 0)
+            x -= sp.presence_penalty * (1 if t in counts else 0)
+            assert float(got[r, t]) == pytest.approx(x, abs=1e-5), (r, t)
+
+
+def test_penalties_change_greedy_choice():
+    logits = torch.tensor([[0.0, 5.0, 4.9, 1.0]])
+    sampler = Sampler()
+    assert sampler(logits.clone(), [Row(SamplingParams(temperature=0))]) == [1]
+    rep = Row(SamplingParams(temperature=0, repetition_penalty=1.2), prompt_token_ids=[1])
+    assert sampler(logits.clone(), [rep]) == [2]
+    freq = Row(SamplingParams(temperature=0, frequency_penalty=0.05), output_token_ids=[1, 1, 1])
+    assert sampler(logits.clone(), [freq]) == [2]
+    # frequency/presence count outputs only, not the prompt
+    pres = Row(SamplingParams(temperature=0, presence_penalty=2.0), prompt_token_ids=[1])
+    assert sampler(logits.clone(), [pres]) == [1]
+
+
+def test_min_tokens_masks_stop_ids_until_reached():
+    logits = torch.tensor([[0.0, 1.0, 9.0, 8.0, 7.0]] * 3)
+    sp = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[3])
+    rows = [Row(sp, [0], [], min_tokens_stop_ids=(2, 3)),       # eos 2 and stop id 3 masked
+            Row(sp, [0], [4, 4], min_tokens_stop_ids=(2, 3)),   # still below min_tokens
+            Row(sp, [0], [4, 4, 4], min_tokens_stop_ids=(2, 3))]  # reached: no mask
+    assert Sampler()(logits.clone(), rows) == [4, 4, 2]
+    # random rows too: a masked id is never drawn
+    rnd = SamplingParams(temperature=1.0, min_tokens=5)
+    draws = Sampler(make_generator(0))(torch.zeros(64, 5), [Row(rnd, [0], [], (2,))] * 64)
+    assert 2 not in draws and len(set(draws)) > 1
+
+
+def test_seeded_sampling_independent_of_batch_mates():
+    g = torch.Generator().manual_seed(3)
+    target = torch.randn(1, 100, generator=g)
+    mates = torch.randn(5, 100, generator=g)
+    sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=1234)
+
+    def draws(batch_builder, steps=20):
+        gen = make_generator(1234)
+        sampler = Sampler(make_generator(99))
+        got = []
+        for _ in range(steps):
+            logits, rows, pos = batch_builder(gen)
+            got.append(sampler(logits, rows)[pos])
+        return got
+
+    def alone(gen):
+        return target.clone(), [Row(sp, generator=gen)], 0
+
+    def crowded(gen):
+        other = [Row(SamplingParams(temperature=1.0)), Row(SamplingParams(temperature=0)),
+                 Row(SamplingParams(temperature=0.5, seed=7), generator=make_generator(7)),
+                 Row(SamplingParams(temperature=1.3, top_k=3))]
+        logits = torch.cat([mates[:2], target, mates[2:4]])
+        return logits.clone(), other[:2] + [Row(sp, generator=gen)] + other[2:], 2
+
+    a, b = draws(alone), draws(crowded)
+    assert a == b
+    assert len(set(a)) > 1  # really sampling, not argmax
+    assert draws(alone) == a  # same seed, same stream
+
+
+def test_random_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(4000, 1)
+    sampler = Sampler(make_generator(0))
+    draws = sampler(logits, [Row(SamplingParams(temperature=1.0))] * 4000)
+    freq = torch.bincount(torch.tensor(draws), minlength=4).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03), freq
+    # temperature sharpens: at T=0.25 the top token dominates
+    cold = sampler(probs.log().repeat(2000, 1), [Row(SamplingParams(temperature=0.25))] * 2000)
+    assert cold.count(0) / 2000 > 0.85
+
+
+def test_mixed_batch():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 30, generator=g)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=1),
+              SamplingParams(temperature=0.7, top_p=0.01), SamplingParams(temperature=0, repetition_penalty=2.0),
+              SamplingParams(temperature=2.0, seed=5), SamplingParams(temperature=0)]
+    rows = [Row(sp, [0], [], generator=make_generator(sp.seed) if sp.seed is not None else None)
+            for sp in params]
+    got = Sampler(make_generator(0))(logits.clone(), rows)
+    am = logits.argmax(-1).tolist()
+    assert got[0] == am[0] and got[1] == am[1] and got[2] == am[2] and got[5] == am[5]
+    pen = logits[3].clone()
+    pen[0] = pen[0] / 2.0 if pen[0] > 0 else pen[0] * 2.0
+    assert got[3] == int(pen.argmax())
+    assert 0 <= got[4] < 30
