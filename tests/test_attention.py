@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch  # noqa: E402  (make test installs it)
 
 from engine.attention import (  # noqa: E402
     allocate_kv_cache,
@@ -123,7 +123,8 @@ def test_kv_cache_bytes_per_block():
 
 def test_backend_selection(monkeypatch):
     monkeypatch.delenv("SERVETWIN_ATTN_BACKEND", raising=False)
-    assert get_attention_backend("cpu").name == "torch"
+    assert get_attention_backend("cpu").name == "torch-cpu"
+    assert get_attention_backend("cpu", override="torch").name == "torch"
     monkeypatch.setenv("SERVETWIN_ATTN_BACKEND", "bogus")
     with pytest.raises(ValueError, match="SERVETWIN_ATTN_BACKEND"):
         get_attention_backend("cpu")

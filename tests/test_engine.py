@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402  (make test installs it)
+import transformers  # noqa: E402  (make test installs it)
 
 from engine import LLM, LLMEngine, SamplingParams  # noqa: E402
 from engine.model.loader import resolve_model  # noqa: E402

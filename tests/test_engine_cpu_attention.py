@@ -5,11 +5,11 @@ import random
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch  # noqa: E402  (make test installs it)
 
 from engine.attention import build_metadata, reference  # noqa: E402
-from engine.runner import cpu_attention  # noqa: E402
-from engine.runner.cpu_attention import CPUPagedAttention, write_kv  # noqa: E402
+from engine.attention import cpu as cpu_attention  # noqa: E402
+from engine.attention.cpu import CPUPagedAttention, write_kv  # noqa: E402
 
 
 def random_batch(seed: int, hq: int, hkv: int, specs: list[tuple[int, int]], bs: int = 16, d: int = 32):

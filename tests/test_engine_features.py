@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+import torch  # noqa: E402  (make test installs it)
+import transformers  # noqa: E402,F401  (make test installs it)
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.core.request import RequestStatus  # noqa: E402

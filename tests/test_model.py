@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402  (make test installs it)
+import transformers  # noqa: E402  (make test installs it)
 
 from engine.attention import allocate_kv_cache, build_metadata, build_positions  # noqa: E402
 from engine.model.llama import LlamaForCausalLM, ModelConfig  # noqa: E402

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch  # noqa: E402  (make test installs it)
 
 from engine.core.sampling_params import SamplingParams  # noqa: E402
 from engine.sampler import Row, Sampler, apply_top_k_top_p, make_generator  # noqa: E402

@@ -1,5 +1,4 @@
-"""The model runner (per-request state, one forward per step, sampling) and its CPU attention path."""
-from engine.runner.cpu_attention import CPUPagedAttention, cpu_attention_backend
+"""The model runner: per-request state, one forward per step, sampling."""
 from engine.runner.model_runner import ModelRunner, RequestState, StepTimes
 
-__all__ = ["CPUPagedAttention", "ModelRunner", "RequestState", "StepTimes", "cpu_attention_backend"]
+__all__ = ["ModelRunner", "RequestState", "StepTimes"]

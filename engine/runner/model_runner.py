@@ -16,18 +16,15 @@ non-final prefill chunk samples nothing.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention import allocate_kv_cache, build_metadata, build_positions
-from engine.attention.backend import BACKEND_ENV
 from engine.core.output import SchedulerOutput
 from engine.core.sampling_params import SamplingParams
 from engine.model.llama import LlamaForCausalLM
-from engine.runner.cpu_attention import cpu_attention_backend
 from engine.sampler import Sampler, make_generator
 
 
@@ -66,8 +63,6 @@ class ModelRunner:
                  seed: int = 0) -> None:
         self.model = model
         self.device = torch.device(device)
-        if self.device.type == "cpu" and model.attn_backend is None and not os.environ.get(BACKEND_ENV):
-            model.attn_backend = cpu_attention_backend()
         self.dtype = next(model.parameters()).dtype
         self.block_size = block_size
         self.num_blocks = 0
