@@ -13,6 +13,7 @@ import csv
 import json
 import logging
 import threading
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -83,19 +84,19 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
         if engine.tokenizer is not None else None
     max_model_len = engine.max_model_len
 
-    app = FastAPI(title="ServeTwin", version="0.1")
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        aeng.start()
+        try:
+            yield
+        finally:
+            aeng.stop()
+            if log is not None:
+                log.close()
+
+    app = FastAPI(title="ServeTwin", version="0.1", lifespan=lifespan)
     app.state.async_engine = aeng
     app.state.metrics = metrics
-
-    @app.on_event("startup")
-    async def _start() -> None:
-        aeng.start()
-
-    @app.on_event("shutdown")
-    async def _stop() -> None:
-        aeng.stop()
-        if log is not None:
-            log.close()
 
     @app.exception_handler(APIError)
     async def _api_error(_req, e: APIError):
@@ -202,10 +203,16 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
     async def respond(request: Request, req, prefix: str, obj: str, ids, text, params, chat: bool):
         rid = new_id(prefix)
         created = now_s()
-        gen = aeng.generate(rid, ids, params, text, req.priority)
+        # Queued now, in the same event-loop turn as the admission check in prepare(), so
+        # concurrent requests see each other in num_waiting().
+        try:
+            handle = aeng.submit(rid, ids, params, text, req.priority)
+        except EngineDead as e:
+            raise APIError(503, str(e), None, type="server_error") from None
+        gen = aeng.outputs(rid, handle)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(gen, rid, created, req.model, obj + ".chunk" if chat else obj,
+            return StreamingResponse(sse(gen, rid, created, req.model, obj + ".chunk" if chat else obj,
                                             len(ids), include_usage, chat),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -245,7 +252,7 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
         return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
                 "usage": usage(n_prompt, len(c.token_ids))}
 
-    async def stream(gen, rid, created, model, obj, n_prompt, include_usage, chat):
+    async def sse(gen, rid, created, model, obj, n_prompt, include_usage, chat):
         def chunk(delta_text: str | None, finish, role: bool = False) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else (

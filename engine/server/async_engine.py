@@ -70,21 +70,32 @@ class AsyncEngine:
         """Requests queued but not running (read from the HTTP side: approximate, by design)."""
         return len(self.engine.scheduler.waiting) + self.num_pending_adds
 
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               prompt_text: str | None = None, priority: int = 0) -> "_Stream":
+        """Queue a request for the engine now (so it counts as waiting at once); consume its
+        outputs with `outputs()`. Call from the event loop."""
+        if not self.alive:
+            raise EngineDead(f"engine loop is not running: {self.error!r}")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(),
+                         time.monotonic() + self.request_timeout_s)
+        with self._pending_lock:
+            self.num_pending_adds += 1
+        self._cmds.put(("add", request_id, prompt_token_ids, params, prompt_text, priority, stream))
+        return stream
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt_text: str | None = None, priority: int = 0):
+        """submit() and outputs() in one (the request is queued on the first iteration)."""
+        stream = self.submit(request_id, prompt_token_ids, params, prompt_text, priority)
+        async for out in self.outputs(request_id, stream):
+            yield out
+
+    async def outputs(self, request_id: str, stream: "_Stream"):
         """Yield the engine's cumulative RequestOutputs for one request until it finishes.
 
         If the consumer stops early (client gone), the request is aborted in the engine.
         """
-        if not self.alive:
-            raise EngineDead(f"engine loop is not running: {self.error!r}")
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        deadline = time.monotonic() + self.request_timeout_s
-        with self._pending_lock:
-            self.num_pending_adds += 1
-        self._cmds.put(("add", request_id, prompt_token_ids, params, prompt_text, priority,
-                        _Stream(loop, q, deadline)))
+        q = stream.queue
         finished = False
         try:
             while True:
