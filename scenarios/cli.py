@@ -74,7 +74,19 @@ def main(argv=None) -> int:
         add_serve_args(sub)
 
     a = ap.parse_args(argv)
-    return a.func(a)
+    try:
+        return a.func(a)
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] in _ENGINE_DEPS:
+            print(f"error: `servetwin {a.cmd}` runs the real engine, which needs {e.name!r}: install the "
+                  "engine extra (pip install -e '.[engine]', or `make test`, which installs it)",
+                  file=sys.stderr)
+            return 2
+        raise
+
+
+_ENGINE_DEPS = {"torch", "transformers", "gguf", "accelerate", "safetensors", "triton", "fastapi",
+                "uvicorn", "prometheus_client", "httpx"}
 
 
 if __name__ == "__main__":

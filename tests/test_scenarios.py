@@ -93,3 +93,19 @@ def test_cli_reports_bad_scenario(tmp_path, capsys):
     p = write(tmp_path, {**BASE, "scheduler": {"block_size": 0}})
     assert main(["simulate", str(p), "--no-progress"]) == 2
     assert "scheduler.block_size=0" in capsys.readouterr().err
+
+
+def test_engine_commands_explain_a_missing_engine_install(monkeypatch, capsys):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_torch(name, *args, **kwargs):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError("No module named 'torch'", name="torch")
+        return real_import(name, *args, **kwargs)
+
+    import sys
+    monkeypatch.delitem(sys.modules, "engine.llm_engine", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    assert main(["generate", "--prompt", "hi", "--max-tokens", "2"]) == 2
+    assert "engine extra" in capsys.readouterr().err
