@@ -18,7 +18,6 @@ weight times).
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 
 from engine.core.records import RequestRecord
 
@@ -62,18 +61,50 @@ def stats(values, weights=None) -> dict:
     return {"mean": mean, **{f"p{q}": x for q, x in zip(QUANTILES, p)}, "count": count}
 
 
-def requests_frame(records: list[RequestRecord]) -> pd.DataFrame:
-    """One row per request with the derived latencies (NaN where undefined)."""
-    df = pd.DataFrame({c: [getattr(r, c) for r in records] for c in RequestRecord.COLUMNS})
-    for c in ("first_scheduled_s", "first_token_s", "last_token_s", "finish_s"):
-        df[c] = pd.to_numeric(df[c], errors="coerce")
-    completed = df["finish_reason"].isin(["stop", "length"])
-    df["ttft_s"] = (df["first_token_s"] - df["arrival_s"]).where(completed)
-    n = df["num_output_tokens"]
-    df["tpot_s"] = ((df["last_token_s"] - df["first_token_s"]) / (n - 1)).where(completed & (n > 1))
-    df["e2e_s"] = (df["finish_s"] - df["arrival_s"]).where(completed)
-    df["queue_s"] = df["first_scheduled_s"] - df["arrival_s"]
-    return df
+_TIMES = ("first_scheduled_s", "first_token_s", "last_token_s", "finish_s")
+DERIVED = ("ttft_s", "tpot_s", "e2e_s", "queue_s")
+
+
+def request_table(records: list[RequestRecord]) -> dict[str, np.ndarray]:
+    """Columns of the records (numpy; NaN where a time is missing) plus the derived latencies.
+
+    The simulator summarises and writes these directly; `requests_frame` wraps them in pandas.
+    """
+    t: dict[str, np.ndarray] = {}
+    for c in RequestRecord.COLUMNS:
+        vals = [getattr(r, c) for r in records]
+        if c in _TIMES:
+            t[c] = np.array([np.nan if v is None else v for v in vals], dtype=np.float64)
+        elif c in ("request_id", "finish_reason"):
+            t[c] = np.array(vals, dtype=object)
+        elif c == "arrival_s":
+            t[c] = np.array(vals, dtype=np.float64)
+        else:
+            t[c] = np.array(vals, dtype=np.int64)
+    completed = _completed(t)
+    n = t["num_output_tokens"]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        t["ttft_s"] = np.where(completed, t["first_token_s"] - t["arrival_s"], np.nan)
+        t["tpot_s"] = np.where(completed & (n > 1),
+                               (t["last_token_s"] - t["first_token_s"]) / np.maximum(n - 1, 1), np.nan)
+        t["e2e_s"] = np.where(completed, t["finish_s"] - t["arrival_s"], np.nan)
+        t["queue_s"] = t["first_scheduled_s"] - t["arrival_s"]
+    return t
+
+
+def requests_frame(records: list[RequestRecord]):
+    """One row per request with the derived latencies (NaN where undefined), as a DataFrame."""
+    import pandas as pd
+    return pd.DataFrame(request_table(records))
+
+
+def _completed(t) -> np.ndarray:
+    fr = np.asarray(t["finish_reason"], dtype=object)
+    return (fr == "stop") | (fr == "length")
+
+
+def _col(t, c) -> np.ndarray:
+    return np.asarray(t[c])
 
 
 def itl_from_token_times(records: list[RequestRecord]):
@@ -82,54 +113,78 @@ def itl_from_token_times(records: list[RequestRecord]):
     return (np.concatenate(gaps) if gaps else np.empty(0)), None
 
 
-def meets_slo(df: pd.DataFrame, slo: dict | None) -> pd.Series:
-    ok = df["finish_reason"].isin(["stop", "length"])
+def meets_slo(t, slo: dict | None) -> np.ndarray:
+    """Completed requests meeting every given SLO (t: a request table or DataFrame)."""
+    ok = _completed(t)
     for key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):
         limit = (slo or {}).get(key)
         if limit is not None:
-            ok &= df[key].fillna(0.0) <= limit
+            v = _col(t, key).astype(np.float64)
+            ok &= np.nan_to_num(v, nan=0.0) <= limit
     return ok
 
 
-def summarize(df: pd.DataFrame, itl_values, itl_weights=None, slo: dict | None = None,
+def summarize(t, itl_values, itl_weights=None, slo: dict | None = None,
               preemptions: int | None = None) -> dict:
-    completed = df["finish_reason"].isin(["stop", "length"])
-    start = float(df["arrival_s"].min()) if len(df) else 0.0
-    end = float(df["finish_s"].max()) if len(df) and df["finish_s"].notna().any() else start
+    """The summary.json dict (t: a request table or a DataFrame with the same columns)."""
+    completed = _completed(t)
+    arrival = _col(t, "arrival_s").astype(np.float64)
+    finish = _col(t, "finish_s").astype(np.float64)
+    n = len(arrival)
+    start = float(arrival.min()) if n else 0.0
+    end = float(np.nanmax(finish)) if n and not np.isnan(finish).all() else start
     duration = max(end - start, 1e-12)
-    out_tokens = int(df["num_output_tokens"].sum())
-    produced = df["num_output_tokens"] > 0
-    prompt_tokens = int(df.loc[produced, "num_prompt_tokens"].sum())
-    summary = {
-        "ttft_s": stats(df.loc[completed, "ttft_s"].dropna()),
-        "tpot_s": stats(df.loc[completed, "tpot_s"].dropna()),
+    out = _col(t, "num_output_tokens")
+    out_tokens = int(out.sum())
+    prompt_tokens = int(_col(t, "num_prompt_tokens")[out > 0].sum())
+    fr = np.asarray(t["finish_reason"], dtype=object)
+
+    def lat(key, mask=completed):
+        v = _col(t, key).astype(np.float64)[mask]
+        return stats(v[~np.isnan(v)])
+
+    return {
+        "ttft_s": lat("ttft_s"),
+        "tpot_s": lat("tpot_s"),
         "itl_s": stats(itl_values, itl_weights),
-        "e2e_s": stats(df.loc[completed, "e2e_s"].dropna()),
-        "queue_s": stats(df["queue_s"].dropna()),
+        "e2e_s": lat("e2e_s"),
+        "queue_s": lat("queue_s", np.ones(n, dtype=bool)),
         "throughput": {
             "requests_per_s": float(completed.sum()) / duration,
             "output_tokens_per_s": out_tokens / duration,
             "total_tokens_per_s": (prompt_tokens + out_tokens) / duration,
         },
         "requests": {
-            "total": int(len(df)),
+            "total": int(n),
             "completed": int(completed.sum()),
-            "aborted": int((df["finish_reason"] == "abort").sum()),
-            "rejected": int((df["finish_reason"] == "rejected").sum()),
-            "unfinished": int(df["finish_reason"].isna().sum()),
-            "preemptions": int(df["num_preemptions"].sum() if preemptions is None else preemptions),
-            "prefix_cached_tokens": int(df["num_cached_tokens"].sum()),
+            "aborted": int((fr == "abort").sum()),
+            "rejected": int((fr == "rejected").sum()),
+            "unfinished": int(sum(1 for x in fr if x is None or x != x)),
+            "preemptions": int(_col(t, "num_preemptions").sum() if preemptions is None else preemptions),
+            "prefix_cached_tokens": int(_col(t, "num_cached_tokens").sum()),
         },
-        "goodput_requests_per_s": float(meets_slo(df, slo).sum()) / duration,
+        "goodput_requests_per_s": float(meets_slo(t, slo).sum()) / duration,
         "slo": dict(slo or {}),
         "duration_s": duration,
     }
-    return summary
 
 
-def read_request_log(path) -> pd.DataFrame:
-    """A request log (the server's --request-log CSV, or a simulator's requests.csv) with the
-    latency columns derived by the definitions above."""
+def write_csv(table: dict, path, columns=None) -> None:
+    """A column table as CSV (empty cells for None/NaN), without pandas."""
+    import csv
+    cols = list(columns or table)
+    data = [table[c].tolist() if hasattr(table[c], "tolist") else list(table[c]) for c in cols]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for row in zip(*data):
+            w.writerow(["" if v is None or v != v else v for v in row])
+
+
+def read_request_log(path):
+    """A request log (the server's --request-log CSV, or a simulator's requests.csv) as a
+    DataFrame, with the latency columns derived by the definitions above."""
+    import pandas as pd
     raw = pd.read_csv(path)
     cols = list(RequestRecord.COLUMNS)
     missing = [c for c in cols if c not in raw.columns]

@@ -8,13 +8,12 @@ from heapq import heappush
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import simpy
 from simpy.events import NORMAL, Event
 
 from engine.core import SchedulerConfig
 from engine.core.records import STEP_COLUMNS, RequestRecord
-from sim.metrics import requests_frame, summarize
+from sim.metrics import request_table, summarize, write_csv
 from sim.replica import Replica, SimRequest
 
 ROUTERS = ("round_robin", "random", "least_outstanding", "prefix_affinity")
@@ -34,11 +33,29 @@ class TimeoutAt(Event):
 
 @dataclass
 class SimResult:
-    requests: pd.DataFrame
-    steps: pd.DataFrame
+    """`requests` and `steps` are pandas DataFrames (built on first use from the column tables;
+    the command line never needs pandas)."""
+
+    request_table: dict
+    step_table: dict
     summary: dict
     records: list[RequestRecord] = field(repr=False, default_factory=list)
     itl: tuple = field(repr=False, default=(np.empty(0), None))
+    _frames: dict = field(repr=False, default_factory=dict)
+
+    @property
+    def requests(self):
+        if "requests" not in self._frames:
+            import pandas as pd
+            self._frames["requests"] = pd.DataFrame(self.request_table)
+        return self._frames["requests"]
+
+    @property
+    def steps(self):
+        if "steps" not in self._frames:
+            import pandas as pd
+            self._frames["steps"] = pd.DataFrame(self.step_table)
+        return self._frames["steps"]
 
     def save(self, out_dir: str | Path, plots: bool = True) -> Path:
         import json
@@ -46,8 +63,8 @@ class SimResult:
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "summary.json", "w") as f:
             json.dump(self.summary, f, indent=1, default=float)
-        self.requests.to_csv(out / "requests.csv", index=False)
-        self.steps.to_csv(out / "steps.csv", index=False)
+        write_csv(self.request_table, out / "requests.csv")
+        write_csv(self.step_table, out / "steps.csv")
         if plots:
             from sim.plots import write_plots
             write_plots(self, out)
@@ -164,9 +181,9 @@ class Simulation:
         return self.collect(time.perf_counter() - wall0)
 
     def collect(self, wall_s: float) -> SimResult:
-        df = requests_frame(self.records)
+        table = request_table(self.records)
         steps = [s for r in self.replicas for s in r.steps]
-        steps_df = pd.DataFrame({c: [getattr(s, c) for s in steps] for c in STEP_COLUMNS})
+        step_table = {c: np.array([getattr(s, c) for s in steps]) for c in STEP_COLUMNS}
         vals, weights = [], []
         for r in self.replicas:
             v, w = r.itl_sample()
@@ -174,11 +191,12 @@ class Simulation:
             weights.append(w)
         itl = (np.concatenate(vals), np.concatenate(weights))
         preemptions = sum(r.scheduler.num_preemptions for r in self.replicas)
-        summary = summarize(df, itl[0], itl[1], self.slo, preemptions)
+        summary = summarize(table, itl[0], itl[1], self.slo, preemptions)
         summary["simulated_s"] = float(self.env.now)
         summary["wall_s"] = wall_s
         summary["num_steps"] = int(sum(r.step_idx for r in self.replicas))
-        if len(steps_df):
-            summary["kv_usage"] = {"mean": float(np.average(steps_df["kv_usage"], weights=steps_df["end_s"] - steps_df["start_s"] + 1e-15)),
-                                   "max": float(steps_df["kv_usage"].max())}
-        return SimResult(df, steps_df, summary, self.records, itl)
+        if steps:
+            kv = step_table["kv_usage"]
+            span = step_table["end_s"] - step_table["start_s"]
+            summary["kv_usage"] = {"mean": float(np.average(kv, weights=span + 1e-15)), "max": float(kv.max())}
+        return SimResult(table, step_table, summary, self.records, itl)

@@ -350,19 +350,18 @@ def _load_trace(m: _Map, num_requests, has_arrival: bool, reader: _Reader) -> _T
                             "mutually exclusive, give one")
     if start >= len(df):
         raise WorkloadError(f"workload.trace.start={start}: the trace has only {len(df)} rows")
-    df = df.iloc[start:]
+    df = df.take(slice(start, None))
     caps = [c for c in (num_requests, max_requests) if c is not None]
     n = min(caps) if caps else len(df)
-    base = df.iloc[:n]  # fewer rows than n: all of them, tiled below
+    base = df.take(slice(0, n))  # fewer rows than n: all of them, tiled below
     m_rows = len(base)
 
-    timed = not base["arrival_s"].isna().any()
     arrival = None
-    if timed and not has_arrival:
-        a = base["arrival_s"].to_numpy(dtype=np.float64)
+    if base.timed and not has_arrival:
+        a = base.arrival_s
         order = np.argsort(a, kind="stable")
         if (order != np.arange(m_rows)).any():  # replay in arrival order
-            base, a = base.iloc[order], a[order]
+            base, a = base.take(order), a[order]
         a = a - a[0]
         span = float(a[-1])
         if time_scale is not None:
@@ -388,15 +387,15 @@ def _load_trace(m: _Map, num_requests, has_arrival: bool, reader: _Reader) -> _T
     tile = np.arange(n) // m_rows
     if arrival is not None:
         arrival = arrival[idx] + tile * (span + gap)
-    prompt = base["prompt_len"].to_numpy(dtype=np.int64)[idx]
-    output = base["output_len"].to_numpy(dtype=np.int64)[idx]
+    prompt = base.prompt_len[idx]
+    output = base.output_len[idx]
 
     hash_off = hash_idx = None
     num_hash = 0
-    hashes = base["hash_ids"].tolist()
+    hashes = base.hash_ids
     if any(h is not None for h in hashes):
         # Keep the blocks the prompt covers, renumber hash ids densely (0..K-1), then tile.
-        need = -(-base["prompt_len"].to_numpy(dtype=np.int64) // MOONCAKE_BLOCK)
+        need = -(-base.prompt_len // MOONCAKE_BLOCK)
         kept = [(h or [])[:k] for h, k in zip(hashes, need.tolist())]
         counts = np.fromiter((len(h) for h in kept), np.int64, m_rows)
         flat = np.fromiter((x for h in kept for x in h), np.int64, int(counts.sum()))
@@ -450,7 +449,7 @@ def _lengths(m: _Map, key: str, n: int, rng: np.random.Generator, reader: _Reade
         fmt = m.text("format", "auto", choices=("auto",) + FORMATS)
         df = reader.read(m, "path", fmt)
         col = m.text("column", key, choices=("prompt_len", "output_len"))
-        out = rng.choice(df[col].to_numpy(dtype=np.int64), n)
+        out = rng.choice(df[col], n)
     m.done()
     return out
 
