@@ -54,7 +54,8 @@ def run_one(trace: Path, n: int, rate: float, steady: bool, tmp: Path) -> dict:
     exe = Path(sys.executable).parent / "servetwin"
     cmd = [str(exe), "simulate", str(path), "--out", str(out), "--no-progress", "--no-plots"]
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
     end_to_end = time.perf_counter() - t0
     s = json.loads((out / "summary.json").read_text())
     return {
