@@ -133,10 +133,9 @@ class BlockPool:
         for _ in range(n):
             h = b.block_hash
             if h is not None and cached is not None:  # lazy eviction (self._evict, inlined)
-                v = cached.get(h)
-                if v is b:
-                    del cached[h]
-                elif v is not None:
+                v = cached.pop(h, None)
+                if v is not b and v is not None:  # several blocks hold h: put them back
+                    cached[h] = v
                     self._evict(b)
                 b.block_hash = None
             b.ref_cnt = 1
@@ -169,27 +168,47 @@ class BlockPool:
             b.ref_cnt += 1
 
     def free_blocks(self, ordered: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference from each block, in the given order (eviction order)."""
+        """Drop one reference from each block, in the given order (eviction order).
+
+        Blocks going to the tail are chained among themselves and spliced in once; blocks going
+        to the head (unhashed, 0.33) likewise, each one ahead of the previous.
+        """
         q = self.free_queue
-        head, tail = q.head, q.tail
         unhashed_first = self.unhashed_first
+        t_first = t_last = h_first = h_last = None
         freed = 0
         for b in ordered:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 freed += 1
                 if unhashed_first and b.block_hash is None:
-                    first = head.next_free
-                    head.next_free = b
-                    b.prev_free = head
-                    b.next_free = first
-                    first.prev_free = b
+                    if h_first is None:
+                        h_first = h_last = b
+                    else:  # b goes in front of the previous head-bound block
+                        b.next_free = h_first
+                        h_first.prev_free = b
+                        h_first = b
                 else:
-                    last = tail.prev_free
-                    last.next_free = b
-                    b.prev_free = last
-                    b.next_free = tail
-                    tail.prev_free = b
+                    if t_first is None:
+                        t_first = t_last = b
+                    else:
+                        t_last.next_free = b
+                        b.prev_free = t_last
+                        t_last = b
+        if t_first is not None:
+            tail = q.tail
+            last = tail.prev_free
+            last.next_free = t_first
+            t_first.prev_free = last
+            t_last.next_free = tail
+            tail.prev_free = t_last
+        if h_first is not None:
+            head = q.head
+            first = head.next_free
+            head.next_free = h_first
+            h_first.prev_free = head
+            h_last.next_free = first
+            first.prev_free = h_last
         q.num_free_blocks += freed
 
     def cache_block(self, b: KVCacheBlock, block_hash: int) -> None:

@@ -173,10 +173,7 @@ class KVCacheManager:
             b = req_blocks[i]
             if b.block_hash is None:
                 h = b.block_hash = hashes[i]
-                v = cached.get(h)
-                if v is None:
-                    cached[h] = b
-                else:
+                if cached.setdefault(h, b) is not b:  # h already cached: keep both
                     self.block_pool.cache_block(b, h)
         self.num_cached_block[request.request_id] = num_full
 

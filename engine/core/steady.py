@@ -278,9 +278,7 @@ class SteadyDecoder:
                     b = blocks[j]
                     if b.block_hash is None:
                         h = b.block_hash = hashes[j]
-                        if h in cached:
+                        if cached.setdefault(h, b) is not b:  # h already cached: keep both
                             pool.cache_block(b, h)
-                        else:
-                            cached[h] = b
                     num_cached[rid] = j + 1
             heapq.heappush(ev, key + step_ahead)
