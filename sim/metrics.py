@@ -17,6 +17,8 @@ weight times).
 """
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
 
 from engine.core.records import RequestRecord
@@ -72,9 +74,9 @@ def request_table(records: list[RequestRecord]) -> dict[str, np.ndarray]:
     """
     t: dict[str, np.ndarray] = {}
     for c in RequestRecord.COLUMNS:
-        vals = [getattr(r, c) for r in records]
+        vals = list(map(attrgetter(c), records))
         if c in _TIMES:
-            t[c] = np.array([np.nan if v is None else v for v in vals], dtype=np.float64)
+            t[c] = np.array(vals, dtype=np.float64)  # None becomes NaN
         elif c in ("request_id", "finish_reason"):
             t[c] = np.array(vals, dtype=object)
         elif c == "arrival_s":

@@ -257,6 +257,7 @@ class Replica:
         if self.deadlines and self.deadlines[0][0] < horizon:
             horizon = self.deadlines[0][0]
         t = now
+        # One steps.csv row per steady run (its first step's features, num_steps steps).
         seg_start, seg_step, seg_feat = now, self.step_idx, None
         finished: list[SimRequest] = []
         leave = False
@@ -334,9 +335,6 @@ class Replica:
                 finished.append(sreq)
             self.step_idx = step + 1
             t = end
-            if res.finished or res.admitted or res.leave:
-                self._record_step(seg_step, seg_start, t, self.step_idx - seg_step, seg_feat)
-                seg_start, seg_step, seg_feat = t, self.step_idx, None
             if res.leave:
                 leave = True
                 break

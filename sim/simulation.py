@@ -6,6 +6,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from heapq import heappush
+from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
@@ -192,7 +193,7 @@ class Simulation:
     def collect(self, wall_s: float) -> SimResult:
         table = request_table(self.records)
         steps = [s for r in self.replicas for s in r.steps]
-        step_table = {c: np.array([getattr(s, c) for s in steps]) for c in STEP_COLUMNS}
+        step_table = {c: np.array(list(map(attrgetter(c), steps))) for c in STEP_COLUMNS}
         vals, weights = [], []
         for r in self.replicas:
             v, w = r.itl_sample()
