@@ -40,10 +40,6 @@ class CostModel:
         return self._time(f.num_reqs, f.num_prefill_tokens + f.num_decode_reqs, f.num_prefill_reqs,
                           f.prefill_attn_pairs, f.prefill_context_tokens, f.decode_context_tokens)
 
-    def decode_step_time(self, num_decode: int, decode_context_tokens: int) -> float:
-        """step_time of a step of `num_decode` decodes and nothing else (same arithmetic)."""
-        return self._time(num_decode, num_decode, 0, 0, 0, decode_context_tokens)
-
     def describe(self) -> dict:
         return {"kind": self.kind, **self.metadata}
 

@@ -227,15 +227,6 @@ class BlockPool:
             return []
         return [v] if v.__class__ is KVCacheBlock else list(v.values())
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash (only when no block is referenced, as in vLLM)."""
-        if self.get_num_free_blocks() != self.num_usable_blocks:
-            return False
-        self.cached.clear()
-        for b in self.blocks:
-            b.block_hash = None
-        return True
-
     def usage(self) -> float:
         """Fraction of usable blocks referenced by requests (cached-but-free blocks count as free)."""
         return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks

@@ -47,6 +47,12 @@ class SchedulerConfig:
             bad("max_num_batched_tokens",
                 f"is below block_size={self.block_size} with enable_chunked_prefill=False: "
                 "no prompt of a full block could ever be scheduled")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # vLLM's rule: without chunking a sequence must fit in one step, or it (and every
+            # request queued behind it) would wait for ever.
+            bad("max_num_batched_tokens",
+                f"is below max_model_len={self.max_model_len} with enable_chunked_prefill=False: "
+                "raise max_num_batched_tokens, lower max_model_len or enable chunked prefill")
         if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
             bad("watermark", "must be in [0, 1)")
         if isinstance(self.policy, str) and self.policy not in POLICIES:

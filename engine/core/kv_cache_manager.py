@@ -56,9 +56,6 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
-    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        return self.req_to_blocks.get(request_id, [])
-
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
@@ -176,6 +173,19 @@ class KVCacheManager:
                 if cached.setdefault(h, b) is not b:  # h already cached: keep both
                     self.block_pool.cache_block(b, h)
         self.num_cached_block[request.request_id] = num_full
+
+    def uncache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Take the blocks past `num_computed_tokens` out of the prefix-cache map: they were
+        entered when this step's chunk was allocated, and that chunk will not be computed."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        first = num_computed_tokens // self.block_size
+        num_cached = self.num_cached_block.get(request.request_id, 0)
+        if not blocks or num_cached <= first:
+            return
+        for b in blocks[first:num_cached]:
+            if b.block_hash is not None:
+                self.block_pool._evict(b)
+        self.num_cached_block[request.request_id] = first
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, last block first (so tails are evicted before prefixes)."""

@@ -103,16 +103,6 @@ class Request:
     def finish_reason(self) -> str | None:
         return _FINISH_REASON.get(self.status)
 
-    def append_output_token_id(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-        self.num_tokens += 1
-
-    def __lt__(self, other: "Request") -> bool:
-        # Heap tie-break for priority queues: (priority, arrival_time, request_id).
-        return (self.priority, self.arrival_time, self.request_id) < (
-            other.priority, other.arrival_time, other.request_id)
-
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, "
                 f"computed={self.num_computed_tokens}/{self.num_tokens}, "

@@ -25,9 +25,8 @@ _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
-_FINISH_REASON = {RequestStatus.FINISHED_STOPPED: "stop",
-                  RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-                  RequestStatus.FINISHED_ABORTED: "abort"}
+_FINISH_REASON = {s: RequestStatus.finish_reason(s) for s in (
+    RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED)}
 
 
 class Scheduler:
@@ -67,15 +66,9 @@ class Scheduler:
             raise ValueError(f"request {rid!r}: request_id is already in use")
         if request.max_tokens is None:
             request.max_tokens = max(1, self.max_model_len - n)
-        # A request whose whole sequence cannot fit in the pool would wait (or self-preempt) for
-        # ever and block every request queued behind it.
-        need = -(-min(n + request.max_tokens, self.max_model_len) // self.block_size)
-        usable = self.kv_cache_manager.num_usable_blocks
-        if need > usable:
-            raise ValueError(
-                f"request {rid!r}: prompt of {n} tokens + max_tokens={request.max_tokens} needs "
-                f"{need} KV blocks of {self.block_size} tokens but the pool has only {usable} "
-                f"(num_gpu_blocks={self.config.num_gpu_blocks})")
+        problem = self.fit_problem(n, request.max_tokens)
+        if problem is not None:
+            raise ValueError(f"request {rid!r}: {problem}")
         sp = request.sampling_params
         stop = set(sp.stop_token_ids)
         if request.eos_token_id is not None and not sp.ignore_eos:
@@ -85,6 +78,22 @@ class Scheduler:
         self.requests[rid] = request
         request.status = _WAITING
         self.waiting.add_request(request)
+
+    def fit_problem(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request of this size could never finish in this pool, or None.
+
+        A sequence whose KV cannot fit in the whole pool would wait (or preempt itself) for ever
+        and block every request queued behind it. Its last sampled token is never computed, so
+        it needs slots for at most min(prompt + max_tokens, max_model_len) - 1 tokens.
+        """
+        tokens = min(num_prompt_tokens + max_tokens, self.max_model_len) - 1
+        need = -(-tokens // self.block_size)
+        usable = self.kv_cache_manager.num_usable_blocks
+        if need > usable:
+            return (f"prompt of {num_prompt_tokens} tokens + max_tokens={max_tokens} needs {need} KV "
+                    f"blocks of {self.block_size} tokens but the pool has only {usable} "
+                    f"(num_gpu_blocks={self.config.num_gpu_blocks})")
+        return None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(self.waiting)
@@ -207,6 +216,9 @@ class Scheduler:
                         budget += vn
                         j = c_ids.index(vid)
                         vc = c_computed[j]
+                        # Its chunk will not run: blocks entered in the prefix cache for it
+                        # must not be hits for anyone (their KV is never written).
+                        kvm.uncache_blocks(victim, vc)
                         del c_ids[j], c_blocks[j], c_computed[j]
                         if vid in sampling:
                             sampling.remove(vid)
