@@ -7,7 +7,8 @@ Definitions (times in seconds; a token's time is the end of the step that produc
   E2E    = finish_s - arrival_s                              (completed requests)
   queue  = first_scheduled_s - arrival_s                     (requests that were scheduled)
   completed = finish_reason "stop" or "length"; aborted = "abort"; rejected = "rejected"
-  duration_s = last finish - first arrival (the span the throughputs are averaged over)
+  duration_s = last finish (or token) - first arrival, or the cut-off of a truncated run (the
+               span the throughputs are averaged over)
   throughput.requests_per_s      = completed / duration_s
   throughput.output_tokens_per_s = output tokens of all requests / duration_s
   throughput.total_tokens_per_s  = (prompt tokens of requests that produced a token + output tokens) / duration_s
@@ -127,14 +128,20 @@ def meets_slo(t, slo: dict | None) -> np.ndarray:
 
 
 def summarize(t, itl_values, itl_weights=None, slo: dict | None = None,
-              preemptions: int | None = None) -> dict:
-    """The summary.json dict (t: a request table or a DataFrame with the same columns)."""
+              preemptions: int | None = None, end_s: float | None = None) -> dict:
+    """The summary.json dict (t: a request table or a DataFrame with the same columns).
+
+    The span runs from the first arrival to the last finish or token, or to `end_s` for a run
+    cut before every request finished (so unfinished requests' tokens count over the right time).
+    """
     completed = _completed(t)
     arrival = _col(t, "arrival_s").astype(np.float64)
-    finish = _col(t, "finish_s").astype(np.float64)
     n = len(arrival)
     start = float(arrival.min()) if n else 0.0
-    end = float(np.nanmax(finish)) if n and not np.isnan(finish).all() else start
+    ends = np.concatenate([_col(t, "finish_s").astype(np.float64), _col(t, "last_token_s").astype(np.float64)])
+    end = float(np.nanmax(ends)) if n and not np.isnan(ends).all() else start
+    if end_s is not None:
+        end = max(end, end_s)
     duration = max(end - start, 1e-12)
     out = _col(t, "num_output_tokens")
     out_tokens = int(out.sum())

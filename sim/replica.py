@@ -149,6 +149,8 @@ class Replica:
                 self._admit_arrivals(now)
             if self.aborts or (self.deadlines and self.deadlines[0][0] <= now):
                 self._apply_aborts(now)
+                while self.inbox:  # closed loop: the aborted requests' replacements
+                    self._admit_arrivals(now)
             if not sched.has_unfinished_requests():
                 if self.steady is not None:
                     self._leave_steady()

@@ -88,7 +88,9 @@ class Simulation:
         # Steady runs are exact when every outside event is known ahead: open-loop arrivals,
         # or a closed loop on one replica (its new arrivals come when its own requests finish,
         # which ends a steady run).
-        self.use_steady = use_steady and (self.closed_loop is None or num_replicas == 1)
+        # A run cut at max_time_s steps one by one: a steady run cannot stop in the middle.
+        self.use_steady = (use_steady and (self.closed_loop is None or num_replicas == 1)
+                           and max_time_s is None)
         self.keep_token_times = keep_token_times
         self.keep_steps = keep_steps
         self.slo = slo
@@ -201,7 +203,9 @@ class Simulation:
             weights.append(w)
         itl = (np.concatenate(vals), np.concatenate(weights))
         preemptions = sum(r.scheduler.num_preemptions for r in self.replicas)
-        summary = summarize(table, itl[0], itl[1], self.slo, preemptions)
+        cut = self.max_time_s is not None and not self._all_done.triggered
+        summary = summarize(table, itl[0], itl[1], self.slo, preemptions,
+                            end_s=float(self.env.now) if cut else None)
         summary["simulated_s"] = float(self.env.now)
         summary["wall_s"] = wall_s
         summary["num_steps"] = int(sum(r.step_idx for r in self.replicas))

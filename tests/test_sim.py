@@ -120,7 +120,8 @@ TIMESTAMPS = ["arrival_s", "first_scheduled_s", "first_token_s", "last_token_s",
               "num_output_tokens", "num_cached_tokens", "num_preemptions", "finish_reason", "replica"]
 
 
-@pytest.mark.parametrize("case", ["plain", "preempting", "cancellation", "replicas", "closed_loop"])
+@pytest.mark.parametrize("case", ["plain", "preempting", "cancellation", "replicas", "closed_loop",
+                                  "closed_loop_cancellation"])
 def test_steady_decoding_gives_identical_timestamps(case):
     cfg = SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=64, max_model_len=4096,
                           block_size=16, num_gpu_blocks=4000)
@@ -133,8 +134,10 @@ def test_steady_decoding_gives_identical_timestamps(case):
         extra = {"cancellation": {"deadline_s": 4.0, "fraction": 0.3, "at_output_fraction": 0.4}}
     if case == "replicas":
         kw = {"num_replicas": 3, "router": "least_outstanding"}
-    if case == "closed_loop":
+    if case.startswith("closed_loop"):
         extra = {"arrival": {"type": "concurrency", "concurrency": 24}}
+    if case == "closed_loop_cancellation":
+        extra["cancellation"] = {"deadline_s": 3.0, "fraction": 0.3, "at_output_fraction": 0.4}
     cost = AnalyticCostModel("llama-3.1-8b", "h100-sxm")
     slow = sim_run(_wl(11, **extra), cfg, cost, use_steady=False, keep_token_times=True, **kw)
     fast = sim_run(_wl(11, **extra), cfg, cost, use_steady=True, keep_token_times=True, **kw)
@@ -194,3 +197,17 @@ def test_kv_capacity_limits_batch_and_preempts():
     assert res.steps["kv_usage"].max() > 0.9
     assert res.summary["requests"]["completed"] == 200
     assert math.isfinite(res.summary["e2e_s"]["p99"])
+
+
+def test_truncated_run_counts_throughput_over_the_cut():
+    # One long request and one short: cut at 2 s, the long one is unfinished with its tokens
+    # so far; throughput divides by the 2 s simulated, not by the short request's lifetime.
+    specs = [RequestSpec("long", 0.0, 10, 1000, ((0, 10),)), RequestSpec("short", 0.0, 10, 50, ((100, 10),))]
+    for steady in (True, False):
+        res = sim_run(Workload.from_requests(specs), cost=fixed_cost(0.01), max_time_s=2.0, use_steady=steady)
+        s = res.summary
+        assert s["requests"]["completed"] == 1 and s["requests"]["unfinished"] == 1
+        assert s["duration_s"] == pytest.approx(2.0)
+        tokens = int(res.requests["num_output_tokens"].sum())
+        assert 240 <= tokens <= 250  # ~199 + 50 steps of 10 ms
+        assert s["throughput"]["output_tokens_per_s"] == pytest.approx(tokens / 2.0)

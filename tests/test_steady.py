@@ -46,20 +46,26 @@ def test_steady_steps_equal_plain_steps(data):
     for i in range(data.draw(st.integers(1, 10))):
         plen = data.draw(st.integers(1, mml - 2))
         prompt = (shared + [100 + i] * plen)[:plen] if data.draw(st.booleans()) else [100 + i] * plen
+        stops = data.draw(st.sampled_from([(), (), (TOKEN,)]))  # the fixed token may stop some
         reqs.append((data.draw(st.integers(0, 60)), f"r{i}", prompt,
                      data.draw(st.integers(1, mml - plen)), data.draw(st.integers(0, 2)),
+                     (stops, data.draw(st.integers(0, 4))),
                      data.draw(st.one_of(st.none(), st.integers(0, 80)))))
     rng = random.Random(data.draw(st.integers(0, 1000)))
+
+    def watch(r):  # a driver watch point partway through some requests (it must not change anything)
+        return r.num_prompt_tokens + 3 if int(r.request_id[1:]) % 2 else None
     steady = None
     steady_steps = 0
     fin_a, fin_b = {}, {}
     for k in range(3000):
         aborts = [rid for (t, rid, *_rest, ab) in reqs if ab == k and t <= k]
-        for (t, rid, prompt, mt, prio, _) in reqs:
+        for (t, rid, prompt, mt, prio, (stops, min_toks), _) in reqs:
             if t == k:
                 for s in (a, b):
-                    s.add_request(Request(rid, list(prompt), SamplingParams(max_tokens=mt, ignore_eos=True),
-                                          arrival_time=float(t), priority=prio))
+                    s.add_request(Request(rid, list(prompt), SamplingParams(
+                        max_tokens=mt, ignore_eos=True, stop_token_ids=list(stops),
+                        min_tokens=min(min_toks, mt)), arrival_time=float(t), priority=prio))
         if aborts:
             from engine.core import RequestStatus
             a.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
@@ -73,7 +79,7 @@ def test_steady_steps_equal_plain_steps(data):
                 fin_a[o.request_id] = (k, o.finish_reason)
         res = None
         if steady is None and SteadyDecoder.can_enter(b, TOKEN) and rng.random() < 0.8:
-            steady = SteadyDecoder(b, TOKEN)
+            steady = SteadyDecoder(b, TOKEN, watch=watch)
         if steady is not None:
             res = steady.try_step()
             if res is None:

@@ -230,10 +230,14 @@ class SteadyDecoder:
                 outs = s.update_from_output(out, dict.fromkeys(ids, self.tok_list))
                 for r, o in zip(done, outs):
                     res.first_tokens.append(r)
-                    if o.finish_reason is None:
-                        self._join(r, t + 1)
-                    else:
+                    if o.finish_reason is not None:
                         res.finished.append((r, o.finish_reason))
+                    elif r.stop_ids is not None and self.tok in r.stop_ids:
+                        # The fixed token could stop it later (min_tokens): plain steps must
+                        # check every token, so it never decodes lazily.
+                        res.leave = True
+                    else:
+                        self._join(r, t + 1)
         self.t = t + 1
         return res
 
