@@ -136,6 +136,8 @@ def test_stop_strings_honoured(client):
     ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"model": MODEL, "prompt": [1] * 1024}, "prompt"),
     ({"model": MODEL}, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 2}, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
 ])
 def test_bad_requests_get_400_naming_the_field(served, body, field):
     r = httpx.post(served["url"] + "/v1/completions", json=body, timeout=30)
@@ -259,7 +261,32 @@ def test_request_timeout_aborts(tmp_path):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": MODEL, "prompt": "Count slowly", "max_tokens": 400, "ignore_eos": True})
         assert r.status_code == 200
-        assert r.json()["choices"][0]["finish_reason"] == "abort"
+        body = r.json()
+        assert body["choices"][0]["finish_reason"] == "abort"
+        # It answers with what it generated before the timeout.
+        assert 0 < body["usage"]["completion_tokens"] < 400 and body["choices"][0]["text"]
         kvm = engine.scheduler.kv_cache_manager
         time.sleep(0.3)
         assert kvm.num_free_blocks == kvm.num_usable_blocks
+
+
+def test_engine_failure_is_reported_not_hung():
+    engine = LLMEngine(model=MODEL, device="cpu", max_num_batched_tokens=64, max_num_seqs=2,
+                       num_gpu_blocks=64, max_model_len=512)
+
+    def broken_step():
+        raise RuntimeError("simulated device failure")
+
+    engine.step = broken_step
+    app = create_app(engine, model_name=MODEL)
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    with _Server(app, port):
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as ac:
+                return await asyncio.gather(*(ac.post(base + "/v1/completions", json={
+                    "model": MODEL, "prompt": f"x {i}", "max_tokens": 4}) for i in range(4)))
+        codes = [r.status_code for r in asyncio.run(main())]
+        assert codes == [503] * 4  # answered (not hung), as server errors
+        health = httpx.get(base + "/health", timeout=10)
+        assert health.status_code == 503 and "simulated device failure" in health.text

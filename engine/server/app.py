@@ -138,6 +138,10 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
         return req
 
     def prepare(req, prompt_ids: list[int]):
+        for name in ("logprobs", "echo"):  # accepted by OpenAI, not implemented here
+            v = getattr(req, name, None)
+            if v not in (None, False):
+                raise APIError(400, f"{name}={v!r}: not supported by this server", name)
         n = len(prompt_ids)
         if n == 0:
             raise APIError(400, "prompt: empty prompt (0 tokens)", "prompt")
@@ -152,6 +156,9 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
         elif n + mt > max_model_len:
             raise APIError(400, f"max_tokens={mt}: prompt ({n} tokens) + max_tokens exceeds "
                                 f"max_model_len={max_model_len}", "max_tokens")
+        problem = engine.scheduler.fit_problem(n, mt)  # config only: safe from this thread
+        if problem is not None:
+            raise APIError(400, f"max_tokens={mt}: {problem}", "max_tokens")
         params = req.sampling_params(mt)
         if aeng.num_waiting() >= max_waiting:
             raise APIError(503, f"server overloaded: {aeng.num_waiting()} requests waiting "

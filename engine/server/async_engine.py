@@ -147,9 +147,12 @@ class AsyncEngine:
 
     def _abort(self, rid: str) -> None:
         eng = self.engine
-        if rid not in eng._live:
+        live = eng._live.get(rid)
+        if live is None:
             self._streams.pop(rid, None)
             return
+        # What it produced so far (a timed-out request still answers with it).
+        text, token_ids = live.detok.get_text(True), list(live.output_token_ids)
         eng.abort_request([rid])
         rec = eng.request_records.pop(rid, None)
         if self.metrics is not None:
@@ -159,7 +162,8 @@ class AsyncEngine:
         s = self._streams.pop(rid, None)
         if s is not None:  # a timeout: tell the waiting handler the request ended
             from engine.llm_engine import CompletionOutput, RequestOutput
-            out = RequestOutput(rid, None, [], [CompletionOutput(0, "", [], "abort", None)], True, rec)
+            out = RequestOutput(rid, live.prompt, live.prompt_token_ids,
+                                [CompletionOutput(0, text, token_ids, "abort", None)], True, rec)
             try:
                 s.loop.call_soon_threadsafe(s.queue.put_nowait, out)
             except RuntimeError:
@@ -200,5 +204,23 @@ class AsyncEngine:
         except BaseException as e:  # keep the server up to report it; fail every stream
             self.error = e
             logger.exception("engine loop died")
+            dead = EngineDead(f"engine loop died: {e!r}")
             for rid in list(self._streams):
-                self._deliver(rid, EngineDead(f"engine loop died: {e!r}"))
+                self._deliver(rid, dead)
+            self._fail_queued(dead)
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        """Answer requests still in the command queue (the engine will never see them)."""
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                with self._pending_lock:
+                    self.num_pending_adds -= 1
+                stream = cmd[-1]
+                try:
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+                except RuntimeError:
+                    pass

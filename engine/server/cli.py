@@ -20,6 +20,8 @@ def add_serve_args(sub) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--policy", default="fcfs", help="fcfs, priority (requests' `priority` field) or "
+                   "shortest_prompt_first")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 503")
     p.add_argument("--request-timeout-s", type=float, default=600.0, help="abort requests running longer")
     p.add_argument("--request-log", default=None, help="CSV of finished requests (simulator record format)")
@@ -39,7 +41,7 @@ def build_app(a):
                        max_model_len=a.max_model_len, block_size=a.block_size,
                        num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
                        gpu_memory_utilization=a.gpu_memory_utilization,
-                       enable_prefix_caching=not a.no_prefix_caching)
+                       enable_prefix_caching=not a.no_prefix_caching, policy=a.policy)
     return create_app(engine, model_name=a.model, max_waiting=a.max_waiting,
                       request_timeout_s=a.request_timeout_s, request_log=a.request_log,
                       served_model_names=a.served_model_name)
