@@ -131,6 +131,9 @@ class ModelRunner:
         sample_rows: list[int] = []        # flattened row of each sampling request's last token
         sampling: list[RequestState] = []
         row = 0
+        # Which requests sample this step is the scheduler's call (final prefill chunks and
+        # decodes); an output built by hand may leave it out, then it is derived the same way.
+        samples = set(out.sampling_req_ids) if out.sampling_req_ids is not None else None
         for rid, n in out.num_scheduled_tokens.items():
             st = reqs[rid]
             c = st.num_computed_tokens
@@ -140,7 +143,7 @@ class ModelRunner:
             new.append(n)
             row += n
             st.num_computed_tokens = c + n
-            if c + n >= len(st.token_ids):
+            if (rid in samples) if samples is not None else c + n >= len(st.token_ids):
                 sample_rows.append(row - 1)
                 sampling.append(st)
         dev = self.device
