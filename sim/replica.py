@@ -79,10 +79,6 @@ class Replica:
         self.outstanding += 1
         self._poke()
 
-    def abort(self, request_id: str) -> None:
-        self.aborts.append(request_id)
-        self._poke()
-
     def _poke(self) -> None:
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
@@ -120,7 +116,8 @@ class Replica:
                 self.aborts.append(rid)
         if not self.aborts:
             return
-        ids = [rid for rid in self.aborts if rid in self.live]
+        # A request can be asked to abort twice at one boundary (deadline and disconnect).
+        ids = [rid for rid in dict.fromkeys(self.aborts) if rid in self.live]
         self.aborts.clear()
         if not ids:
             return

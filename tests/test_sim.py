@@ -211,3 +211,21 @@ def test_truncated_run_counts_throughput_over_the_cut():
         tokens = int(res.requests["num_output_tokens"].sum())
         assert 240 <= tokens <= 250  # ~199 + 50 steps of 10 ms
         assert s["throughput"]["output_tokens_per_s"] == pytest.approx(tokens / 2.0)
+
+
+def test_abort_asked_twice_at_one_boundary():
+    # Steps of 10 ms: request a's 10th token ends step 10 at 0.10 s, when its client hangs up;
+    # its 0.095 s deadline passed during that step: both ask to abort it at the same boundary.
+    spec = RequestSpec("a", 0.0, 50, 500, ((0, 50),), cancel_after_s=0.095, cancel_after_tokens=10)
+    other = RequestSpec("b", 0.0, 50, 20, ((100, 50),))
+    for steady in (True, False):
+        sim = Simulation(Workload.from_requests([spec, other]), SchedulerConfig(
+            max_num_batched_tokens=512, max_num_seqs=8, max_model_len=1024, block_size=16,
+            num_gpu_blocks=200), fixed_cost(0.01), use_steady=steady)
+        res = sim.run()
+        df = res.requests.set_index("request_id")
+        assert df.loc["a", "finish_reason"] == "abort" and df.loc["b", "finish_reason"] == "length"
+        assert df.loc["a", "num_output_tokens"] == 10
+        assert df.loc["a", "finish_s"] == pytest.approx(0.10)
+        kvm = sim.replicas[0].scheduler.kv_cache_manager
+        assert kvm.num_free_blocks == kvm.num_usable_blocks
