@@ -349,3 +349,23 @@ def test_fit_check_counts_only_computed_tokens():
     assert not s.has_unfinished_requests()
     with pytest.raises(ValueError, match="needs 2 KV blocks"):
         s.add_request(make_request("b", 15, max_tokens=3))
+
+
+@pytest.mark.parametrize("budget,thr", [(200, 0), (32, 0), (200, 24)])
+def test_prompt_of_exactly_max_model_len_gets_one_token(budget, thr):
+    # Accepted (only a longer prompt is refused); scheduled whole or in chunks, it computes its
+    # prompt, samples one token and is length-capped.
+    s = make_scheduler(max_model_len=100, num_gpu_blocks=20, max_num_batched_tokens=budget,
+                       long_prefill_token_threshold=thr)
+    s.add_request(make_request("exact", 100, max_tokens=None))
+    s.add_request(make_request("other", 10, max_tokens=3))
+    outs = {}
+    for _ in range(20):
+        if not s.has_unfinished_requests():
+            break
+        for o in step(s)[1]:
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finish_reason:
+                assert o.finish_reason == "length"
+    assert not s.has_unfinished_requests()
+    assert len(outs["exact"]) == 1 and len(outs["other"]) == 3

@@ -36,8 +36,8 @@ def workloads(draw, cfg):
     prefixes = [[draw(st.integers(1, 5)) for _ in range(draw(st.integers(0, 40)))] for _ in range(2)]
     reqs = []
     for i in range(n):
-        prefix = draw(st.sampled_from(prefixes + [[]]))[: cfg.max_model_len - 2]
-        tail_len = draw(st.integers(1, cfg.max_model_len - 1 - len(prefix)))
+        prefix = draw(st.sampled_from(prefixes + [[]]))[: cfg.max_model_len - 1]
+        tail_len = draw(st.integers(1, cfg.max_model_len - len(prefix)))  # up to max_model_len
         prompt = prefix + [draw(st.integers(1, 9))] * tail_len
         reqs.append(dict(
             id=f"r{i}", prompt=prompt, step=draw(st.integers(0, 30)),
@@ -102,7 +102,7 @@ def test_random_streams_hold_invariants(data):
         assert rid in reasons
         if reasons[rid] == "abort":
             continue
-        cap = min(r["max_tokens"], cfg.max_model_len - len(r["prompt"]))
+        cap = max(1, min(r["max_tokens"], cfg.max_model_len - len(r["prompt"])))
         if reasons[rid] == "length":
             assert len(got) == cap, (rid, len(got), cap, rid in preempted_ever)
         else:

@@ -57,11 +57,9 @@ class Scheduler:
         n = request.num_prompt_tokens
         if n == 0:
             raise ValueError(f"request {rid!r}: prompt_token_ids is empty")
-        if n >= self.max_model_len:
-            # A prompt of exactly max_model_len tokens leaves no room for a generated token.
-            raise ValueError(f"request {rid!r}: prompt of {n} tokens does not fit in "
-                             f"max_model_len={self.max_model_len} (it must be shorter, to leave "
-                             "room for at least one generated token)")
+        if n > self.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt of {n} tokens is longer than "
+                             f"max_model_len={self.max_model_len}")
         if rid in self.requests:
             raise ValueError(f"request {rid!r}: request_id is already in use")
         if request.max_tokens is None:
@@ -84,9 +82,9 @@ class Scheduler:
 
         A sequence whose KV cannot fit in the whole pool would wait (or preempt itself) for ever
         and block every request queued behind it. Its last sampled token is never computed, so
-        it needs slots for at most min(prompt + max_tokens, max_model_len) - 1 tokens.
+        it needs slots for at most min(prompt + max_tokens - 1, max_model_len) tokens.
         """
-        tokens = min(num_prompt_tokens + max_tokens, self.max_model_len) - 1
+        tokens = min(num_prompt_tokens + max_tokens - 1, self.max_model_len)
         need = -(-tokens // self.block_size)
         usable = self.kv_cache_manager.num_usable_blocks
         if need > usable:
@@ -194,8 +192,14 @@ class Scheduler:
                     n = thr
                 if n > budget:
                     n = budget
-                if n > max_model_len - 1 - computed:
-                    n = max_model_len - 1 - computed
+                room = max_model_len - 1 - computed  # keep a position for the sampled token
+                if room <= 0:
+                    # Only a prompt of max_model_len tokens gets here: its last prompt token still
+                    # has a position (it then samples one token and is length-capped). Capping it
+                    # to 0 would leave it waiting for ever.
+                    room = req.num_tokens - computed
+                if n > room:
+                    n = room
                 if n <= 0:
                     # Nothing to do for this one; `continue`, not `break`, so later requests run.
                     i += 1
