@@ -190,7 +190,8 @@ class LLMEngine:
             max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=self.num_gpu_blocks,
             enable_chunked_prefill=enable_chunked_prefill,
             long_prefill_token_threshold=long_prefill_token_threshold,
-            enable_prefix_caching=enable_prefix_caching, policy=policy)
+            enable_prefix_caching=enable_prefix_caching, policy=policy,
+            uncache_unscheduled_victims=True)  # this engine reads the KV the cache points at
         self.scheduler = Scheduler(self.scheduler_config)
         self.runner.initialize_kv_cache(self.num_gpu_blocks)
         self.memory_profile["max_model_len"] = max_model_len

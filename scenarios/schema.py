@@ -5,7 +5,8 @@
     deployment: {model, device, tp, replicas, router, gpu_memory_utilization, num_gpu_blocks}
     scheduler:  {max_num_batched_tokens, max_num_seqs, max_model_len, block_size,
                  enable_chunked_prefill, long_prefill_token_threshold, enable_prefix_caching,
-                 policy, reserve_full_prompt, unhashed_blocks_first, watermark}
+                 policy, reserve_full_prompt, unhashed_blocks_first, watermark,
+                 uncache_unscheduled_victims}
     cost_model: {type: fitted, profile: NAME|PATH} | {type: analytic, efficiency: {...}}
     workload:   see sim/workload.py
     slo:        {ttft_s, tpot_s, e2e_s, queue_s}
@@ -170,7 +171,8 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
             policy=policy,
             reserve_full_prompt=sc.boolean("reserve_full_prompt", True),
             unhashed_blocks_first=sc.boolean("unhashed_blocks_first", True),
-            watermark=sc.number("watermark", 0.0, ge=0, le=0.99))
+            watermark=sc.number("watermark", 0.0, ge=0, le=0.99),
+            uncache_unscheduled_victims=sc.boolean("uncache_unscheduled_victims", False))
     except ValueError as e:
         if isinstance(e, SpecError):
             raise

@@ -14,6 +14,11 @@ class SchedulerConfig:
     Pre-0.33 behaviours, for policy studies:
       reserve_full_prompt=False   admit a request when only its first chunk fits (older V1)
       unhashed_blocks_first=False append every freed block at the tail of the free queue (older V1)
+    And one correction vLLM 0.33 does not make:
+      uncache_unscheduled_victims=True   a PRIORITY victim un-scheduled in the step that allocated
+          its chunk takes that chunk's blocks out of the prefix cache. vLLM leaves them cached,
+          so a later hit can read KV that was never computed; a real engine must set this (the
+          simulator keeps vLLM's decisions).
     """
 
     max_num_batched_tokens: int = 2048
@@ -28,6 +33,7 @@ class SchedulerConfig:
     reserve_full_prompt: bool = True
     unhashed_blocks_first: bool = True
     watermark: float = 0.0
+    uncache_unscheduled_victims: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:

@@ -220,9 +220,10 @@ class Scheduler:
                         budget += vn
                         j = c_ids.index(vid)
                         vc = c_computed[j]
-                        # Its chunk will not run: blocks entered in the prefix cache for it
-                        # must not be hits for anyone (their KV is never written).
-                        kvm.uncache_blocks(victim, vc)
+                        if self.config.uncache_unscheduled_victims:
+                            # Its chunk will not run: blocks entered in the prefix cache for it
+                            # must not be hits for anyone (their KV is never written).
+                            kvm.uncache_blocks(victim, vc)
                         del c_ids[j], c_blocks[j], c_computed[j]
                         if vid in sampling:
                             sampling.remove(vid)
