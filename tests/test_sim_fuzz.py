@@ -1,0 +1,49 @@
+"""Random scenarios: the steady fast path and plain steps give identical per-request records."""
+import random
+
+import pytest
+
+from scenarios.schema import parse_scenario, run_scenario
+
+COLUMNS = ["arrival_s", "first_scheduled_s", "first_token_s", "last_token_s", "finish_s",
+           "num_output_tokens", "num_cached_tokens", "num_preemptions", "finish_reason", "replica"]
+
+
+def random_scenario(seed: int) -> dict:
+    rng = random.Random(seed)
+    closed = rng.random() < 0.25
+    arrival = ({"type": "concurrency", "concurrency": rng.choice([4, 32])} if closed else
+               {"type": rng.choice(["poisson", "gamma", "constant"]), "rate": rng.choice([5, 20, 80])})
+    if arrival["type"] == "gamma":
+        arrival["burstiness"] = rng.choice([0.3, 1.0, 3.0])
+    workload = {"num_requests": rng.choice([50, 150]), "arrival": arrival,
+                "prompt_len": {"type": "lognormal", "mean": 600, "sigma": 1.0, "min": 4, "max": 3500},
+                "output_len": {"type": "lognormal", "mean": 150, "sigma": 1.0, "min": 1, "max": 500},
+                "shared_prefix": {"num_prefixes": 3, "length": 200, "fraction": 0.5},
+                "priority": {"type": "uniform_int", "min": 0, "max": 3}}
+    if rng.random() < 0.5:
+        workload["cancellation"] = {"deadline_s": rng.choice([2, 10]), "fraction": 0.2, "at_output_fraction": 0.5}
+    return {"name": "fuzz", "seed": seed,
+            "deployment": {"model": "llama-3.1-8b", "device": "h100-sxm", "replicas": 1 if closed else rng.choice([1, 2, 3]),
+                           "router": rng.choice(["round_robin", "least_outstanding", "prefix_affinity", "random"]),
+                           "num_gpu_blocks": rng.choice([300, 800, 5000])},
+            "scheduler": {"max_num_batched_tokens": rng.choice([256, 1024, 8192]), "max_num_seqs": rng.choice([4, 32, 256]),
+                          "max_model_len": 4096, "policy": rng.choice(["fcfs", "priority", "shortest_prompt_first"]),
+                          "enable_prefix_caching": rng.random() < 0.8,
+                          "long_prefill_token_threshold": rng.choice([0, 0, 256]),
+                          "reserve_full_prompt": rng.random() < 0.7},
+            "workload": workload}
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_steady_equals_plain_on_random_scenarios(seed):
+    base = random_scenario(seed)
+    results = {}
+    for steady in (True, False):
+        results[steady] = run_scenario(parse_scenario({**base, "simulation": {"steady_decode": steady}}))
+    fast, slow = results[True], results[False]
+    assert fast.requests[COLUMNS].equals(slow.requests[COLUMNS])
+    assert fast.summary["num_steps"] == slow.summary["num_steps"]
+    for r in fast.summary, slow.summary:
+        assert r["requests"]["total"] == base["workload"]["num_requests"]
+        assert r["requests"]["unfinished"] == 0
