@@ -24,19 +24,21 @@ class BatchFeatures:
     num_preempted: int = 0
     prefill_chunks: list[tuple[int, int]] = field(default_factory=list)  # (n, c) per chunk
 
-    def add_chunk(self, n: int, c: int) -> None:
-        self.prefill_chunks.append((n, c))
-        self.num_prefill_reqs += 1
-        self.num_prefill_tokens += n
-        self.prefill_context_tokens += c
-        self.prefill_attn_pairs += n * c + n * (n + 1) // 2
-
-    def remove_chunk(self, n: int, c: int) -> None:
-        self.prefill_chunks.remove((n, c))
-        self.num_prefill_reqs -= 1
-        self.num_prefill_tokens -= n
-        self.prefill_context_tokens -= c
-        self.prefill_attn_pairs -= n * c + n * (n + 1) // 2
+    def add(self, n: int, c: int, sign: int = 1) -> None:
+        """Count a request scheduled for n tokens on c computed ones (sign=-1 takes it back):
+        one token is a decode reading c + 1 KV tokens, more is a prefill chunk."""
+        if n == 1:
+            self.num_decode_reqs += sign
+            self.decode_context_tokens += sign * (c + 1)
+            return
+        if sign > 0:
+            self.prefill_chunks.append((n, c))
+        else:
+            self.prefill_chunks.remove((n, c))
+        self.num_prefill_reqs += sign
+        self.num_prefill_tokens += sign * n
+        self.prefill_context_tokens += sign * c
+        self.prefill_attn_pairs += sign * (n * c + n * (n + 1) // 2)
 
     @property
     def num_tokens(self) -> int:
@@ -72,24 +74,7 @@ def features_from_requests(out: SchedulerOutput, requests: dict) -> BatchFeature
     """The same features from the requests' state. schedule() has already advanced
     num_computed_tokens, so the context before the step is num_computed_tokens - n."""
     f = BatchFeatures(num_preempted=len(out.preempted_req_ids))
-    chunks = f.prefill_chunks
-    p_tok = p_ctx = p_pairs = d_n = d_ctx = 0
     for rid, n in out.num_scheduled_tokens.items():
-        after = requests[rid].num_computed_tokens
-        if n == 1:
-            d_n += 1
-            d_ctx += after
-        else:
-            c = after - n
-            p_tok += n
-            p_ctx += c
-            p_pairs += n * c + n * (n + 1) // 2
-            chunks.append((n, c))
+        f.add(n, requests[rid].num_computed_tokens - n)
     f.num_reqs = len(out.num_scheduled_tokens)
-    f.num_prefill_reqs = len(chunks)
-    f.num_prefill_tokens = p_tok
-    f.prefill_context_tokens = p_ctx
-    f.prefill_attn_pairs = p_pairs
-    f.num_decode_reqs = d_n
-    f.decode_context_tokens = d_ctx
     return f

@@ -227,11 +227,7 @@ class Scheduler:
                         del c_ids[j], c_blocks[j], c_computed[j]
                         if vid in sampling:
                             sampling.remove(vid)
-                        if vn == 1:
-                            d_n -= 1
-                            d_ctx -= vc + 1
-                        else:
-                            feats.remove_chunk(vn, vc)
+                        feats.add(vn, vc, -1)
                         i -= 1
                 self._preempt(victim)
                 preempted.append(victim)
@@ -247,11 +243,7 @@ class Scheduler:
             c_ids.append(rid)
             c_blocks.append([b.block_id for b in blocks] if blocks else no_blocks)
             c_computed.append(computed)
-            if n == 1:
-                d_n += 1
-                d_ctx += computed + 1
-            else:
-                feats.add_chunk(n, computed)
+            feats.add(n, computed)
             if computed + n == req.num_tokens:
                 sampling.append(rid)
             req.num_computed_tokens = computed + n
@@ -269,16 +261,12 @@ class Scheduler:
                     rid, req.prompt_token_ids, [] if was_new else list(req.output_token_ids),
                     req.sampling_params, kvm.get_block_ids(rid), num_hit, req.eos_token_id))
                 num_scheduled[rid] = n
-                if n == 1:
-                    d_n += 1
-                    d_ctx += num_hit + 1
-                else:
-                    feats.add_chunk(n, num_hit)
+                feats.add(n, num_hit)
                 if num_hit + n == req.num_tokens:
                     sampling.append(rid)
 
-        feats.num_decode_reqs = d_n
-        feats.decode_context_tokens = d_ctx
+        feats.num_decode_reqs += d_n  # the decode fast path's counts, kept in locals
+        feats.decode_context_tokens += d_ctx
         feats.num_reqs = len(num_scheduled)
         feats.num_preempted = len(preempted)
         out = SchedulerOutput(

@@ -54,11 +54,7 @@ class StepResult:
         f = BatchFeatures(num_decode_reqs=self.num_decodes,
                           decode_context_tokens=self.decode_context_tokens)
         for _r, num_hit, n, _new in self.admitted:
-            if n == 1:
-                f.num_decode_reqs += 1
-                f.decode_context_tokens += num_hit + 1
-            else:
-                f.add_chunk(n, num_hit)
+            f.add(n, num_hit)
         f.num_reqs = self.num_decodes + len(self.admitted)
         return f
 
