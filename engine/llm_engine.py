@@ -50,12 +50,25 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float
 
 
 @dataclass(slots=True)
+class Logprob:
+    """One sampled token's log-probability with its text, its rank (1 = most likely), and the
+    requested number of most likely alternatives as (token id, text, logprob)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    rank: int
+    top: list[tuple[int, str, float]]
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None    # None, "stop", "length" or "abort"
+    finish_reason: str | None = None    # None, "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[Logprob] | None = None  # one per token id, when SamplingParams.logprobs is set
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -84,6 +97,7 @@ class _Live:
     detok: IncrementalDetokenizer
     record: RequestRecord
     output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] | None = None
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -208,6 +222,7 @@ class LLMEngine:
         self._live: dict[str, _Live] = {}
         self._t0 = time.perf_counter()
         self._step_index = 0
+        self._step_req_ids: dict[str, int] = {}  # the current step's {request id: tokens}
 
     # ------------------------------------------------------------------ memory
     def _size_kv_pool(self, num_gpu_blocks, kv_bytes, utilization, max_tokens, max_seqs) -> dict[str, Any]:
@@ -297,6 +312,25 @@ class LLMEngine:
         self.validate(ids, sp)
         self._add(str(request_id), text, ids, sp, arrival_time, priority)
 
+    def add_tokenized_request(self, request_id: str, prompt_token_ids: list[int],
+                              sampling_params: SamplingParams, prompt_text: str | None = None,
+                              arrival_time: float | None = None, priority: int = 0) -> None:
+        """add_request for a prompt tokenized elsewhere (the server), keeping its text."""
+        ids = list(prompt_token_ids)
+        self.validate(ids, sampling_params)
+        self._add(str(request_id), prompt_text, ids, sampling_params, arrival_time, priority)
+
+    def partial_output(self, request_id: str) -> RequestOutput | None:
+        """What an unfinished request produced so far (None if it is not live), as if it had
+        been aborted now."""
+        live = self._live.get(request_id)
+        if live is None:
+            return None
+        return RequestOutput(request_id, live.prompt, live.prompt_token_ids,
+                             [CompletionOutput(0, live.detok.get_text(True), list(live.output_token_ids),
+                                               "abort", None, _copy(live.logprobs))],
+                             True, live.record, live.record.num_cached_tokens)
+
     def _add(self, request_id: str, text: str | None, ids: list[int], sp: SamplingParams,
              arrival_time: float | None = None, priority: int = 0) -> None:
         """Queue an already validated request."""
@@ -312,9 +346,11 @@ class LLMEngine:
         self.scheduler.add_request(req)  # may raise (e.g. pool too small): nothing is kept then
         record = RequestRecord(request_id, arrival, len(ids), token_times_s=[])
         self.request_records[request_id] = record
-        self._live[request_id] = _Live(text, ids, sp, IncrementalDetokenizer(self.tokenizer, ids, sp), record)
+        self._live[request_id] = _Live(text, ids, sp, IncrementalDetokenizer(self.tokenizer, ids, sp), record,
+                                       logprobs=[] if sp.logprobs is not None else None)
 
-    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+    def abort_request(self, request_ids: str | Sequence[str], reason: str = "abort") -> None:
+        """Finish requests now (their KV blocks are freed); `reason` goes to their records."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         ids = [str(r) for r in request_ids]
@@ -323,8 +359,34 @@ class LLMEngine:
         for rid in ids:
             live = self._live.pop(rid, None)
             if live is not None:
-                live.record.finish_reason = "abort"
+                live.record.finish_reason = reason
                 live.record.finish_s = t
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash (vLLM's /reset_prefix_cache). Refused (False) while
+        any request holds blocks, as in vLLM."""
+        kvm = self.scheduler.kv_cache_manager
+        if kvm.num_free_blocks != kvm.num_usable_blocks:
+            return False
+        pool = kvm.block_pool
+        for b in pool.blocks:
+            if b.block_hash is not None:
+                pool.evict(b)
+        return True
+
+    def fail_step(self) -> list[str]:
+        """After step() raised: abort the requests that step scheduled (finish reason "error") and
+        take the blocks it was computing out of the prefix cache, since their KV may never have
+        been written. Returns the failed request ids; the engine can step again."""
+        sched = self.scheduler
+        ids = [rid for rid in self._step_req_ids if rid in self._live]
+        for rid, n in self._step_req_ids.items():
+            req = sched.requests.get(rid)
+            if req is not None:
+                sched.kv_cache_manager.uncache_blocks(req, max(0, req.num_computed_tokens - n))
+        self.abort_request(ids, reason="error")
+        self._step_req_ids = {}
+        return ids
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -335,6 +397,15 @@ class LLMEngine:
         return self.scheduler.get_num_unfinished_requests()
 
     # ------------------------------------------------------------------ step
+    def _token_text(self, token_id: int) -> str:
+        tok = self.tokenizer
+        return "" if tok is None else tok.decode([token_id], skip_special_tokens=False)
+
+    def _logprob_entry(self, lp) -> Logprob:
+        text = self._token_text
+        return Logprob(lp.token_id, text(lp.token_id), lp.logprob, lp.rank,
+                       [(t, text(t), v) for t, v in lp.top])
+
     def step(self) -> list[RequestOutput]:
         """One scheduler step + forward; outputs of every request that got tokens (or finished)."""
         sched = self.scheduler
@@ -342,6 +413,7 @@ class LLMEngine:
         t_start = perf()
         out = sched.schedule()
         t_sched = perf()
+        self._step_req_ids = out.num_scheduled_tokens
         scheduled = bool(out.num_scheduled_tokens)
         start_s = t_start - self._t0
         feats = batch_features(out, sched.requests) if scheduled else None
@@ -365,6 +437,7 @@ class LLMEngine:
         got_tokens: list[tuple[RequestRecord, int]] = []
         finished_ids: list[str] = []
         live_map = self._live
+        step_logprobs = self.runner.logprobs
         for co in core_outputs:
             live = live_map.get(co.request_id)
             if live is None:
@@ -372,7 +445,16 @@ class LLMEngine:
             toks = co.new_token_ids
             live.output_token_ids.extend(toks)
             finish, stop_reason = co.finish_reason, co.stop_reason
-            stop_str = live.detok.update(toks, stop_terminated=finish == "stop")
+            try:  # one request's text or logprobs failing must not fail its batch mates
+                stop_str = live.detok.update(toks, stop_terminated=finish == "stop")
+                if live.logprobs is not None and toks:
+                    live.logprobs.append(self._logprob_entry(step_logprobs[co.request_id]))
+                text = live.detok.get_text(finish is not None or stop_str is not None)
+            except Exception:
+                logger.exception("request %s failed after its step: finished with 'error'", co.request_id)
+                if finish is None:
+                    sched.finish_requests([co.request_id], RequestStatus.FINISHED_ABORTED)
+                stop_str, finish, stop_reason, text = None, "error", None, ""
             if stop_str is not None:
                 if finish is None:
                     sched.finish_requests([co.request_id], RequestStatus.FINISHED_STOPPED)
@@ -384,8 +466,8 @@ class LLMEngine:
                 del live_map[co.request_id]
             outputs.append(RequestOutput(
                 co.request_id, live.prompt, live.prompt_token_ids,
-                [CompletionOutput(0, live.detok.get_text(finish is not None), list(live.output_token_ids),
-                                  finish, stop_reason)],
+                [CompletionOutput(0, text, list(live.output_token_ids), finish, stop_reason,
+                                  _copy(live.logprobs))],
                 finish is not None, live.record, live.record.num_cached_tokens))
         t_end = perf()
         end_s = t_end - self._t0
@@ -413,6 +495,10 @@ class LLMEngine:
                 extra={"num_prefix_hit_tokens": hit_tokens, "num_resumed_hit_tokens": resumed_hits}))
             self._step_index += 1
         return outputs
+
+
+def _copy(xs: list | None) -> list | None:
+    return None if xs is None else list(xs)
 
 
 def _eos_ids(tokenizer, hf_config, model: str) -> tuple[int | None, list[int]]:

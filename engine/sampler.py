@@ -52,8 +52,31 @@ class Row:
     generator: torch.Generator | None = field(default=None)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's finaliser: a bijection of 64-bit integers that spreads every input bit."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
+    """A generator for a request's (or the engine's) 64-bit `seed` (negative seeds are taken
+    modulo 2**64).
+
+    CUDA's Philox generator keys on all 64 bits. The CPU generator (mt19937) keeps only the low 32
+    bits of its seed, so seeds 5 and 5 + 2**32 would give the same stream: on the CPU the seed is
+    first mixed by SplitMix64 and folded to 32 bits, so that seeds differing in any bit get
+    unrelated streams (two arbitrary seeds still share one with probability 2**-32)."""
+    g = torch.Generator(device=device)
+    s = seed & _MASK64
+    if g.device.type == "cpu":
+        h = _splitmix64(s)
+        s = (h ^ (h >> 32)) & 0xFFFFFFFF
+    return g.manual_seed(s)
 
 
 def is_greedy(sp: SamplingParams) -> bool:
@@ -152,6 +175,37 @@ def random_sample(probs: torch.Tensor, generators: Sequence[torch.Generator | No
         q[i].uniform_(generator=generators[i])
     q.log_().neg_()  # U = 0 gives +inf: that token gets probability / inf = 0, never drawn
     return probs.div_(q).argmax(dim=-1)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """A sampled token's log-probability, its rank (1 = most likely) and the `k` most likely
+    tokens with theirs, from the raw (unprocessed) distribution."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+def compute_logprobs(logits: torch.Tensor, tokens: Sequence[int], ks: Sequence[int]) -> list[TokenLogprobs]:
+    """Log-probabilities of `tokens` (one per row of the raw `logits` [N, V]) and each row's top
+    `ks[i]` alternatives. Call before the sampler, which edits logits in place."""
+    lp = logits.float().log_softmax(dim=-1)
+    dev = lp.device
+    tok = torch.tensor(list(tokens), dtype=torch.int64, device=dev)
+    chosen = lp.gather(1, tok[:, None])[:, 0]
+    rank = (lp > chosen[:, None]).sum(dim=-1) + 1
+    kmax = max(ks, default=0)
+    top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (None, None)
+    chosen_l, rank_l = chosen.tolist(), rank.tolist()
+    top_vl = top_v.tolist() if kmax else None
+    top_il = top_i.tolist() if kmax else None
+    out = []
+    for r, (t, k) in enumerate(zip(tokens, ks)):
+        top = list(zip(top_il[r][:k], top_vl[r][:k])) if k else []
+        out.append(TokenLogprobs(int(t), chosen_l[r], int(rank_l[r]), top))
+    return out
 
 
 class Sampler:

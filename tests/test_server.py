@@ -129,21 +129,26 @@ def test_stop_strings_honoured(client):
 
 
 @pytest.mark.parametrize("body,field", [
-    ({"model": "nope", "prompt": "hi"}, "model"),
     ({"model": MODEL, "prompt": ""}, "prompt"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "temperature": -0.5}, "temperature"),
     ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"model": MODEL, "prompt": [1] * 1024}, "prompt"),
     ({"model": MODEL}, "prompt"),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 2}, "logprobs"),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
 ])
 def test_bad_requests_get_400_naming_the_field(served, body, field):
     r = httpx.post(served["url"] + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and field in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404_like_openai(served):
+    r = httpx.post(served["url"] + "/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=30)
+    assert r.status_code == 404
+    assert r.json()["error"]["param"] == "model" and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_bad_json_and_openai_client_error(served, client):
@@ -160,15 +165,16 @@ def test_bad_json_and_openai_client_error(served, client):
 def test_metrics_endpoint(served, client):
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
     text = httpx.get(served["url"] + "/metrics").text
-    for name in ("servetwin_time_to_first_token_seconds_bucket", "servetwin_time_per_output_token_seconds",
-                 "servetwin_inter_token_latency_seconds", "servetwin_e2e_request_latency_seconds",
-                 "servetwin_request_queue_time_seconds", "servetwin_num_requests_running",
-                 "servetwin_num_requests_waiting", "servetwin_kv_cache_usage_ratio",
-                 "servetwin_prefix_cache_hit_rate", "servetwin_num_preemptions_total",
-                 "servetwin_aborted_requests_total", "servetwin_prompt_tokens_total",
-                 "servetwin_generation_tokens_total"):
+    for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:request_time_per_output_token_seconds",
+                 "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_queue_time_seconds", "vllm:num_requests_running",
+                 "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:num_preemptions_total", "vllm:request_success_total", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total"):
         assert name in text, name
-    gen = [line for line in text.splitlines() if line.startswith("servetwin_generation_tokens_total")]
+    gen = [line for line in text.splitlines() if line.startswith("vllm:generation_tokens_total")]
+    assert gen[0].startswith('vllm:generation_tokens_total{model_name="default"}')
     assert float(gen[0].split()[-1]) >= 4
 
 
@@ -212,7 +218,8 @@ def test_load_with_disconnects_frees_everything(served, client):
     assert not engine.has_unfinished_requests()
     assert kvm.num_free_blocks == kvm.num_usable_blocks
     metrics = httpx.get(served["url"] + "/metrics").text
-    aborted = [line for line in metrics.splitlines() if line.startswith("servetwin_aborted_requests_total")]
+    aborted = [line for line in metrics.splitlines()
+               if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' in line]
     assert float(aborted[0].split()[-1]) >= 20
     # Still answering.
     assert client.completions.create(model=MODEL, prompt="Still there?", max_tokens=3).usage.completion_tokens == 3
@@ -247,8 +254,10 @@ def test_admission_bound_gives_503(tmp_path):
         codes = sorted(r.status_code for r in responses)
         # One runs (max_num_seqs=1), two may wait (max_waiting=2): the other nine are refused.
         assert codes == [200] * 3 + [503] * 9
-        err = next(r for r in responses if r.status_code == 503).json()["error"]
+        refused = next(r for r in responses if r.status_code == 503)
+        err = refused.json()["error"]
         assert err["code"] == "overloaded" and "max_waiting=2" in err["message"]
+        assert refused.headers["retry-after"] == "1"
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
 
 
@@ -270,7 +279,9 @@ def test_request_timeout_aborts(tmp_path):
         assert kvm.num_free_blocks == kvm.num_usable_blocks
 
 
-def test_engine_failure_is_reported_not_hung():
+def test_broken_device_is_reported_not_hung():
+    """A step that always fails is not a bad request: after a few failed steps in a row the loop
+    stops, every waiting client is answered, and /health says why."""
     engine = LLMEngine(model=MODEL, device="cpu", max_num_batched_tokens=64, max_num_seqs=2,
                        num_gpu_blocks=64, max_model_len=512)
 
@@ -278,6 +289,7 @@ def test_engine_failure_is_reported_not_hung():
         raise RuntimeError("simulated device failure")
 
     engine.step = broken_step
+    engine.fail_step = lambda: []
     app = create_app(engine, model_name=MODEL)
     port = _free_port()
     base = f"http://127.0.0.1:{port}"

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -11,6 +14,11 @@ class SamplingParams:
     `temperature == 0` is greedy. `top_k <= 0` (or -1) and `top_p == 1` disable those filters.
     `min_tokens` masks EOS and stop tokens until that many tokens were generated.
     `stop` strings are matched by the detokenizer (engine); `stop_token_ids` by the scheduler.
+    `seed` is any integer in [-2**63, 2**64): all 64 bits select the random stream.
+    `logprobs`: None, or how many most likely alternatives to report with each sampled token's
+    log-probability (0 = the sampled token's only), at most MAX_LOGPROBS. Log-probabilities are
+    those of the model's raw distribution, before penalties, temperature and top-k/top-p (vLLM's
+    default "raw_logprobs").
     """
 
     max_tokens: int | None = 16
@@ -26,6 +34,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,8 +67,10 @@ class SamplingParams:
             bad("frequency_penalty", "must be in [-2, 2]")
         if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
             bad("repetition_penalty", "must be > 0 (1 disables it)")
-        if self.seed is not None and not _is_int(self.seed):
-            bad("seed", "must be an integer or None")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), or None")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], or None")
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 bad("stop_token_ids", f"every id must be an integer >= 0, got {t!r}")

@@ -25,7 +25,7 @@ from engine.attention import allocate_kv_cache, build_metadata, build_positions
 from engine.core.output import SchedulerOutput
 from engine.core.sampling_params import SamplingParams
 from engine.model.llama import LlamaForCausalLM
-from engine.sampler import Sampler, make_generator
+from engine.sampler import Sampler, TokenLogprobs, compute_logprobs, make_generator
 
 
 @dataclass(slots=True)
@@ -70,6 +70,8 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.sampler = Sampler(make_generator(seed, self.device))
         self.times = StepTimes()
+        # Log-probabilities of the last step's sampled tokens, for requests that asked for them.
+        self.logprobs: dict[str, TokenLogprobs] = {}
         self._cuda = self.device.type == "cuda"
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -117,7 +119,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
-        """Run the step `out` describes; returns {req_id: [token]} for requests that sampled."""
+        """Run the step `out` describes; returns {req_id: [token]} for requests that sampled
+        (and leaves the log-probabilities of those that asked for them in `self.logprobs`)."""
         t0 = time.perf_counter()
         self.update_states(out)
         if not out.num_scheduled_tokens:
@@ -161,8 +164,16 @@ class ModelRunner:
             ev1.record()
         t2 = time.perf_counter()
         sampled: dict[str, list[int]] = {}
+        self.logprobs = {}
         if sampling:
+            # Raw rows of the requests that want logprobs, kept before the sampler edits logits.
+            lp_rows = [i for i, st in enumerate(sampling) if st.sampling_params.logprobs is not None]
+            raw = logits[lp_rows].clone() if lp_rows else None
             toks = self.sampler(logits, sampling)
+            if lp_rows:
+                lps = compute_logprobs(raw, [toks[i] for i in lp_rows],
+                                       [sampling[i].sampling_params.logprobs for i in lp_rows])
+                self.logprobs = {sampling[i].req_id: lp for i, lp in zip(lp_rows, lps)}
             for st, tok in zip(sampling, toks):
                 st.token_ids.append(tok)
                 st.output_token_ids.append(tok)

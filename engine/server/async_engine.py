@@ -2,12 +2,22 @@
 
     HTTP handlers (asyncio loop)                 engine thread
     ---------------------------                  -------------
-    tokenize, validate  --- ("add", ...) --->    engine.add_request
+    tokenize, validate  --- ("add", ...) --->    engine.add_tokenized_request (arrival = HTTP receipt)
     async for out in stream  <-- outputs ----    engine.step() -> deliver to each request's queue
     disconnect / timeout --- ("abort", id) -->   engine.abort_request (KV blocks freed at once)
+    /reset_prefix_cache  --- ("call", fn) --->   fn(engine), result handed back
 
 Only the engine thread touches the LLMEngine (scheduler, runner, detokenizer). Outputs are handed
 to the event loop with call_soon_threadsafe.
+
+One HTTP request may be several engine requests (n > 1, several prompts): a Group. Its requests
+share one asyncio queue of (index, output) items and are added in one command, so either all of
+them are queued or none is.
+
+No request can stop the loop. A request the engine refuses (ValueError) is answered with that
+error. If a step raises, the requests it scheduled fail (finish reason "error") and the loop goes
+on; only MAX_CONSECUTIVE_STEP_FAILURES failing steps in a row (a broken device, not a request)
+stop it, and then every waiting handler is answered.
 """
 from __future__ import annotations
 
@@ -17,22 +27,47 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("servetwin.server")
 
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    deadline: float
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 class EngineDead(RuntimeError):
     pass
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed while running this request (not the client's fault)."""
+
+
+@dataclass(slots=True)
+class Child:
+    """One engine request of an HTTP request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt_text: str | None = None
+    priority: int = 0
+
+
+@dataclass
+class Group:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    deadline: float
+    children: list[Child]
+    index: dict[str, int] = field(default_factory=dict)  # request id -> position in children
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed
+            pass
 
 
 class AsyncEngine:
@@ -44,13 +79,14 @@ class AsyncEngine:
         self.request_timeout_s = request_timeout_s
         self.keep_step_log = keep_step_log
         self._cmds: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
+        self._groups: dict[str, Group] = {}        # live request id -> its group
         self._deadlines: list[tuple[float, str]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
         self._pending_lock = threading.Lock()
-        self.num_pending_adds = 0  # queued "add" commands not yet seen by the engine thread
+        self.num_pending_adds = 0  # engine requests queued as "add" commands, not yet seen
+        self.num_failed_steps = 0
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -70,104 +106,153 @@ class AsyncEngine:
         """Requests queued but not running (read from the HTTP side: approximate, by design)."""
         return len(self.engine.scheduler.waiting) + self.num_pending_adds
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               prompt_text: str | None = None, priority: int = 0) -> "_Stream":
-        """Queue a request for the engine now (so it counts as waiting at once); consume its
-        outputs with `outputs()`. Call from the event loop."""
+    def submit(self, children: list[Child], arrival_s: float | None = None) -> Group:
+        """Queue an HTTP request's engine requests now (so they count as waiting at once);
+        `arrival_s` is on the engine clock (engine.now()), stamped when the HTTP request was
+        received. Consume the outputs with `outputs()`. Call from the event loop."""
         if not self.alive:
             raise EngineDead(f"engine loop is not running: {self.error!r}")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(),
-                         time.monotonic() + self.request_timeout_s)
+        group = Group(asyncio.get_running_loop(), asyncio.Queue(),
+                      time.monotonic() + self.request_timeout_s, children,
+                      {c.request_id: i for i, c in enumerate(children)})
         with self._pending_lock:
-            self.num_pending_adds += 1
-        self._cmds.put(("add", request_id, prompt_token_ids, params, prompt_text, priority, stream))
-        return stream
+            self.num_pending_adds += len(children)
+        self._cmds.put(("add", group, arrival_s))
+        if not self.alive:  # it died meanwhile: answer what it will never see
+            self._fail_queued(EngineDead(f"engine loop is not running: {self.error!r}"))
+        return group
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt_text: str | None = None, priority: int = 0):
-        """submit() and outputs() in one (the request is queued on the first iteration)."""
-        stream = self.submit(request_id, prompt_token_ids, params, prompt_text, priority)
-        async for out in self.outputs(request_id, stream):
-            yield out
+    async def outputs(self, group: Group):
+        """Yield (index, cumulative RequestOutput) of a group's requests until all finished.
 
-    async def outputs(self, request_id: str, stream: "_Stream"):
-        """Yield the engine's cumulative RequestOutputs for one request until it finishes.
-
-        If the consumer stops early (client gone), the request is aborted in the engine.
+        An engine refusal (ValueError), a failed request (RequestFailed) or a dead engine
+        (EngineDead) is raised. If the consumer stops early (client gone), the unfinished
+        requests are aborted in the engine.
         """
-        q = stream.queue
-        finished = False
+        unfinished = {c.request_id for c in group.children}
         try:
-            while True:
-                item = await q.get()
+            while unfinished:
+                item = await group.queue.get()
                 if isinstance(item, BaseException):
-                    finished = True
                     raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+                i, out = item
+                if out.finished:
+                    unfinished.discard(out.request_id)
+                yield i, out
         finally:
-            if not finished:
-                self.abort(request_id)
+            for rid in unfinished:
+                self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
 
+    async def call(self, fn):
+        """Run fn(engine) on the engine thread, between steps; return its result."""
+        fut = asyncio.get_running_loop().create_future()
+        self._cmds.put(("call", fn, fut))
+        return await fut
+
     # ------------------------------------------------------------ engine side
-    def _deliver(self, rid: str, item) -> None:
-        s = self._streams.get(rid)
-        if s is None:
+    def _deliver(self, rid: str, out) -> None:
+        g = self._groups.get(rid)
+        if g is None:
             return
-        if isinstance(item, BaseException) or item.finished:
-            del self._streams[rid]
-        try:
-            s.loop.call_soon_threadsafe(s.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed
-            pass
+        if out.finished:
+            del self._groups[rid]
+        g.put((g.index[rid], out))
+
+    def _fail(self, rid: str, exc: BaseException) -> None:
+        g = self._groups.pop(rid, None)
+        if g is not None:
+            g.put(exc)
 
     def _handle(self, cmd) -> None:
         eng = self.engine
-        if cmd[0] == "add":
-            _, rid, ids, params, text, priority, stream = cmd
+        kind = cmd[0]
+        if kind == "add":
+            _, group, arrival = cmd
             with self._pending_lock:
-                self.num_pending_adds -= 1
-            self._streams[rid] = stream
+                self.num_pending_adds -= len(group.children)
+            added: list[str] = []
             try:
-                eng.add_request(rid, ids, params, priority=priority)
-            except ValueError as e:
-                self._deliver(rid, e)
+                for c in group.children:
+                    eng.add_tokenized_request(c.request_id, c.prompt_token_ids, c.params, c.prompt_text,
+                                              arrival_time=arrival, priority=c.priority)
+                    added.append(c.request_id)
+            except ValueError as e:  # refused: none of the group stays queued
+                eng.abort_request(added)
+                for rid in added:
+                    eng.request_records.pop(rid, None)
+                group.put(e)
                 return
-            live = eng._live.get(rid)
-            if live is not None and text is not None:
-                live.prompt = text
-            heapq.heappush(self._deadlines, (stream.deadline, rid))
-        elif cmd[0] == "abort":
+            for rid in added:
+                self._groups[rid] = group
+                heapq.heappush(self._deadlines, (group.deadline, rid))
+        elif kind == "abort":
             self._abort(cmd[1])
-
-    def _abort(self, rid: str) -> None:
-        eng = self.engine
-        live = eng._live.get(rid)
-        if live is None:
-            self._streams.pop(rid, None)
-            return
-        # What it produced so far (a timed-out request still answers with it).
-        text, token_ids = live.detok.get_text(True), list(live.output_token_ids)
-        eng.abort_request([rid])
-        rec = eng.request_records.pop(rid, None)
-        if self.metrics is not None:
-            self.metrics.on_abort(rid)
-        if rec is not None and self.request_log is not None:
-            self.request_log.write(rec)
-        s = self._streams.pop(rid, None)
-        if s is not None:  # a timeout: tell the waiting handler the request ended
-            from engine.llm_engine import CompletionOutput, RequestOutput
-            out = RequestOutput(rid, live.prompt, live.prompt_token_ids,
-                                [CompletionOutput(0, text, token_ids, "abort", None)], True, rec)
+        elif kind == "call":
+            _, fn, fut = cmd
             try:
-                s.loop.call_soon_threadsafe(s.queue.put_nowait, out)
+                result, exc = fn(eng), None
+            except Exception as e:  # handed back to the caller
+                result, exc = None, e
+            loop = fut.get_loop()
+
+            def settle(f=fut, r=result, x=exc):
+                if not f.done():
+                    f.set_exception(x) if x is not None else f.set_result(r)
+            try:
+                loop.call_soon_threadsafe(settle)
             except RuntimeError:
                 pass
+
+    def _finish_record(self, rid: str) -> None:
+        rec = self.engine.request_records.pop(rid, None)
+        if rec is not None and self.request_log is not None:
+            self.request_log.write(rec)
+
+    def _abort(self, rid: str, timed_out: bool = False) -> None:
+        eng = self.engine
+        partial = eng.partial_output(rid)  # a timed-out request still answers with it
+        if partial is None:
+            self._groups.pop(rid, None)
+            return
+        eng.abort_request([rid])
+        if self.metrics is not None:
+            self.metrics.on_abort(rid, eng)
+        self._finish_record(rid)
+        if timed_out:
+            self._deliver(rid, partial)
+        else:
+            self._groups.pop(rid, None)
+
+    def _step(self) -> None:
+        eng = self.engine
+        before = eng.scheduler.num_preemptions
+        try:
+            outputs = eng.step()
+        except Exception as e:
+            self.num_failed_steps += 1
+            if self.num_failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
+                raise
+            failed = eng.fail_step()
+            logger.exception("engine step failed; its %d requests fail, the loop goes on", len(failed))
+            err = RequestFailed(f"the engine failed while running this request: {e!r}")
+            for rid in failed:
+                self._finish_record(rid)
+                if self.metrics is not None:
+                    self.metrics.on_abort(rid, eng, reason="error")
+                self._fail(rid, err)
+            return
+        self.num_failed_steps = 0
+        if self.metrics is not None:
+            self.metrics.on_step(eng, outputs, eng.scheduler.num_preemptions - before)
+        for o in outputs:
+            if o.finished:
+                self._finish_record(o.request_id)
+            self._deliver(o.request_id, o)
+        if len(eng.step_log) > 2 * self.keep_step_log:
+            del eng.step_log[:-self.keep_step_log]
 
     def _run(self) -> None:
         eng = self.engine
@@ -184,29 +269,20 @@ class AsyncEngine:
                 now = time.monotonic()
                 while self._deadlines and self._deadlines[0][0] <= now:
                     _, rid = heapq.heappop(self._deadlines)
-                    if rid in eng._live:
+                    if rid in self._groups:
                         logger.info("request %s timed out after %.0f s: aborted", rid, self.request_timeout_s)
-                        self._abort(rid)
+                        self._abort(rid, timed_out=True)
                 if not eng.has_unfinished_requests():
+                    if self.metrics is not None:  # idle: gauges say so
+                        self.metrics.refresh(eng)
                     continue
-                before = eng.scheduler.num_preemptions
-                outputs = eng.step()
-                if self.metrics is not None:
-                    self.metrics.on_step(eng, outputs, eng.scheduler.num_preemptions - before)
-                for o in outputs:
-                    if o.finished:
-                        rec = eng.request_records.pop(o.request_id, None)
-                        if rec is not None and self.request_log is not None:
-                            self.request_log.write(rec)
-                    self._deliver(o.request_id, o)
-                if len(eng.step_log) > 2 * self.keep_step_log:
-                    del eng.step_log[:-self.keep_step_log]
+                self._step()
         except BaseException as e:  # keep the server up to report it; fail every stream
             self.error = e
             logger.exception("engine loop died")
             dead = EngineDead(f"engine loop died: {e!r}")
-            for rid in list(self._streams):
-                self._deliver(rid, dead)
+            for rid in list(self._groups):
+                self._fail(rid, dead)
             self._fail_queued(dead)
 
     def _fail_queued(self, exc: BaseException) -> None:
@@ -218,9 +294,12 @@ class AsyncEngine:
                 return
             if cmd[0] == "add":
                 with self._pending_lock:
-                    self.num_pending_adds -= 1
-                stream = cmd[-1]
+                    self.num_pending_adds -= len(cmd[1].children)
+                cmd[1].put(exc)
+            elif cmd[0] == "call":
+                fut = cmd[2]
                 try:
-                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+                    fut.get_loop().call_soon_threadsafe(
+                        lambda f=fut: f.done() or f.set_exception(exc))
                 except RuntimeError:
                     pass

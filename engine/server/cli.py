@@ -25,6 +25,7 @@ def add_serve_args(sub) -> None:
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 503")
     p.add_argument("--request-timeout-s", type=float, default=600.0, help="abort requests running longer")
     p.add_argument("--request-log", default=None, help="CSV of finished requests (simulator record format)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get a 413")
     p.add_argument("--served-model-name", action="append", default=None)
     p.set_defaults(func=run_serve)
 
@@ -44,7 +45,7 @@ def build_app(a):
                        enable_prefix_caching=not a.no_prefix_caching, policy=a.policy)
     return create_app(engine, model_name=a.model, max_waiting=a.max_waiting,
                       request_timeout_s=a.request_timeout_s, request_log=a.request_log,
-                      served_model_names=a.served_model_name)
+                      served_model_names=a.served_model_name, max_body_bytes=a.max_body_bytes)
 
 
 def run_serve(a: argparse.Namespace) -> int:

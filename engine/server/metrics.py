@@ -1,48 +1,91 @@
-"""Prometheus metrics of the server (one registry per app, so tests can run several)."""
+"""Prometheus metrics of the server under vLLM's names and labels, so dashboards and alerts built
+for vLLM work unchanged (one registry per app, so tests can run several).
+
+Every metric carries the label `model_name`. Definitions as in sim/metrics.py, in seconds on the
+engine clock, where arrival is the moment the HTTP request was received:
+TTFT = first token - arrival; TPOT = (last token - first token) / (output tokens - 1); ITL = every
+gap between consecutive tokens; E2E = finish - arrival; queue = first scheduled - arrival;
+prefill = first token - first scheduled; decode = finish - first token; inference = finish -
+first scheduled. `vllm:kv_cache_usage_perc` is a fraction in [0, 1], as in vLLM.
+
+Only `servetwin_rejected_requests_total` (requests refused at the HTTP boundary, by reason) has no
+vLLM equivalent and keeps the project's prefix.
+"""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
-                    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
 class ServerMetrics:
-    """Definitions as in sim/metrics.py: TTFT = first token - arrival, TPOT = (last - first) /
-    (tokens - 1), ITL = every gap between tokens, E2E = finish - arrival, queue = first scheduled -
-    arrival; all in seconds on the engine clock."""
-
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "default") -> None:
         r = self.registry = CollectorRegistry()
-        p = "servetwin_"
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "TTFT", registry=r, buckets=_LATENCY_BUCKETS)
-        self.tpot = Histogram(p + "time_per_output_token_seconds", "TPOT per request", registry=r,
-                              buckets=_LATENCY_BUCKETS)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "every gap between consecutive tokens",
-                             registry=r, buckets=_LATENCY_BUCKETS)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "arrival to finish", registry=r,
-                             buckets=_LATENCY_BUCKETS)
-        self.queue = Histogram(p + "request_queue_time_seconds", "arrival to first scheduled", registry=r,
-                               buckets=_LATENCY_BUCKETS)
-        self.running = Gauge(p + "num_requests_running", "requests running", registry=r)
-        self.waiting = Gauge(p + "num_requests_waiting", "requests waiting", registry=r)
-        self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "fraction of KV blocks in use", registry=r)
-        self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "prefix-cache hit tokens / queried tokens",
-                                     registry=r)
-        self.prefix_queries = Counter(p + "prefix_cache_queries_tokens", "tokens looked up", registry=r)
-        self.prefix_hits = Counter(p + "prefix_cache_hits_tokens", "tokens found", registry=r)
-        self.preemptions = Counter(p + "num_preemptions", "preemptions", registry=r)
-        self.aborted = Counter(p + "aborted_requests", "requests aborted (disconnect, timeout)", registry=r)
-        self.finished = Counter(p + "request_success", "finished requests by reason", ["finished_reason"],
-                                registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of admitted requests", registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens", "generated tokens", registry=r)
-        self.rejected = Counter(p + "rejected_requests", "requests refused (validation or admission)",
-                                ["reason"], registry=r)
+        lab = ["model_name"]
+        self.model_name = model_name
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, lab, registry=r, buckets=buckets).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, lab, registry=r).labels(model_name)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, lab, registry=r).labels(model_name)
+
+        v = "vllm:"
+        self.ttft = hist(v + "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                         _TTFT_BUCKETS)
+        self.itl = hist(v + "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                        _ITL_BUCKETS)
+        self.tpot = hist(v + "request_time_per_output_token_seconds",
+                         "Histogram of time_per_output_token_seconds per request.", _ITL_BUCKETS)
+        self.e2e = hist(v + "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        _REQUEST_BUCKETS)
+        self.queue = hist(v + "request_queue_time_seconds",
+                          "Histogram of time spent in WAITING phase for request.", _REQUEST_BUCKETS)
+        self.prefill = hist(v + "request_prefill_time_seconds",
+                            "Histogram of time spent in PREFILL phase for request.", _REQUEST_BUCKETS)
+        self.decode = hist(v + "request_decode_time_seconds",
+                           "Histogram of time spent in DECODE phase for request.", _REQUEST_BUCKETS)
+        self.inference = hist(v + "request_inference_time_seconds",
+                              "Histogram of time spent in RUNNING phase for request.", _REQUEST_BUCKETS)
+        self.request_prompt_tokens = hist(v + "request_prompt_tokens",
+                                          "Number of prefill tokens processed.", _TOKEN_BUCKETS)
+        self.request_generation_tokens = hist(v + "request_generation_tokens",
+                                              "Number of generation tokens processed.", _TOKEN_BUCKETS)
+        self.running = gauge(v + "num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge(v + "num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge(v + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_queries = counter(v + "prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = counter(v + "prefix_cache_hits",
+                                   "Prefix cache hits, in terms of number of cached tokens.")
+        self.preemptions = counter(v + "num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = counter(v + "prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter(v + "generation_tokens", "Number of generation tokens processed.")
+        self._success = Counter(v + "request_success", "Count of successfully processed requests.",
+                                lab + ["finished_reason"], registry=r)
+        self._rejected = Counter("servetwin_rejected_requests", "Requests refused at the HTTP boundary.",
+                                 lab + ["reason"], registry=r)
         self._queried = self._hits = 0
         self._seen: dict[str, int] = {}  # tokens already observed per live request
 
-    def on_step(self, engine, outputs, new_preemptions: int) -> None:
+    def finished(self, reason: str):
+        return self._success.labels(self.model_name, reason)
+
+    def rejected(self, reason: str):
+        return self._rejected.labels(self.model_name, reason)
+
+    def refresh(self, engine) -> None:
+        """Gauges and prefix-cache counters from the engine's state now (engine thread)."""
         sched = engine.scheduler
         kvm = sched.kv_cache_manager
         self.running.set(len(sched.running))
@@ -52,7 +95,9 @@ class ServerMetrics:
             self.prefix_queries.inc(kvm.num_queried_tokens - self._queried)
             self.prefix_hits.inc(kvm.num_hit_tokens - self._hits)
             self._queried, self._hits = kvm.num_queried_tokens, kvm.num_hit_tokens
-            self.prefix_hit_rate.set(kvm.prefix_cache_hit_rate)
+
+    def on_step(self, engine, outputs, new_preemptions: int) -> None:
+        self.refresh(engine)
         if new_preemptions:
             self.preemptions.inc(new_preemptions)
         for o in outputs:
@@ -70,19 +115,28 @@ class ServerMetrics:
             self._seen[o.request_id] = len(times)
             if o.finished:
                 self._seen.pop(o.request_id, None)
-                reason = o.outputs[0].finish_reason or "stop"
-                self.finished.labels(reason).inc()
+                self.finished(o.outputs[0].finish_reason or "stop").inc()
+                self.request_prompt_tokens.observe(rec.num_prompt_tokens)
+                self.request_generation_tokens.observe(rec.num_output_tokens)
                 if rec.first_token_s is not None:
                     self.ttft.observe(rec.first_token_s - rec.arrival_s)
+                    if rec.first_scheduled_s is not None:
+                        self.prefill.observe(rec.first_token_s - rec.first_scheduled_s)
                     if rec.num_output_tokens > 1:
                         self.tpot.observe((rec.last_token_s - rec.first_token_s) / (rec.num_output_tokens - 1))
                 if rec.finish_s is not None:
                     self.e2e.observe(rec.finish_s - rec.arrival_s)
+                    if rec.first_token_s is not None:
+                        self.decode.observe(rec.finish_s - rec.first_token_s)
+                    if rec.first_scheduled_s is not None:
+                        self.inference.observe(rec.finish_s - rec.first_scheduled_s)
 
-    def on_abort(self, request_id: str | None = None) -> None:
-        self.aborted.inc()
-        if request_id is not None:
-            self._seen.pop(request_id, None)
+    def on_abort(self, request_id: str, engine=None, reason: str = "abort") -> None:
+        """A request aborted (disconnect, timeout) or failed ("error"); gauges refreshed at once."""
+        self.finished(reason).inc()
+        self._seen.pop(request_id, None)
+        if engine is not None:
+            self.refresh(engine)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,69 +1,194 @@
-"""OpenAI-compatible request bodies and error responses (the subset the engine honours)."""
+"""OpenAI-compatible request bodies, their validation, and error responses.
+
+Validation is strict: a field of the wrong JSON type is refused, never coerced ("5" is not 5,
+"yes" is not true, Infinity and NaN are not numbers), integers are bounded to 64 bits, and every
+string must be valid Unicode (no lone surrogates). Fields OpenAI or vLLM define that this server
+does not implement are refused with a 400 naming them, unless they hold the value that means
+"off" (UNSUPPORTED). Unknown fields are ignored, as vLLM does.
+"""
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+
+I64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
+MAX_JSON_DEPTH = 32
+MAX_N = 128
 
 
 class APIError(Exception):
     """An OpenAI-style error: HTTP status, message, type, and the offending field (param)."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
 
-class StreamOptions(BaseModel):
+# ------------------------------------------------------------------ raw JSON
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def loads(body: bytes) -> Any:
+    """Parse a request body; APIError(400, param "body") for anything that is not strict JSON
+    (invalid UTF-8, NaN/Infinity, nesting deeper than the parser allows)."""
+    try:
+        return json.loads(body, parse_constant=_reject_constant)
+    except RecursionError:
+        raise APIError(400, "body: JSON nested too deeply", "body") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise APIError(400, f"body: request body is not valid JSON: {e}", "body") from None
+
+
+def path_name(loc) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "body"
+
+
+def check_json_values(obj: Any) -> None:
+    """Every string valid Unicode, nesting at most MAX_JSON_DEPTH; APIError naming the field."""
+    stack = [(obj, (), 0)]
+    while stack:
+        x, loc, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"{path_name(loc)}: nested deeper than {MAX_JSON_DEPTH} levels",
+                           path_name(loc))
+        if isinstance(x, str):
+            _check_str(x, loc)
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                _check_str(k, loc + (k,))
+                stack.append((v, loc + (k,), depth + 1))
+        elif isinstance(x, list):
+            stack.extend((v, loc + (i,), depth + 1) for i, v in enumerate(x))
+
+
+def _check_str(s: str, loc) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        name = path_name(loc)
+        raise APIError(400, f"{name}: not valid Unicode ({e.reason} at character {e.start}: "
+                            f"{s[e.start]!r})", name) from None
+
+
+# Fields defined by OpenAI or vLLM that this server does not implement -> the values that mean
+# "not used" (a callable decides). Anything else gets a 400 naming the field.
+def _off(*values):
+    return lambda v: v in values
+
+
+UNSUPPORTED = {
+    "tools": _off(None, []),
+    "tool_choice": _off(None, "none"),
+    "functions": _off(None, []),
+    "function_call": _off(None, "none"),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "logit_bias": _off(None, {}),
+    "suffix": _off(None, ""),
+    "prompt_logprobs": _off(None),
+    "guided_json": _off(None),
+    "guided_regex": _off(None),
+    "guided_choice": _off(None),
+    "guided_grammar": _off(None),
+    "structured_outputs": _off(None),
+    "prediction": _off(None),
+    "audio": _off(None),
+    "modalities": lambda v: v is None or v == ["text"],
+    "skip_special_tokens": _off(None, True),
+    "use_beam_search": _off(None, False),
+    "logits_processors": _off(None, []),
+}
+
+
+def check_unsupported(body: dict) -> None:
+    for name, is_off in UNSUPPORTED.items():
+        if name in body and not is_off(body[name]):
+            raise APIError(400, f"{name}={_short(body[name])}: not supported by this server", name)
+    n = body.get("n", 1)
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise APIError(400, f"best_of={_short(best_of)}: not supported by this server (only best_of == n)",
+                       "best_of")
+
+
+def _short(v: Any, limit: int = 80) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit] + "..."
+
+
+# ------------------------------------------------------------------ models
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are accepted and ignored
-
-    model: str
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
+class _Common(_Strict):
+    model: str | None = None
+    max_tokens: I64 | None = None
+    max_completion_tokens: I64 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: I64 | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    best_of: I64 | None = None
+    stop: Any = None                  # str | list[str] | None, checked in stop_strings()
+    stop_token_ids: list[I64] | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: I64 = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    priority: int = 0
+    priority: I64 = 0
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def stop_strings(self) -> list[str]:
+        s = self.stop
+        if s is None:
+            return []
+        if isinstance(s, str):
+            return [s]
+        if isinstance(s, list) and all(isinstance(x, str) for x in s):
+            return list(s)
+        raise APIError(400, f"stop={_short(s)}: must be a string or a list of strings", "stop")
+
+    def sampling_params(self, max_tokens: int, seed: int | None, logprobs: int | None) -> SamplingParams:
         """Raises APIError(400) naming the field for invalid values."""
-        if self.n != 1:
-            raise APIError(400, f"n={self.n}: only n=1 is supported", "n")
+        def d(v, default):
+            return default if v is None else v
         try:
             return SamplingParams(
                 max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                stop_token_ids=list(self.stop_token_ids or []),
-                stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+                stop_token_ids=list(self.stop_token_ids or []), stop=self.stop_strings(),
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                repetition_penalty=self.repetition_penalty)
+                temperature=d(self.temperature, 1.0), top_p=d(self.top_p, 1.0), top_k=d(self.top_k, 0),
+                seed=seed, presence_penalty=d(self.presence_penalty, 0.0),
+                frequency_penalty=d(self.frequency_penalty, 0.0),
+                repetition_penalty=d(self.repetition_penalty, 1.0), logprobs=logprobs)
         except ValueError as e:
             msg = str(e)
             field = msg.split("SamplingParams.", 1)[-1].split("=", 1)[0] if "SamplingParams." in msg else None
@@ -73,22 +198,120 @@ class _Common(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
+    prompt: Any = None                # str | list[int] | list[str] | list[list[int]], see prompts()
+    echo: bool | None = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    def prompts(self, vocab_size: int) -> list[str | list[int]]:
+        """The prompts of this request: texts, or lists of token ids in [0, vocab_size)."""
+        p = self.prompt
+        if p is None:
+            raise APIError(400, "prompt: required", "prompt")
+        if isinstance(p, str):
+            return [p]
+        if not isinstance(p, list) or not p:
+            raise APIError(400, f"prompt={_short(p)}: must be a string, a list of token ids, or a "
+                                "non-empty list of either", "prompt")
+        if all(_is_int(t) for t in p):
+            return [_token_ids(p, vocab_size, "prompt")]
+        out: list[str | list[int]] = []
+        for i, q in enumerate(p):
+            if isinstance(q, str):
+                out.append(q)
+            elif isinstance(q, list) and q and all(_is_int(t) for t in q):
+                out.append(_token_ids(q, vocab_size, f"prompt[{i}]"))
+            else:
+                raise APIError(400, f"prompt[{i}]={_short(q)}: must be a string or a non-empty list of "
+                                    "token ids", f"prompt[{i}]")
+        return out
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: Any = None               # str | list of content parts | None, see text()
+    name: str | None = None
+
+    def text(self, where: str) -> str:
+        """The message's text; only text content parts are supported."""
+        c = self.content
+        if c is None:
+            return ""
+        if isinstance(c, str):
+            return c
+        if not isinstance(c, list):
+            raise APIError(400, f"{where}.content={_short(c)}: must be a string or a list of content parts",
+                           f"{where}.content")
+        parts = []
+        for j, part in enumerate(c):
+            name = f"{where}.content[{j}]"
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise APIError(400, f"{name}={_short(part)}: a content part is an object with a string "
+                                    "'type'", name)
+            if part["type"] != "text":
+                raise APIError(400, f"{name}.type={part['type']!r}: only text content parts are supported "
+                                    "by this server", f"{name}.type")
+            if not isinstance(part.get("text"), str):
+                raise APIError(400, f"{name}.text={_short(part.get('text'))}: must be a string",
+                               f"{name}.text")
+            parts.append(part["text"])
+        return "".join(parts)
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def conversation(self) -> list[dict]:
+        for i, m in enumerate(self.messages):
+            if m.model_extra and m.model_extra.get("tool_calls"):
+                raise APIError(400, f"messages[{i}].tool_calls: not supported by this server",
+                               f"messages[{i}].tool_calls")
+        return [{"role": m.role, "content": m.text(f"messages[{i}]")} for i, m in enumerate(self.messages)]
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[I64]
+
+
+def validate_model(cls, body: dict):
+    """cls.model_validate(body), with a ValidationError turned into a 400 naming the field."""
+    try:
+        return cls.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = path_name(first.get("loc", ()))
+        raise APIError(400, f"{field}={_short(first.get('input'))}: {first.get('msg', 'invalid')}",
+                       field) from None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _token_ids(ids: list, vocab_size: int, name: str) -> list[int]:
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise APIError(400, f"{name}: token id {t} is not in [0, {vocab_size})", name)
+    return list(ids)
 
 
 def new_id(prefix: str) -> str:
@@ -99,6 +322,9 @@ def now_s() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+         "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u
