@@ -67,8 +67,8 @@ def check_json_values(obj: Any) -> None:
     while stack:
         x, loc, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
-            raise APIError(400, f"{path_name(loc)}: nested deeper than {MAX_JSON_DEPTH} levels",
-                           path_name(loc))
+            top = path_name(loc[:1])
+            raise APIError(400, f"{top}: nested deeper than {MAX_JSON_DEPTH} levels", top)
         if isinstance(x, str):
             _check_str(x, loc)
         elif isinstance(x, dict):
@@ -220,6 +220,9 @@ class CompletionRequest(_Common):
                                 "non-empty list of either", "prompt")
         if all(_is_int(t) for t in p):
             return [_token_ids(p, vocab_size, "prompt")]
+        if any(isinstance(t, (int, float)) for t in p):  # meant as token ids, one is not
+            i = next(i for i, t in enumerate(p) if not _is_int(t))
+            raise APIError(400, f"prompt[{i}]={_short(p[i])}: a token id must be an integer", f"prompt[{i}]")
         out: list[str | list[int]] = []
         for i, q in enumerate(p):
             if isinstance(q, str):

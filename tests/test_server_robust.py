@@ -1,0 +1,397 @@
+"""The server against bad input, and as a drop-in for vLLM users: no input stops the engine loop,
+latency counts from HTTP receipt, tokenization stays off the event loop, gauges stay fresh,
+n > 1 / several prompts / echo / logprobs / cached tokens, vLLM's extra endpoints and metrics."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+import transformers
+
+from engine.llm_engine import LLMEngine
+from engine.model.loader import resolve_model
+from engine.server.app import create_app
+from tests.test_server import MODEL, _free_port, _Server
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    log = tmp_path_factory.mktemp("log") / "requests.csv"
+    engine = LLMEngine(model=MODEL, device="cpu", max_num_batched_tokens=256, max_num_seqs=16,
+                       num_gpu_blocks=300, max_model_len=512)
+    app = create_app(engine, model_name=MODEL, max_waiting=500, request_log=log, max_body_bytes=256 << 10)
+    port = _free_port()
+    with _Server(app, port):
+        yield {"url": f"http://127.0.0.1:{port}", "engine": engine, "log": log, "app": app}
+
+
+@pytest.fixture()
+def client(srv):
+    return openai.OpenAI(base_url=srv["url"] + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def post(srv, path, body=None, content=None):
+    if content is not None:
+        return httpx.post(srv["url"] + path, content=content, timeout=60,
+                          headers={"content-type": "application/json"})
+    return httpx.post(srv["url"] + path, json=body, timeout=60)
+
+
+def complete(srv, **kw):
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0, **kw}
+    r = post(srv, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# ---------------------------------------------------------------- the issue's defects
+@pytest.mark.parametrize("path,raw,field", [
+    ("/v1/completions", b'{"model":"default","prompt":"hi","max_tokens":2,"seed":1180591620717411303424}', "seed"),
+    ("/v1/completions", b'{"model":"default","prompt":"x\\ud800y"}', "prompt"),
+    ("/v1/completions", b'{"model":"default","prompt":["ok","x\\udfffy"]}', "prompt[1]"),
+    ("/v1/chat/completions", b'{"model":"default","messages":[{"role":"user","content":[{"type":"text","text":5}]}]}',
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions",
+     b'{"model":"default","messages":[{"role":"user","content":[{"type":"text","text":null}]}]}',
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions", b'{"model":"default","messages":[{"role":"user","content":[{"type":"image_url",'
+                             b'"image_url":{"url":"http://x/y.png"}}]}]}', "messages[0].content[0].type"),
+    ("/v1/completions", b'{"model":"default","prompt":"hi","extra":' + b"[" * 5000 + b"]" * 5000 + b"}", "body"),
+    ("/v1/completions", b'{"model":"default","prompt":"hi","extra":' + b"[" * 40 + b"]" * 40 + b"}", "extra"),
+    ("/v1/completions", b'{"model":"default","prompt":"hi","temperature":Infinity}', "body"),
+    ("/v1/completions", b'{"model":"default","prompt":"hi","temperature":1e999}', "temperature"),
+    ("/v1/completions", b'{"model":"default","prompt":"hi","max_tokens":"5"}', "max_tokens"),
+    ("/v1/completions", b'{"model":"default","prompt":"hi","max_tokens":5.0}', "max_tokens"),
+    ("/v1/completions", b'{"model":"default","prompt":"hi","stream":"yes"}', "stream"),
+    ("/v1/completions", b'{"model":"default","prompt":"hi","ignore_eos":1}', "ignore_eos"),
+    ("/v1/completions", b'{"model":"default","prompt":[1, true, 3]}', "prompt[1]"),
+    ("/v1/completions", b'{"model":"default","prompt":"hi","stop":[1]}', "stop"),
+    ("/v1/completions", b'{"model":"default","prompt":"hi","best_of":3}', "best_of"),
+    ("/v1/completions", b'{"model":"default","prompt":"hi","suffix":"end"}', "suffix"),
+    ("/v1/completions", b'{"model":"default","prompt":"hi","logit_bias":{"5":10}}', "logit_bias"),
+    ("/v1/chat/completions", b'{"model":"default","messages":[{"role":"user","content":"hi"}],'
+                             b'"tools":[{"type":"function","function":{"name":"f"}}]}', "tools"),
+    ("/v1/chat/completions", b'{"model":"default","messages":[{"role":"user","content":"hi"}],'
+                             b'"tool_choice":"required"}', "tool_choice"),
+    ("/v1/chat/completions", b'{"model":"default","messages":[{"role":"user","content":"hi"}],'
+                             b'"response_format":{"type":"json_object"}}', "response_format"),
+    ("/v1/completions", b'{"model":"default","prompt":"hi","echo":true,"logprobs":1}', "echo"),
+    ("/v1/completions", b'\xff\xfe{"model"', "body"),
+    ("/v1/completions", b'[1, 2]', "body"),
+])
+def test_defects_answer_400_naming_the_field(srv, path, raw, field):
+    r = post(srv, path, content=raw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field, err
+    assert err["type"] == "invalid_request_error" and err["message"].startswith(field)
+    assert r.headers.get("connection") != "close"  # a 400 keeps the keep-alive connection
+    assert httpx.get(srv["url"] + "/health").json() == {"status": "ok"}
+
+
+def test_unsupported_fields_at_their_off_values_are_accepted(srv):
+    body = complete(srv, prompt="hi", tools=[], tool_choice="none", response_format={"type": "text"},
+                    logit_bias={}, best_of=1, suffix=None)
+    assert body["usage"]["completion_tokens"] == 6
+
+
+def test_body_limit_and_length_check_refuse_before_tokenizing(srv):
+    r = post(srv, "/v1/completions", {"model": MODEL, "prompt": "x" * (300 << 10)})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body"
+    # Under the body limit but more characters than max_model_len tokens can ever cover.
+    tok = srv["engine"].tokenizer
+    bound = 2 * srv["engine"].max_model_len * max(len(t) for t in tok.get_vocab())
+    r = post(srv, "/v1/completions", {"model": MODEL, "prompt": "y" * (bound + 1)})
+    assert r.status_code == 400 and "characters cannot fit" in r.json()["error"]["message"]
+
+
+def test_seeds_use_all_64_bits(srv):
+    def text(seed):
+        return complete(srv, prompt="Once upon a time", temperature=1.0, max_tokens=12, seed=seed)["choices"][0]["text"]
+    assert text(5) == text(5)
+    assert text(5) != text(5 + 2 ** 32)
+    assert text(2 ** 64 - 1) == text(2 ** 64 - 1)
+
+
+# ---------------------------------------------------------------- compatibility
+def test_n_choices_follow_vllm_seeding(srv):
+    kw = dict(prompt="The weather today is", temperature=1.0, max_tokens=8)
+    both = complete(srv, n=2, seed=42, **kw)
+    assert [c["index"] for c in both["choices"]] == [0, 1]
+    assert both["choices"][0]["text"] == complete(srv, seed=42, **kw)["choices"][0]["text"]
+    assert both["choices"][1]["text"] == complete(srv, seed=43, **kw)["choices"][0]["text"]
+    assert both["usage"]["completion_tokens"] == 16
+    assert both["usage"]["prompt_tokens"] == len(srv["engine"].tokenizer(kw["prompt"]).input_ids)
+
+
+def test_several_prompts_answer_like_single_requests(srv):
+    tok = srv["engine"].tokenizer
+    prompts = ["The capital of France is", tok("1, 2, 3,").input_ids]
+    many = complete(srv, prompt=prompts)
+    for i, p in enumerate(prompts):
+        assert many["choices"][i]["text"] == complete(srv, prompt=p)["choices"][0]["text"]
+    assert many["usage"]["prompt_tokens"] == len(tok(prompts[0]).input_ids) + len(prompts[1])
+
+
+def test_echo_prepends_the_prompt(srv):
+    p = "The capital of France is"
+    plain = complete(srv, prompt=p)["choices"][0]["text"]
+    assert complete(srv, prompt=p, echo=True)["choices"][0]["text"] == p + plain
+    s = httpx.post(srv["url"] + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": p, "max_tokens": 6, "temperature": 0, "echo": True, "stream": True})
+    chunks = [json.loads(line[6:]) for line in s.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == p + plain
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(resolve_model(MODEL)), dtype=torch.float32, local_files_only=True).eval()
+
+
+def test_logprobs_match_transformers(srv, client, hf_model):
+    """Completions and chat logprobs against log_softmax of transformers' own logits."""
+    tok = srv["engine"].tokenizer
+    prompt = "The capital of France is"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    ids = tok(prompt).input_ids
+    gen = [tok.convert_tokens_to_ids(t) for t in []]  # filled below from the greedy ids
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False, pad_token_id=2,
+                                output_logits=True, return_dict_in_generate=True)
+    gen = out.sequences[0, len(ids):].tolist()
+    assert lp.tokens == [tok.decode([t]) for t in gen]
+    assert "".join(lp.tokens) == r.choices[0].text
+    for k, logits in enumerate(out.logits):
+        ref = logits[0].float().log_softmax(-1)
+        assert lp.token_logprobs[k] == pytest.approx(ref[gen[k]].item(), abs=2e-3)
+        top_v, top_i = ref.topk(3)
+        assert list(lp.top_logprobs[k]) == [tok.decode([t]) for t in top_i.tolist()]
+        assert list(lp.top_logprobs[k].values()) == pytest.approx(top_v.tolist(), abs=2e-3)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(4)]
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in content)
+    for e in content:  # greedy: the sampled token is the most likely one
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+        assert bytes(e.bytes).decode() == e.token
+
+
+def test_cached_tokens_and_reset_prefix_cache(srv):
+    p = "A long shared preamble about the history of the bicycle, from the draisine onwards. " * 4
+    n_prompt = len(srv["engine"].tokenizer(p).input_ids)
+    complete(srv, prompt=p, max_tokens=2)
+    again = complete(srv, prompt=p, max_tokens=2)["usage"]
+    bs = srv["engine"].block_size
+    assert again["prompt_tokens_details"]["cached_tokens"] == (n_prompt - 1) // bs * bs
+    deadline = time.time() + 30
+    while True:  # refused (409) only while a request holds blocks
+        r = post(srv, "/reset_prefix_cache")
+        if r.status_code == 200 or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    assert r.status_code == 200
+    assert complete(srv, prompt=p, max_tokens=2)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_vllm_endpoints(srv, client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+    tok = srv["engine"].tokenizer
+    t = post(srv, "/tokenize", {"model": MODEL, "prompt": "Hello world"}).json()
+    assert t["tokens"] == tok("Hello world").input_ids and t["count"] == len(t["tokens"])
+    assert t["max_model_len"] == srv["engine"].max_model_len
+    assert post(srv, "/detokenize", {"model": MODEL, "tokens": t["tokens"]}).json() == {"prompt": "Hello world"}
+    msgs = [{"role": "user", "content": "Hi"}]
+    t = post(srv, "/tokenize", {"model": MODEL, "messages": msgs}).json()
+    templ = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert t["tokens"] == tok(templ, add_special_tokens=False).input_ids
+    assert httpx.get(srv["url"] + "/version").json()["version"]
+    assert httpx.get(srv["url"] + "/ping").status_code == 200
+    assert httpx.post(srv["url"] + "/ping").status_code == 200
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405),
+                                 ("DELETE", "/v1/models", 405)):
+        r = httpx.request(method, srv["url"] + path)
+        assert r.status_code == status and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} {labels} not exported")
+
+
+def test_gauges_fresh_after_an_abort(srv):
+    """The last event is an abort: running/waiting must go back to 0 (they used to stay at 1)."""
+    url = srv["url"]
+
+    async def hang_up():
+        async with httpx.AsyncClient(timeout=60) as ac:
+            async with ac.stream("POST", url + "/v1/completions", json={
+                    "model": MODEL, "prompt": "Tell me a long story", "max_tokens": 200, "ignore_eos": True,
+                    "stream": True}) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: ") and '"text": "' in line:
+                        return
+    asyncio.run(hang_up())
+    eng = srv["engine"]
+    deadline = time.time() + 30
+    while eng.has_unfinished_requests() and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.6)  # one idle turn of the engine loop (it wakes every 0.5 s when idle)
+    m = httpx.get(url + "/metrics").text
+    assert _metric(m, "vllm:num_requests_running", model_name=MODEL) == 0
+    assert _metric(m, "vllm:num_requests_waiting", model_name=MODEL) == 0
+    assert _metric(m, "vllm:kv_cache_usage_perc", model_name=MODEL) == 0
+    assert _metric(m, "vllm:request_success_total", model_name=MODEL, finished_reason="abort") >= 1
+
+
+# ---------------------------------------------------------------- latency from HTTP receipt
+def test_arrival_is_stamped_at_http_receipt(srv, monkeypatch):
+    """B arrives while A's (slow) step runs: B's arrival must be before A's first token, not when
+    the engine thread got round to it after the step."""
+    eng = srv["engine"]
+    real = eng.runner.execute
+    started = threading.Event()
+
+    def slow(out):
+        if out.num_scheduled_tokens:
+            started.set()
+            time.sleep(0.4)
+        return real(out)
+    monkeypatch.setattr(eng.runner, "execute", slow)
+    ids = {}
+
+    def send(name, prompt):
+        ids[name] = complete(srv, prompt=prompt, max_tokens=2)["id"]
+    a = threading.Thread(target=send, args=("a", "First request"))
+    a.start()
+    assert started.wait(30)
+    send("b", "Second request")
+    a.join()
+    import csv
+    with open(srv["log"]) as f:
+        rows = {r["request_id"]: r for r in csv.DictReader(f)}
+    ra, rb = rows[ids["a"]], rows[ids["b"]]
+    assert float(rb["arrival_s"]) < float(ra["first_token_s"])
+    # B waited for A's step: its queue time shows it (before the fix it was 0).
+    assert float(rb["first_scheduled_s"]) >= float(ra["first_token_s"])
+
+
+def test_tokenization_runs_off_the_event_loop(srv, monkeypatch):
+    """The tokenizer is called on worker threads, never on the event loop's thread."""
+    from engine.server import app as app_mod
+    seen = []
+    real = app_mod._encode
+
+    def spy(tok, text, special):
+        seen.append(threading.current_thread().name)
+        return real(tok, text, special)
+    monkeypatch.setattr(app_mod, "_encode", spy)
+    complete(srv, prompt="Where am I tokenized?", max_tokens=1)
+    assert seen and all(name.startswith("tokenize") for name in seen)
+
+
+# ---------------------------------------------------------------- failures inside a step
+def test_failed_step_fails_only_its_requests(srv, monkeypatch):
+    eng = srv["engine"]
+    real = eng.runner.execute
+    poison = eng.tokenizer("POISON").input_ids
+
+    def execute(out):
+        for d in out.scheduled_new_reqs:
+            if list(d.prompt_token_ids) == poison:
+                raise RuntimeError("kernel failure on this request")
+        return real(out)
+    monkeypatch.setattr(eng.runner, "execute", execute)
+    r = post(srv, "/v1/completions", {"model": MODEL, "prompt": "POISON", "max_tokens": 3})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    # The loop goes on; nothing leaked.
+    assert complete(srv, prompt="Still serving?", max_tokens=3)["usage"]["completion_tokens"] == 3
+    kvm = eng.scheduler.kv_cache_manager
+    assert kvm.num_free_blocks == kvm.num_usable_blocks
+    assert httpx.get(srv["url"] + "/health").json() == {"status": "ok"}
+
+
+# ---------------------------------------------------------------- fuzz
+_FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
+           "stream", "stream_options", "logprobs", "top_logprobs", "echo", "presence_penalty", "min_tokens",
+           "stop_token_ids", "ignore_eos", "priority", "tools", "logit_bias", "best_of", "whatever"]
+
+
+def fuzz_value(rng: random.Random, depth: int = 0):
+    k = rng.randrange(14)
+    if k == 0:
+        return None
+    if k == 1:
+        return rng.choice([True, False])
+    if k == 2:
+        return rng.choice([0, 1, -1, 2, 3, 7, 2 ** 31, 2 ** 63, 2 ** 64, 2 ** 70, -2 ** 64])
+    if k == 3:
+        return rng.choice([0.0, 0.5, 1.0, -0.5, 1e308, 2.5, 1e-9])
+    if k == 4:
+        return rng.choice(["", "hi", "default", "x\ud800y", "\udfff", "é" * 3, "\x00", "5", "yes", "Infinity"])
+    if k == 5 and depth < 3:
+        return [fuzz_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    if k == 6 and depth < 3:
+        return {rng.choice(["type", "text", "role", "content", "x"]): fuzz_value(rng, depth + 1)
+                for _ in range(rng.randrange(3))}
+    if k == 7:
+        return [rng.randrange(-5, 60000) for _ in range(rng.randrange(1, 5))]
+    if k == 8:
+        return [{"role": rng.choice(["user", "system", "assistant", "tool", "bot"]),
+                 "content": fuzz_value(rng, depth + 1)}]
+    return rng.choice([1, 2, "hi", [1, 2], 0.7])
+
+
+def fuzz_body(rng: random.Random) -> bytes:
+    """A mostly valid body with a few fields replaced by random JSON, or broken bytes."""
+    if rng.random() < 0.08:
+        return rng.choice([b"", b"{", b"null", b"[]", b'{"model": "default", "prompt": "hi"',
+                           bytes(rng.randrange(256) for _ in range(20)), b'{"prompt": NaN}'])
+    body = {"model": MODEL, "prompt": "Fuzz", "max_tokens": rng.randrange(1, 4)}
+    if rng.random() < 0.3:
+        del body["prompt"]
+        body["messages"] = [{"role": "user", "content": "Fuzz"}]
+    for _ in range(rng.randrange(1, 4)):
+        body[rng.choice(_FIELDS)] = fuzz_value(rng)
+    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 4:
+        body["max_tokens"] = 4  # keep the valid ones short
+    if isinstance(body.get("n"), int) and body["n"] > 3:
+        body["n"] = 3
+    return json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
+
+
+def test_fuzz_never_500_never_stops(srv):
+    """300 random and malformed bodies to both endpoints, a well-formed greedy request after
+    every 25: no 500, the same correct answer each time, and the loop still serving."""
+    rng = random.Random(1234)
+    url = srv["url"]
+    ref = complete(srv, prompt="Count: 1, 2, 3,", max_tokens=5)["choices"][0]["text"]
+    statuses: dict[int, int] = {}
+    with httpx.Client(timeout=120) as c:
+        for i in range(300):
+            path = "/v1/chat/completions" if rng.random() < 0.4 else "/v1/completions"
+            r = c.post(url + path, content=fuzz_body(rng), headers={"content-type": "application/json"})
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            assert r.status_code in (200, 400, 404, 413), (r.status_code, r.text)
+            if r.status_code != 200:
+                assert "error" in r.json() and r.json()["error"]["message"]
+            if i % 25 == 24:
+                ok = c.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Count: 1, 2, 3,",
+                                                           "max_tokens": 5, "temperature": 0})
+                assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == ref
+    assert statuses.get(200, 0) > 10 and statuses.get(400, 0) > 100, statuses
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
