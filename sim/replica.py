@@ -5,11 +5,17 @@
 
 Requests end by their workload output length (ignore_eos) or by cancellation.
 
-Speed: while every running request is decoding, the scheduler's SteadyDecoder takes the steps
-(same decisions, O(events) per step instead of O(running requests)), and the replica runs them
-back to back without a SimPy event until something outside can happen (the next arrival or
-deadline) or a request finishes. Timestamps are identical to stepping one by one with
-schedule() (tests/test_sim.py checks it).
+Speed: the replica asks the scheduler to `advance()` up to the next outside event (an arrival or
+a deadline): it takes the steps in which every running request decodes in O(events) per step
+instead of O(running requests), with the code of its plain steps, and the replica waits once on
+SimPy's clock for all of them. It stops early after a step in which a request finished or a
+client hangs up. Timestamps are identical to stepping one by one with schedule()
+(tests/test_sim.py, tests/test_sim_fuzz.py check it).
+
+steps.csv: a plain step is one row; the steps of one advance() call are one row with num_steps
+> 1 whose feature columns (num_reqs ... num_preempted) and forward_s are sums over those steps,
+and num_running, num_waiting and kv_usage are as after its last step. Rows stay one per outside
+event at most, so memory is bounded by the events, not by the steps.
 """
 from __future__ import annotations
 
@@ -18,7 +24,6 @@ from typing import TYPE_CHECKING
 
 from engine.core import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 from engine.core.records import RequestRecord, StepRecord
-from engine.core.steady import SteadyDecoder
 
 if TYPE_CHECKING:
     from sim.simulation import Simulation
@@ -38,7 +43,7 @@ class SimRequest:
         self.record = record
         self.last_step = -2         # step index of its latest token
         self.cancel_tokens = None   # the client disconnects after this many output tokens
-        self.steady_from = -1       # first step it decoded lazily in the current steady run
+        self.steady_from = -1       # first step it decodes lazily in the scheduler's fast mode; -1: not lazy
 
 
 def _disconnect_point(r: Request) -> int | None:
@@ -61,8 +66,8 @@ class Replica:
         self.deadlines: list[tuple[float, str]] = []  # heap of (abandon time, request id)
         self.live: dict[str, SimRequest] = {}
         self._wake = None
-        self.steady: SteadyDecoder | None = None
         self._plain_next = False
+        self._late: list[SimRequest] | None = None  # went lazy after a step without a token
         self.step_idx = 0
         self.steps: list[StepRecord] = []
         # ITL bookkeeping: a token whose predecessor came in the previous step has gap
@@ -122,14 +127,9 @@ class Replica:
         if not ids:
             return
         sched = self.scheduler
-        if self.steady is not None:
-            reqs = [sched.requests.get(rid) for rid in ids]
-            lazy = [r for r in reqs if r is not None and r.request_id in self.steady.lazy]
-            self.steady.abort(ids)
-            for r in lazy:  # they decoded through the last step: write their counts back
-                self._sync_lazy_record(r)
-        else:
-            sched.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        reqs = [r for r in map(sched.requests.get, ids) if r is not None]
+        sched.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        self._sync_lazy_records(reqs)  # those decoding lazily: their tokens through the last step
         for rid in ids:
             sreq = self.live.pop(rid)
             sreq.record.finish_reason = "abort"
@@ -149,17 +149,19 @@ class Replica:
                 while self.inbox:  # closed loop: the aborted requests' replacements
                     self._admit_arrivals(now)
             if not sched.has_unfinished_requests():
-                if self.steady is not None:
-                    self._leave_steady()
+                sched.sync()  # nothing is lazy any more: leave fast mode
+                self._late = None
                 self._wake = env.event()
                 yield self._wake
                 self._wake = None
                 continue
             if self.use_steady and not self._plain_next:
-                if self.steady is None and SteadyDecoder.can_enter(sched, TOKEN):
-                    self._enter_steady()
-                if self.steady is not None:
-                    yield from self._run_steady(now)
+                until = self.sim.next_arrival_s
+                if self.deadlines and self.deadlines[0][0] < until:
+                    until = self.deadlines[0][0]
+                adv = sched.advance(TOKEN, self.cost.step_time, now, until, watch=_disconnect_point)
+                if adv is not None:
+                    yield from self._fast_steps(now, adv)
                     continue
             self._plain_next = False
             yield from self._plain_step(now)
@@ -214,94 +216,64 @@ class Replica:
         for sreq in finished:
             self.sim.on_finish(self, sreq, None)
 
-    # ---------------------------------------------------------------- steady
-    def _enter_steady(self) -> None:
-        self.steady = SteadyDecoder(self.scheduler, TOKEN, watch=_disconnect_point)
-        step = self.step_idx
-        for r in self.scheduler.running:
-            r.driver_state.steady_from = step
-
-    def _sync_lazy_record(self, r: Request) -> None:
-        """A request that decoded lazily through the last step: write its record back."""
-        sreq = r.driver_state
-        rec = sreq.record
+    # ---------------------------------------------------------------- fast
+    def _sync_lazy_records(self, reqs) -> None:
+        """Requests the scheduler wrote back from fast mode: bring the records of those that
+        decoded lazily up to date (one token per step from steady_from through the last step)."""
         last = self.step_idx - 1
-        if self.keep_token_times and sreq.steady_from <= last:
-            rec.token_times_s.extend(self.step_ends[sreq.steady_from:last + 1])
-        rec.num_output_tokens = len(r.output_token_ids)
-        rec.last_token_s = self.step_ends[last]
-        sreq.last_step = last
+        keep = self.keep_token_times
+        for r in reqs:
+            sreq = r.driver_state
+            if sreq.steady_from < 0:
+                continue
+            if sreq.steady_from <= last:
+                rec = sreq.record
+                if keep:
+                    rec.token_times_s.extend(self.step_ends[sreq.steady_from:last + 1])
+                rec.num_output_tokens = len(r.output_token_ids)
+                rec.last_token_s = self.step_ends[last]
+                sreq.last_step = last
+            sreq.steady_from = -1
 
-    def _leave_steady(self) -> None:
-        steady = self.steady
-        lazy = [self.scheduler.requests[rid] for rid in steady.lazy]
-        took_steps = steady.t > 0
-        steady.leave()
-        self.steady = None
-        if took_steps:  # then every lazy request decoded in the last step
-            for r in lazy:
-                self._sync_lazy_record(r)
-
-    def _run_steady(self, now: float):
-        """Steady steps back to back until an outside event is due, a request finishes, or the
-        decoder hands the step back to schedule()."""
-        steady = self.steady
-        sim = self.sim
+    def _fast_steps(self, now: float, adv):
+        """Bookkeeping of the steps one scheduler.advance() took, then wait for their end."""
         live = self.live
-        cost = self.cost
-        cost_time = cost._time
         ends, cont, gaps = self.step_ends, self.step_cont, self.other_gaps
         keep = self.keep_token_times
-        horizon = sim.next_arrival_s
-        if self.deadlines and self.deadlines[0][0] < horizon:
-            horizon = self.deadlines[0][0]
-        t = now
-        # One steps.csv row per steady run (its first step's features, num_steps steps).
-        seg_start, seg_step, seg_feat = now, self.step_idx, None
+        step0 = self.step_idx
+        if adv.entered:
+            for r in adv.entered:
+                r.driver_state.steady_from = step0
+            # ITL: a request left out of the previous step has an explicit gap at its first lazy token.
+            self._late = [r.driver_state for r in adv.entered if r.driver_state.last_step != step0 - 1]
+        k = len(adv.ends)
+        ends.extend(adv.ends)
+        cont.extend(adv.num_decodes)
+        if k and self._late is not None:
+            late = [sreq for sreq in self._late if sreq.steady_from == step0]
+            self._late = None
+            end = adv.ends[0]
+            for sreq in late:
+                rec = sreq.record
+                if rec.first_token_s is None:
+                    # A prompt whose last chunk was one token: this is its first token
+                    # (its time joins token_times_s through the lazy slice).
+                    rec.first_token_s = end
+                    if keep:
+                        rec.token_times_s = []
+                else:
+                    gaps.append(end - rec.last_token_s)
+            cont[step0] -= len(late)
         finished: list[SimRequest] = []
-        leave = False
-        while t < horizon:
-            step = self.step_idx
-            # ITL: every lazy decode had a token in the previous step, except possibly at the
-            # first step of a steady run (a request the previous schedule() left out).
-            late = None
-            if steady.t == 0:
-                late = [live[rid] for rid in steady.lazy if live[rid].last_step != step - 1]
-            res = steady.try_step()
-            if res is None:
-                leave = True
-                break
-            if res.admitted:
-                f = res.features
-                dt = cost.step_time(f)
-            else:  # the same arithmetic as step_time(features) of a pure decode step
-                f = None
-                n = res.num_decodes
-                dt = cost_time(n, n, 0, 0, 0, res.decode_context_tokens)
-            if seg_feat is None:
-                seg_feat = f if f is not None else res.features
-            end = t + dt  # the same addition SimPy does for a single step
-            ends.append(end)
-            if late:
-                for sreq in late:
-                    rec = sreq.record
-                    if rec.first_token_s is None:
-                        # A prompt whose last chunk was one token: this is its first token
-                        # (its time joins token_times_s through the steady slice).
-                        rec.first_token_s = end
-                        if keep:
-                            rec.token_times_s = []
-                    else:
-                        gaps.append(end - rec.last_token_s)
-                cont.append(res.num_decodes - len(late))
-            else:
-                cont.append(res.num_decodes)
-            for r, num_hit, _n, was_new in res.admitted:
+        for ev in adv.events:
+            step = step0 + ev.index
+            end = adv.ends[ev.index]
+            for r, num_hit, _n, was_new in ev.admitted:
                 if was_new:
                     rec = r.driver_state.record
-                    rec.first_scheduled_s = t
+                    rec.first_scheduled_s = adv.ends[ev.index - 1] if ev.index else adv.start
                     rec.num_cached_tokens = num_hit
-            for r in res.first_tokens:
+            for r in ev.first_tokens:
                 sreq = r.driver_state
                 rec = sreq.record
                 if rec.first_token_s is None:
@@ -316,15 +288,14 @@ class Replica:
                 rec.num_output_tokens = len(r.output_token_ids)
                 sreq.last_step = step
                 sreq.steady_from = step + 1
-                if sreq.cancel_tokens is not None and rec.num_output_tokens >= sreq.cancel_tokens:
-                    self.aborts.append(r.request_id)
-            for r in res.watched:  # its client hangs up now: aborted at the boundary
+            for r in ev.watched:  # its client hangs up now: aborted at the boundary
                 self.aborts.append(r.request_id)
-            for r, reason in res.finished:
+            for r, reason in ev.finished:
                 sreq = r.driver_state
                 rec = sreq.record
                 if keep:
                     rec.token_times_s.extend(ends[sreq.steady_from:step + 1])
+                sreq.steady_from = -1
                 rec.num_output_tokens = len(r.output_token_ids)
                 rec.last_token_s = end
                 sreq.last_step = step
@@ -332,24 +303,20 @@ class Replica:
                 rec.finish_s = end
                 del live[r.request_id]
                 finished.append(sreq)
-            self.step_idx = step + 1
-            t = end
-            if res.leave:
-                leave = True
-                break
-            if finished or self.aborts:
-                break
-        if seg_feat is not None:
-            self._record_step(seg_step, seg_start, t, self.step_idx - seg_step, seg_feat)
-        if leave:
-            self._leave_steady()
-            self._plain_next = True  # the step the decoder refused goes to schedule()
-        if t > now or not leave:
+        self.step_idx = step0 + k
+        t = adv.ends[-1] if k else now
+        if k:
+            self._record_step(step0, now, t, k, adv.features)
+        if adv.left is not None:
+            self._sync_lazy_records(adv.left)
+            self._late = None
+            self._plain_next = True  # the step fast mode refused goes to schedule()
+        if t > now or adv.left is None:
             # Steps were taken (advance the clock to their end), or an outside event is due
             # now: let it happen before going on.
             yield self.sim.timeout_at(t)
         for sreq in finished:
-            sim.on_finish(self, sreq, None)
+            self.sim.on_finish(self, sreq, None)
 
     # --------------------------------------------------------------- records
     def _record_step(self, step: int, start: float, end: float, num_steps: int, f) -> None:
@@ -365,7 +332,7 @@ class Replica:
             num_tokens=f.num_prefill_tokens + f.num_decode_reqs, num_preempted=f.num_preempted,
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             kv_usage=1.0 - kvm.num_free_blocks / kvm.num_usable_blocks,
-            forward_s=(end - start) / num_steps, replica=self.index))
+            forward_s=end - start, replica=self.index))
 
     # ------------------------------------------------------------------ ITL
     def itl_sample(self):

@@ -10,6 +10,7 @@ from sim.cost_model import AnalyticCostModel, FittedCostModel
 from sim.metrics import itl_from_token_times, requests_frame, stats, summarize, weighted_percentiles
 from sim.simulation import Simulation
 from sim.workload import RequestSpec, Workload, build_workload
+from tests.test_sim_fuzz import assert_step_tables_agree
 
 
 def fixed_cost(intercept: float, per_token: float = 0.0) -> FittedCostModel:
@@ -151,6 +152,7 @@ def test_steady_decoding_gives_identical_timestamps(case):
     assert np.array_equal(slow.itl_sorted, fast.itl_sorted)
     assert fast.summary["num_steps"] == slow.summary["num_steps"]
     assert len(fast.steps) < len(slow.steps)  # steady runs actually happened
+    assert_step_tables_agree(fast.step_table, slow.step_table)
     if case == "preempting":
         assert slow.summary["requests"]["preemptions"] > 0
     if case == "cancellation":

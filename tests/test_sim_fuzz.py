@@ -1,7 +1,11 @@
-"""Random scenarios: the steady fast path and plain steps give identical per-request records."""
+"""Random scenarios: the steady fast path and plain steps give identical per-request records and
+step tables (a fast row is the sum of the plain rows of the steps it covers)."""
 import random
 
+import numpy as np
 import pytest
+
+from engine.core.records import STEP_COLUMNS
 
 from scenarios.schema import parse_scenario, run_scenario
 
@@ -43,7 +47,39 @@ def test_steady_equals_plain_on_random_scenarios(seed):
         results[steady] = run_scenario(parse_scenario({**base, "simulation": {"steady_decode": steady}}))
     fast, slow = results[True], results[False]
     assert fast.requests[COLUMNS].equals(slow.requests[COLUMNS])
+    assert_step_tables_agree(fast.step_table, slow.step_table)
     assert fast.summary["num_steps"] == slow.summary["num_steps"]
     for r in fast.summary, slow.summary:
         assert r["requests"]["total"] == base["workload"]["num_requests"]
         assert r["requests"]["unfinished"] == 0
+
+
+SUMMED = ["num_reqs", "num_prefill_reqs", "num_prefill_tokens", "prefill_context_tokens",
+          "prefill_attn_pairs", "num_decode_reqs", "decode_context_tokens", "num_tokens", "num_preempted"]
+AFTER_LAST = ["num_running", "num_waiting", "kv_usage"]
+
+
+def assert_step_tables_agree(fast: dict, plain: dict) -> None:
+    """Each fast row (steps [step, step + num_steps) of one replica) equals the plain rows of those
+    steps: features summed, start of the first, end, running, waiting and KV usage of the last."""
+    assert set(fast) == set(plain) == set(STEP_COLUMNS)
+    assert (plain["num_steps"] == 1).all()
+    assert int(fast["num_steps"].sum()) == len(plain["step"])
+    for rep in np.unique(plain["replica"]):
+        p = {c: v[plain["replica"] == rep] for c, v in plain.items()}
+        f = {c: v[fast["replica"] == rep] for c, v in fast.items()}
+        assert (p["step"] == np.arange(len(p["step"]))).all()
+        first = f["step"]
+        last = first + f["num_steps"] - 1
+        assert (first[1:] == last[:-1] + 1).all() and first[0] == 0 and last[-1] == len(p["step"]) - 1
+        for c in SUMMED:
+            sums = np.add.reduceat(p[c], first)
+            assert np.array_equal(sums, f[c]), f"replica {rep}: column {c} differs"
+        assert np.array_equal(f["start_s"], p["start_s"][first])
+        assert np.array_equal(f["end_s"], p["end_s"][last])
+        for c in AFTER_LAST:
+            assert np.array_equal(f[c], p[c][last]), f"replica {rep}: column {c} differs"
+        assert np.allclose(np.add.reduceat(p["forward_s"], first), f["forward_s"], rtol=1e-9, atol=1e-12)
+    # Totals, the issue's check: sum of each feature over the whole run.
+    for c in SUMMED:
+        assert fast[c].sum() == plain[c].sum()

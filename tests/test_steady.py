@@ -1,11 +1,10 @@
-"""SteadyDecoder steps must leave the scheduler exactly where plain steps would."""
+"""Scheduler.advance() (fast steps) must leave the scheduler exactly where plain steps would."""
 import random
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from engine.core import Request, SamplingParams, Scheduler, SchedulerConfig
-from engine.core.steady import SteadyDecoder
 
 TOKEN = 7
 
@@ -55,8 +54,7 @@ def test_steady_steps_equal_plain_steps(data):
 
     def watch(r):  # a driver watch point partway through some requests (it must not change anything)
         return r.num_prompt_tokens + 3 if int(r.request_id[1:]) % 2 else None
-    steady = None
-    steady_steps = 0
+    fast_steps = 0
     fin_a, fin_b = {}, {}
     for k in range(3000):
         aborts = [rid for (t, rid, *_rest, ab) in reqs if ab == k and t <= k]
@@ -69,63 +67,84 @@ def test_steady_steps_equal_plain_steps(data):
         if aborts:
             from engine.core import RequestStatus
             a.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
-            if steady is not None:
-                steady.abort(aborts)
-            else:
-                b.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
+            b.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)  # lazy or not
         _, outs = plain_step(a)
         for o in outs:
             if o.finish_reason:
                 fin_a[o.request_id] = (k, o.finish_reason)
-        res = None
-        if steady is None and SteadyDecoder.can_enter(b, TOKEN) and rng.random() < 0.8:
-            steady = SteadyDecoder(b, TOKEN, watch=watch)
-        if steady is not None:
-            res = steady.try_step()
-            if res is None:
-                steady.leave()
-                steady = None
-            else:
-                steady_steps += 1
-                for r, reason in res.finished:
+        adv = None
+        if rng.random() < 0.8:
+            # One step of one unit: the clock starts at k and the next outside event is at k + 1.
+            adv = b.advance(TOKEN, lambda f: 1.0, float(k), float(k + 1), watch=watch)
+        took = adv is not None and adv.num_steps == 1
+        if took:
+            fast_steps += 1
+            assert adv.ends == [k + 1.0]
+            for ev in adv.events:
+                for r, reason in ev.finished:
                     fin_b[r.request_id] = (k, reason)
-        if res is None:
+        else:
             _, outs = plain_step(b)
             for o in outs:
                 if o.finish_reason:
                     fin_b[o.request_id] = (k, o.finish_reason)
-        # Compare: leave (write back) at random points, and always before comparing.
-        if steady is not None and (res.leave or rng.random() < 0.3):
-            steady.leave()
-            steady = None
-        if steady is None:
+        # Compare: write back at random points (fast mode goes on after that).
+        if not took or rng.random() < 0.3:
+            b.sync()
             assert state(a) == state(b), f"diverged at step {k}"
             b.check_invariants()
         if not a.has_unfinished_requests() and k > max(r[0] for r in reqs):
             break
-    if steady is not None:
-        steady.leave()
+    b.sync()
     assert state(a) == state(b)
     assert fin_a == fin_b
-    event(f"steady steps > 0: {steady_steps > 0}")
+    event(f"fast steps > 0: {fast_steps > 0}")
 
 
-def test_steady_decoder_features_and_admission():
+def test_advance_features_and_admission():
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512,
                                   block_size=16, num_gpu_blocks=200))
     for i in range(3):
         s.add_request(Request(f"r{i}", [i] * 20, SamplingParams(max_tokens=50, ignore_eos=True)))
     plain_step(s)
-    d = SteadyDecoder(s, TOKEN)
-    res = d.try_step()
-    assert res.num_decodes == 3 and res.features.decode_context_tokens == 3 * 21
+    one = lambda f: 1.0  # noqa: E731
+    adv = s.advance(TOKEN, one, 0.0, 1.0)
+    assert adv.num_decodes == [3] and adv.features.decode_context_tokens == 3 * 21
+    assert [r.request_id for r in adv.entered] == ["r0", "r1", "r2"] and not adv.events
     s.add_request(Request("new", [9] * 30, SamplingParams(max_tokens=5, ignore_eos=True)))
-    res = d.try_step()
-    assert [a[0].request_id for a in res.admitted] == ["new"] and res.features.prefill_chunks == [(30, 0)]
-    assert [r.request_id for r in res.first_tokens] == ["new"]
-    assert res.features.decode_context_tokens == 3 * 22
-    res = d.try_step()
-    assert res.num_decodes == 4
-    d.leave()
+    adv = s.advance(TOKEN, one, 1.0, 2.0)
+    (ev,) = adv.events
+    assert [a[0].request_id for a in ev.admitted] == ["new"] and ev.features.prefill_chunks == [(30, 0)]
+    assert [r.request_id for r in ev.first_tokens] == ["new"]
+    assert adv.features.decode_context_tokens == 3 * 22 and adv.features.num_prefill_tokens == 30
+    assert adv.entered == []
+    adv = s.advance(TOKEN, one, 2.0, 3.0)
+    assert adv.num_decodes == [4]
+    s.sync()
     assert [r.num_tokens for r in s.running] == [20 + 4, 20 + 4, 20 + 4, 30 + 2]
+    s.check_invariants()
+
+
+def test_advance_runs_until_the_outside_event_and_stops_at_a_finish():
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512,
+                                  block_size=4, num_gpu_blocks=200))
+    s.add_request(Request("a", [1] * 10, SamplingParams(max_tokens=100, ignore_eos=True)))
+    s.add_request(Request("b", [2] * 10, SamplingParams(max_tokens=8, ignore_eos=True)))
+    plain_step(s)  # both prompts, one token each
+    adv = s.advance(TOKEN, lambda f: 0.5, 10.0, 12.0)  # until 12.0: four steps of 0.5
+    assert adv.ends == [10.5, 11.0, 11.5, 12.0] and adv.left is None
+    assert adv.features.num_decode_reqs == 8 and adv.features.num_reqs == 8
+    # KV read: a and b compute positions 10..13, each reading itself and what precedes it
+    assert adv.features.decode_context_tokens == 2 * (11 + 12 + 13 + 14)
+    # b has 5 tokens; it samples its 8th in the third step from here, and the run stops there.
+    adv = s.advance(TOKEN, lambda f: 0.5, 12.0, 100.0)
+    assert adv.num_decodes == [2, 2, 2]
+    (ev,) = adv.events
+    assert ev.index == 2 and [(r.request_id, why) for r, why in ev.finished] == [("b", "length")]
+    assert len(ev.finished[0][0].output_token_ids) == 8
+    s.sync()
+    (a,) = s.running
+    assert a.num_tokens == 10 + 8 and a.num_computed_tokens == 17 and a.output_token_ids == [TOKEN] * 8
+    # Blocks of 4 tokens: 17 computed tokens occupy 5 blocks.
+    assert len(s.kv_cache_manager.get_block_ids("a")) == 5
     s.check_invariants()

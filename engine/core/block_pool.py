@@ -132,11 +132,11 @@ class BlockPool:
         b = head.next_free
         for _ in range(n):
             h = b.block_hash
-            if h is not None and cached is not None:  # lazy eviction (self._evict, inlined)
+            if h is not None and cached is not None:  # lazy eviction (self.evict, inlined)
                 v = cached.pop(h, None)
                 if v is not b and v is not None:  # several blocks hold h: put them back
                     cached[h] = v
-                    self._evict(b)
+                    self.evict(b)
                 b.block_hash = None
             b.ref_cnt = 1
             out.append(b)
@@ -148,7 +148,8 @@ class BlockPool:
         q.num_free_blocks -= n
         return out
 
-    def _evict(self, b: KVCacheBlock) -> None:
+    def evict(self, b: KVCacheBlock) -> None:
+        """Take a block's hash out of the prefix-cache map (the block stays where it is)."""
         h = b.block_hash
         v = self.cached.get(h)
         if v is b:

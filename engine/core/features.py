@@ -40,6 +40,18 @@ class BatchFeatures:
         self.prefill_context_tokens += sign * c
         self.prefill_attn_pairs += sign * (n * c + n * (n + 1) // 2)
 
+    def merge(self, other: "BatchFeatures") -> None:
+        """Add another step's features (a run of steps is described by their sums)."""
+        self.num_reqs += other.num_reqs
+        self.num_prefill_reqs += other.num_prefill_reqs
+        self.num_prefill_tokens += other.num_prefill_tokens
+        self.prefill_context_tokens += other.prefill_context_tokens
+        self.prefill_attn_pairs += other.prefill_attn_pairs
+        self.num_decode_reqs += other.num_decode_reqs
+        self.decode_context_tokens += other.decode_context_tokens
+        self.num_preempted += other.num_preempted
+        self.prefill_chunks += other.prefill_chunks
+
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_reqs

@@ -12,11 +12,29 @@ from engine.core.request import Request
 NONE_HASH = hash(("servetwin-prefix-cache", 0))
 
 
-def hash_block_tokens(parent_hash: int, token_ids, extra_keys=None) -> int:
-    """Chained block hash: equal hashes mean equal token prefixes (up to 64-bit collisions)."""
-    if extra_keys is None:
-        return hash((parent_hash, tuple(token_ids)))
-    return hash((parent_hash, tuple(token_ids), extra_keys))
+def extend_block_hashes(hashes: list[int], token_ids, num_full_blocks: int, block_size: int,
+                        extra_keys=None) -> list[int]:
+    """The block hash, the only place it is computed: extend `hashes` (a request's chain) to
+    `num_full_blocks` full blocks of `token_ids`.
+
+        hashes[i] = hash((hashes[i - 1], tuple(tokens of block i)))     hashes[-1] = NONE_HASH
+
+    Block 0 also mixes in `extra_keys` (vLLM's cache_salt) when given. Equal hashes mean equal
+    token prefixes (up to 64-bit collisions).
+    """
+    n = len(hashes)
+    if n >= num_full_blocks:
+        return hashes
+    bs = block_size
+    parent = hashes[-1] if n else NONE_HASH
+    if n == 0 and extra_keys is not None:
+        parent = hash((parent, tuple(token_ids[:bs]), extra_keys))
+        hashes.append(parent)
+        n = 1
+    for i in range(n, num_full_blocks):
+        parent = hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
+        hashes.append(parent)
+    return hashes
 
 
 class KVCacheManager:
@@ -62,20 +80,8 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------- hashing
     def _ensure_block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
-        hashes = request.block_hashes
-        n = len(hashes)
-        if n < num_full_blocks:
-            bs = self.block_size
-            toks = request.all_token_ids
-            parent = hashes[-1] if n else NONE_HASH
-            if n == 0 and request.cache_salt is not None:
-                parent = hash_block_tokens(parent, toks[:bs], request.cache_salt)
-                hashes.append(parent)
-                n = 1
-            for i in range(n, num_full_blocks):
-                parent = hash((parent, tuple(toks[i * bs:(i + 1) * bs])))  # = hash_block_tokens
-                hashes.append(parent)
-        return hashes
+        return extend_block_hashes(request.block_hashes, request.all_token_ids, num_full_blocks,
+                                   self.block_size, request.cache_salt)
 
     # ---------------------------------------------------------------- lookup
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -161,6 +167,31 @@ class KVCacheManager:
                 self._cache_full_blocks(request, req_blocks, num_full)
         return new_blocks
 
+    def append_slot(self, request: Request) -> list[KVCacheBlock] | None:
+        """allocate_slots(request, 1) for a running request that holds its blocks (a decode, or a
+        one-token chunk): a new block when the token's position starts one, and the block it
+        fills entered in the prefix cache. None if the pool has no block for it.
+
+        schedule() and the scheduler's fast steps both call it for every such request whose step
+        is not a pure counter increment (see Scheduler.advance).
+        """
+        p = request.num_computed_tokens
+        rid = request.request_id
+        blocks = self.req_to_blocks[rid]
+        bs = self.block_size
+        new: list[KVCacheBlock] = []
+        if p >= len(blocks) * bs:
+            pool = self.block_pool
+            if pool.free_queue.num_free_blocks == 0:
+                return None
+            new = pool.get_new_blocks(1)
+            blocks.append(new[0])
+        if self.enable_caching:
+            num_full = (p + 1) // bs
+            if num_full > self.num_cached_block[rid]:
+                self._cache_full_blocks(request, blocks, num_full)
+        return new
+
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_full: int) -> None:
         """Enter blocks [num_cached, num_full) of a request in the prefix-cache map."""
         start = self.num_cached_block[request.request_id]
@@ -184,7 +215,7 @@ class KVCacheManager:
             return
         for b in blocks[first:num_cached]:
             if b.block_hash is not None:
-                self.block_pool._evict(b)
+                self.block_pool.evict(b)
         self.num_cached_block[request.request_id] = first
 
     def free(self, request: Request) -> None:

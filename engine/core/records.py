@@ -39,8 +39,14 @@ RequestRecord.COLUMNS = tuple(f.name for f in fields(RequestRecord) if f.name !=
 
 @dataclass(slots=True)
 class StepRecord:
-    """One engine step (num_steps == 1), or a run of simulated steady decode steps (num_steps
-    steps; the features are those of the first)."""
+    """One engine step (num_steps == 1), or a run of num_steps simulated steps taken at once by
+    Scheduler.advance() between two outside events.
+
+    For a run, the feature columns (num_reqs .. num_preempted) and the time columns
+    (schedule_s .. sample_s, forward_s) are SUMS over its steps; num_running, num_waiting and
+    kv_usage are as after its last step. So summing any feature column over a table gives the
+    same total whether the simulator ran fast or step by step, and a table holds one row per
+    run, not per step (memory bounded by the outside events, not by the steps)."""
 
     step: int                      # index of the first step
     start_s: float

@@ -7,10 +7,14 @@ preemption by recompute. Pure Python; the engine and the simulator both drive it
 
 There are no prefill/decode phases: each request has `num_computed_tokens` and `num_tokens`, and a
 step decides only how many tokens each request advances (`num_scheduled_tokens`).
+
+A driver that samples one fixed token for every request (the simulator) may instead call
+`advance()`, which takes every step up to the next outside event at once (see there).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from engine.core.config import SchedulerConfig
 from engine.core.features import BatchFeatures
@@ -19,6 +23,7 @@ from engine.core.output import (CachedRequestData, EngineCoreOutput, NewRequestD
                                 SchedulerOutput)
 from engine.core.policy import make_queue
 from engine.core.request import Request, RequestStatus
+from engine.core.steady import SHIFT, LazyDecodes
 
 _WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING
@@ -27,6 +32,36 @@ _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
 _FINISH_REASON = {s: RequestStatus.finish_reason(s) for s in (
     RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED)}
+
+
+@dataclass(slots=True)
+class FastStep:
+    """A step of Scheduler.advance() in which more happened than decodes."""
+
+    index: int = 0                   # its position in Advance.ends
+    admitted: list = field(default_factory=list)      # (request, prefix-hit tokens, tokens, was new)
+    first_tokens: list = field(default_factory=list)  # admitted requests that sampled a token
+    finished: list = field(default_factory=list)      # (request, finish reason)
+    watched: list = field(default_factory=list)       # requests that reached their watch point
+    leave: bool = False              # plain steps must follow
+    features: BatchFeatures = field(default_factory=BatchFeatures)
+
+
+@dataclass(slots=True)
+class Advance:
+    """The steps one Scheduler.advance() call took."""
+
+    start: float
+    ends: list[float] = field(default_factory=list)       # each step's end time
+    num_decodes: list[int] = field(default_factory=list)  # each step's lazy decodes (one token each)
+    events: list[FastStep] = field(default_factory=list)  # the steps with more than decodes
+    features: BatchFeatures = field(default_factory=BatchFeatures)  # summed over the steps
+    entered: list[Request] = field(default_factory=list)  # running requests that went lazy at the start
+    left: list[Request] | None = None  # fast mode ended: sync()'s result; plain steps next
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.ends)
 
 
 class Scheduler:
@@ -49,6 +84,8 @@ class Scheduler:
         # Finished since the last schedule(); reported once so the runner can drop state.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # cumulative, for metrics
+        # Fast mode (advance()): the running requests decoding lazily, or None.
+        self._lazy: LazyDecodes | None = None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -112,6 +149,12 @@ class Scheduler:
                 found.append(req)
         if not found:
             return
+        lazy = self._lazy
+        if lazy is not None:
+            for req in found:
+                seq = lazy.index.get(req.request_id)
+                if seq is not None:
+                    lazy.drop(seq)  # its counters and tokens as of the last step
         running_drop = {id(r) for r in found if r.status == _RUNNING}
         if running_drop:
             self.running = [r for r in self.running if id(r) not in running_drop]
@@ -138,6 +181,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
+        if self._lazy is not None:
+            self.sync()
         budget = self.max_num_batched_tokens
         running = self.running
         waiting = self.waiting
@@ -173,8 +218,9 @@ class Scheduler:
             computed = req.num_computed_tokens
             n = req.num_tokens - computed
             if n == 1:
-                # Decode fast path: the slot exists and the token completes no block, so
-                # allocate_slots would allocate and cache nothing.
+                # A pure counter increment: the slot exists and the token completes no block, so
+                # append_slot would allocate and cache nothing (the fast steps of advance() skip
+                # exactly these requests too).
                 if computed < len(req_to_blocks[rid]) * bs and (not caching or (computed + 1) % bs):
                     num_scheduled[rid] = 1
                     c_ids.append(rid)
@@ -205,7 +251,8 @@ class Scheduler:
                     i += 1
                     continue
             while True:
-                blocks = kvm.allocate_slots(req, n)
+                # One new token: the same call a fast step makes for a decode at a block event.
+                blocks = kvm.append_slot(req) if n == 1 else kvm.allocate_slots(req, n)
                 if blocks is not None:
                     break
                 if victim_key is None:
@@ -383,6 +430,174 @@ class Scheduler:
             drop = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in drop]
         return outputs
+
+    # ------------------------------------------------------------ fast steps
+    def advance(self, token_id: int, step_time: Callable[[BatchFeatures], float], start: float,
+                until: float, watch: Callable[[Request], int | None] | None = None) -> Advance | None:
+        """Steps back to back, for a driver that samples `token_id` for every request (the
+        simulator): the steps schedule() + update_from_output(out, {id: [token_id] for each
+        sampling request}) would take, while the clock, which starts at `start` and advances
+        by `step_time(features)` per step, is before `until` (the next outside event).
+
+        Only steps in which every running request decodes are taken here ("fast steps"); the
+        per-request work of such a step is done only for the requests whose step is more than a
+        counter increment (engine/core/steady.py), with the code schedule() runs for them:
+        KVCacheManager.append_slot at block boundaries, _admit_waiting for the waiting queue,
+        update_from_output for finishes and first tokens. Running requests stay *lazy* (their
+        counters stale) between calls, until sync(), schedule() or finish_requests() writes
+        them back.
+
+        Returns None when no fast step can be taken now (take a plain step). Otherwise the
+        steps taken (maybe none, when `until` <= `start`); the run also stops after a step in
+        which a request finished or reached its `watch(request)` num_tokens, and before a step
+        fast steps cannot take (a preemption, a partial prefill chunk, more decodes than the
+        token budget): then `left` is set and the next step must be a plain one.
+        The features passed to step_time are valid during the call only.
+        """
+        lazy = self._lazy
+        entered: list[Request] = []
+        if lazy is None:
+            if not self._can_go_lazy(token_id):
+                return None
+            lazy = self._lazy = LazyDecodes(self.block_size, self.kv_cache_manager.enable_caching,
+                                            token_id)
+            for r in self.running:
+                lazy.join(r, 0, watch(r) if watch is not None else None)
+            entered = list(self.running)
+        elif lazy.token_id != token_id:
+            raise ValueError(f"advance(token_id={token_id}) while fast steps run with {lazy.token_id}")
+        res = Advance(start, entered=entered)
+        ends, decodes, events = res.ends, res.num_decodes, res.events
+        total = res.features
+        n_sum = ctx_sum = 0
+        decode_f = BatchFeatures()  # reused for pure decode steps
+        t = start
+        while t < until:
+            step = self._fast_step(lazy, watch)
+            if step is None:
+                res.left = self.sync()
+                break
+            n, ctx, f = step
+            if f is None:
+                decode_f.num_reqs = decode_f.num_decode_reqs = n
+                decode_f.decode_context_tokens = ctx
+                t += step_time(decode_f)
+                n_sum += n
+                ctx_sum += ctx
+            else:
+                t += step_time(f.features)
+                f.index = len(ends)
+                events.append(f)
+                total.merge(f.features)
+            ends.append(t)
+            decodes.append(n)
+            if f is not None:
+                if f.leave:
+                    res.left = self.sync()
+                    break
+                if f.finished or f.watched:
+                    break
+        total.num_reqs += n_sum
+        total.num_decode_reqs += n_sum
+        total.decode_context_tokens += ctx_sum
+        return res
+
+    def sync(self) -> list[Request]:
+        """Leave fast mode: write every lazy request's counters and tokens back. Returns those
+        requests (a driver brings its records up to date)."""
+        lazy = self._lazy
+        if lazy is None:
+            return []
+        self._lazy = None
+        return lazy.drop_all()
+
+    def _can_go_lazy(self, token_id: int) -> bool:
+        running = self.running
+        if not running or len(running) > self.max_num_batched_tokens:
+            return False
+        for r in running:
+            if r.num_tokens - r.num_computed_tokens != 1:
+                return False
+            if r.stop_ids is not None and token_id in r.stop_ids:
+                return False  # the fixed token could stop it: every token must be checked
+        return True
+
+    def _fast_step(self, lazy: LazyDecodes, watch) -> tuple[int, int, FastStep | None] | None:
+        """One step with every running request lazy, or None (nothing changed) when schedule()
+        must take it. Returns (decodes, their KV tokens read, what else happened or None)."""
+        n_dec = len(lazy)
+        running = self.running
+        if n_dec == 0 or n_dec != len(running) or n_dec > self.max_num_batched_tokens:
+            return None
+        members = lazy.members
+        kvm = self.kv_cache_manager
+
+        # 1. Running part: the requests at a block boundary get append_slot, in running order;
+        #    the step is refused whole if the pool cannot give every block (a preemption).
+        keys, need = lazy.pop_block_events()
+        if keys:
+            if need > kvm.num_free_blocks:
+                lazy.push_block_events(keys, 0)
+                return None
+            prev = -1
+            for key in keys:
+                seq = (key >> 1) & 0x7FFFFFFF
+                if seq != prev:  # both kinds of one request (block_size 1): one call
+                    prev = seq
+                    kvm.append_slot(lazy.materialize(members[seq], lazy.computed(seq)))
+            lazy.push_block_events(keys, self.block_size)
+        ctx = lazy.decode_context_tokens()
+
+        # 2. Waiting part: the admission code of schedule().
+        admitted = ()
+        if self.waiting and n_dec < self.max_num_seqs and n_dec < self.max_num_batched_tokens:
+            admitted, _ = self._admit_waiting(self.max_num_batched_tokens - n_dec,
+                                              self.config.long_prefill_token_threshold)
+
+        # 3. Update: members at their length limit, then admitted requests that computed their
+        #    whole prompt, sample through update_from_output (in running order, as a plain step).
+        limit, watched = lazy.pop_limit_events()
+        t = lazy.t
+        if not admitted and not limit and not watched:
+            lazy.t = t + 1
+            return n_dec, ctx, None
+        step = FastStep(admitted=list(admitted) if admitted else [])
+        step.watched = [members[seq] for seq in watched]
+        sampling = []
+        for seq in limit:
+            r = lazy.drop(seq)  # as before step t; then as schedule() leaves it: c + 1 computed
+            r.num_computed_tokens += 1
+            sampling.append(r)
+        lazy.t = t + 1
+        done = [a[0] for a in admitted if a[1] + a[2] == a[0].num_tokens]
+        step.leave = len(done) < len(admitted)  # a partial chunk runs: plain steps next
+        sampling += done
+        if sampling:
+            ids = [r.request_id for r in sampling]
+            out = SchedulerOutput([], [], None, {}, 0, set(), set(), sampling_req_ids=ids)
+            outs = self.update_from_output(out, dict.fromkeys(ids, lazy.tok_list))
+            tok = lazy.token_id
+            first = len(limit)
+            for k, (r, o) in enumerate(zip(sampling, outs)):
+                if k >= first:
+                    step.first_tokens.append(r)
+                if o.finish_reason is not None:
+                    step.finished.append((r, o.finish_reason))
+                    continue
+                w = watch(r) if watch is not None else None
+                if w is not None and r.num_tokens >= w:
+                    step.watched.append(r)  # its first token already reaches the watch point
+                if r.stop_ids is not None and tok in r.stop_ids:
+                    step.leave = True  # the fixed token could stop it later (min_tokens)
+                    continue
+                lazy.join(r, t + 1, w)
+        f = step.features
+        f.num_decode_reqs = n_dec
+        f.decode_context_tokens = ctx
+        for _r, num_hit, n, _new in admitted:
+            f.add(n, num_hit)
+        f.num_reqs = n_dec + len(admitted)
+        return n_dec, ctx, step
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
