@@ -411,6 +411,7 @@ class LLMEngine:
         sched = self.scheduler
         perf = time.perf_counter
         t_start = perf()
+        self._step_req_ids = {}
         out = sched.schedule()
         t_sched = perf()
         self._step_req_ids = out.num_scheduled_tokens

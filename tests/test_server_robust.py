@@ -18,6 +18,7 @@ import transformers
 from engine.llm_engine import LLMEngine
 from engine.model.loader import resolve_model
 from engine.server.app import create_app
+from tests.fuzz_bodies import fuzz_body
 from tests.test_server import MODEL, _free_port, _Server
 
 
@@ -226,6 +227,17 @@ def test_vllm_endpoints(srv, client):
         assert r.status_code == status and r.json()["error"]["type"] == "invalid_request_error", r.text
 
 
+def test_x_request_id_names_the_request(srv):
+    """As in vLLM, the client's X-Request-Id becomes the response id and the log's request_id,
+    so a load generator's records can be matched with the server's."""
+    r = httpx.post(srv["url"] + "/v1/chat/completions", headers={"X-Request-Id": "abc-123"}, timeout=60,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert r.json()["id"] == "chatcmpl-abc-123" and r.headers["x-request-id"] == "chatcmpl-abc-123"
+    import csv
+    with open(srv["log"]) as f:
+        assert "chatcmpl-abc-123" in {row["request_id"] for row in csv.DictReader(f)}
+
+
 def _metric(text: str, name: str, **labels) -> float:
     for line in text.splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
@@ -326,54 +338,6 @@ def test_failed_step_fails_only_its_requests(srv, monkeypatch):
 
 
 # ---------------------------------------------------------------- fuzz
-_FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
-           "stream", "stream_options", "logprobs", "top_logprobs", "echo", "presence_penalty", "min_tokens",
-           "stop_token_ids", "ignore_eos", "priority", "tools", "logit_bias", "best_of", "whatever"]
-
-
-def fuzz_value(rng: random.Random, depth: int = 0):
-    k = rng.randrange(14)
-    if k == 0:
-        return None
-    if k == 1:
-        return rng.choice([True, False])
-    if k == 2:
-        return rng.choice([0, 1, -1, 2, 3, 7, 2 ** 31, 2 ** 63, 2 ** 64, 2 ** 70, -2 ** 64])
-    if k == 3:
-        return rng.choice([0.0, 0.5, 1.0, -0.5, 1e308, 2.5, 1e-9])
-    if k == 4:
-        return rng.choice(["", "hi", "default", "x\ud800y", "\udfff", "é" * 3, "\x00", "5", "yes", "Infinity"])
-    if k == 5 and depth < 3:
-        return [fuzz_value(rng, depth + 1) for _ in range(rng.randrange(4))]
-    if k == 6 and depth < 3:
-        return {rng.choice(["type", "text", "role", "content", "x"]): fuzz_value(rng, depth + 1)
-                for _ in range(rng.randrange(3))}
-    if k == 7:
-        return [rng.randrange(-5, 60000) for _ in range(rng.randrange(1, 5))]
-    if k == 8:
-        return [{"role": rng.choice(["user", "system", "assistant", "tool", "bot"]),
-                 "content": fuzz_value(rng, depth + 1)}]
-    return rng.choice([1, 2, "hi", [1, 2], 0.7])
-
-
-def fuzz_body(rng: random.Random) -> bytes:
-    """A mostly valid body with a few fields replaced by random JSON, or broken bytes."""
-    if rng.random() < 0.08:
-        return rng.choice([b"", b"{", b"null", b"[]", b'{"model": "default", "prompt": "hi"',
-                           bytes(rng.randrange(256) for _ in range(20)), b'{"prompt": NaN}'])
-    body = {"model": MODEL, "prompt": "Fuzz", "max_tokens": rng.randrange(1, 4)}
-    if rng.random() < 0.3:
-        del body["prompt"]
-        body["messages"] = [{"role": "user", "content": "Fuzz"}]
-    for _ in range(rng.randrange(1, 4)):
-        body[rng.choice(_FIELDS)] = fuzz_value(rng)
-    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 4:
-        body["max_tokens"] = 4  # keep the valid ones short
-    if isinstance(body.get("n"), int) and body["n"] > 3:
-        body["n"] = 3
-    return json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
-
-
 def test_fuzz_never_500_never_stops(srv):
     """300 random and malformed bodies to both endpoints, a well-formed greedy request after
     every 25: no 500, the same correct answer each time, and the loop still serving."""

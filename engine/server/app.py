@@ -285,6 +285,14 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
                 out.append(Child(cid, ids, params, text, req.priority))
         return out
 
+    def request_id(request: Request, prefix: str) -> str:
+        """vLLM's: the client's X-Request-Id header, if it sent a usable one, else random; with
+        the endpoint's prefix. It is the response's `id` and the request log's request_id."""
+        given = request.headers.get("x-request-id", "")
+        if 0 < len(given) <= 128 and given.isprintable() and "," not in given:
+            return f"{prefix}-{given}"
+        return new_id(prefix)
+
     def admit(kids: list[Child]) -> None:
         if not aeng.alive:
             raise APIError(503, f"engine is not running: {aeng.error!r}", None, type="server_error",
@@ -316,7 +324,7 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
                 for (k, p), t in zip(id_prompts, decoded):
                     prompts[k] = (t, p)
         prompts = [p if isinstance(p, tuple) else (None, p) for p in prompts]
-        rid = new_id("cmpl")
+        rid = request_id(request, "cmpl")
         kids = children(req, rid, prompts, req.logprobs)
         return await respond(request, req, rid, kids, arrival, chat=False,
                              echo=[t or "" for t, _ in prompts] if req.echo else None)
@@ -336,7 +344,7 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
                                        req.continue_final_message)
         except Exception as e:  # the template refused the conversation (e.g. role order)
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
-        rid = new_id("chatcmpl")
+        rid = request_id(request, "chatcmpl")
         kids = children(req, rid, [(text, ids)], (req.top_logprobs or 0) if req.logprobs else None)
         return await respond(request, req, rid, kids, arrival, chat=True)
 
@@ -355,8 +363,10 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
             cont = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             return StreamingResponse(sse(gen, shape, req.include_usage, cont),
                                      media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await complete(request, gen, shape, len(kids))
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                              "X-Request-Id": rid})
+        body = await complete(request, gen, shape, len(kids))
+        return body if isinstance(body, Response) else JSONResponse(body, headers={"X-Request-Id": rid})
 
     async def complete(request: Request, gen, shape: "Shape", n: int):
         finals: dict[int, object] = {}

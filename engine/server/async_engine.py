@@ -86,7 +86,8 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self._pending_lock = threading.Lock()
         self.num_pending_adds = 0  # engine requests queued as "add" commands, not yet seen
-        self.num_failed_steps = 0
+        self.num_failed_steps = 0    # in a row
+        self.total_failed_steps = 0
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -179,10 +180,13 @@ class AsyncEngine:
                     eng.add_tokenized_request(c.request_id, c.prompt_token_ids, c.params, c.prompt_text,
                                               arrival_time=arrival, priority=c.priority)
                     added.append(c.request_id)
-            except ValueError as e:  # refused: none of the group stays queued
+            except Exception as e:  # refused (ValueError) or broken: none of the group stays queued
                 eng.abort_request(added)
                 for rid in added:
                     eng.request_records.pop(rid, None)
+                if not isinstance(e, ValueError):
+                    logger.exception("adding request %s failed", group.children[0].request_id)
+                    e = RequestFailed(f"the engine could not queue this request: {e!r}")
                 group.put(e)
                 return
             for rid in added:
@@ -233,6 +237,7 @@ class AsyncEngine:
             outputs = eng.step()
         except Exception as e:
             self.num_failed_steps += 1
+            self.total_failed_steps += 1
             if self.num_failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
                 raise
             failed = eng.fail_step()

@@ -1,0 +1,138 @@
+"""Real load generators against `servetwin serve`: does the server's request log see the TTFT its
+clients see?
+
+Starts `servetwin serve` (default model, CPU) with a request log, runs guidellm and aiperf against
+it (streaming chat, synthetic prompts, fixed concurrency), and matches every request the client
+measured with the server's log row: guidellm by the response id, aiperf by the X-Request-Id it
+sends (the server makes it the response id). Prints JSON per client and concurrency: requests
+matched, median client TTFT, median server TTFT, and the median and p90 of the per-request
+difference (client - server), in ms.
+
+Each tool lives in its own virtualenv (they pin different dependencies):
+
+    python3 -m venv /work/venvs/guidellm && /work/venvs/guidellm/bin/pip install guidellm
+    python3 -m venv /work/venvs/aiperf && /work/venvs/aiperf/bin/pip install aiperf
+    python bench/server_clients.py [--venvs /work/venvs] [--concurrency 1 8] [--requests 32]
+
+A tool whose venv is missing is skipped with a note in the output.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_ttft_s(log: Path) -> dict[str, float]:
+    with open(log) as f:
+        return {r["request_id"]: float(r["first_token_s"]) - float(r["arrival_s"])
+                for r in csv.DictReader(f) if r["first_token_s"]}
+
+
+def run_guidellm(venv: Path, url: str, model_dir: str, conc: int, n: int, isl: int, osl: int, out: Path) -> dict[str, float]:
+    path = out / f"guidellm-c{conc}.json"
+    cmd = [str(venv / "bin" / "guidellm"), "run", "--backend", f"kind=openai_http,target={url}",
+           "--profile", f"kind=concurrent,streams={conc}", "--constraint", f"kind=max_requests,count={n}",
+           "--data", f"kind=synthetic_text,prompt_tokens={isl},output_tokens={osl}",
+           "--tokenizer", f"kind=hf_auto,model={model_dir}", "--output", f"kind=json,path={path}",
+           "--disable-console"]
+    subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    reqs = json.loads(path.read_text())["benchmarks"][0]["requests"]["successful"]
+    return {r["response_id"]: r["time_to_first_token_ms"] / 1e3 for r in reqs}
+
+
+def run_aiperf(venv: Path, url: str, model_dir: str, conc: int, n: int, isl: int, osl: int, out: Path) -> dict[str, float]:
+    art = out / f"aiperf-c{conc}"
+    cmd = [str(venv / "bin" / "aiperf"), "profile", "--model", "default", "--tokenizer", model_dir,
+           "--url", url, "--endpoint-type", "chat", "--streaming", "--concurrency", str(conc),
+           "--request-count", str(n), "--synthetic-input-tokens-mean", str(isl),
+           "--output-tokens-mean", str(osl), "--artifact-dir", str(art), "--ui-type", "none"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    got = {}
+    for line in (art / "profile_export.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        ttft = rec["metrics"].get("time_to_first_token")
+        if ttft is not None:
+            got["chatcmpl-" + rec["metadata"]["x_request_id"]] = ttft["value"] / 1e3
+    return got
+
+
+def compare(client: dict[str, float], server: dict[str, float]) -> dict:
+    ids = [k for k in client if k in server]
+    if not ids:
+        return {"matched": 0}
+    diff = sorted((client[k] - server[k]) * 1e3 for k in ids)
+    return {"matched": len(ids), "of": len(client),
+            "client_ttft_ms_p50": round(statistics.median(client[k] * 1e3 for k in ids), 1),
+            "server_ttft_ms_p50": round(statistics.median(server[k] * 1e3 for k in ids), 1),
+            "diff_ms_p50": round(statistics.median(diff), 2),
+            "diff_ms_p90": round(diff[int(0.9 * (len(diff) - 1))], 2),
+            "diff_ms_max": round(diff[-1], 2)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--venvs", default="/work/venvs", type=Path)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--isl", type=int, default=128)
+    ap.add_argument("--osl", type=int, default=32)
+    a = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from engine.model.loader import resolve_model
+    model_dir = str(resolve_model("default"))
+    out = Path(tempfile.mkdtemp(prefix="servetwin-clients-"))
+    log = out / "requests.csv"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    servetwin = Path(sys.executable).parent / "servetwin"
+    srv = subprocess.Popen([str(servetwin), "serve", "--port", str(port), "--request-log", str(log)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    results: dict = {"isl": a.isl, "osl": a.osl, "requests": a.requests, "runs": []}
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline or srv.poll() is not None:
+                raise RuntimeError("servetwin serve did not start")
+            time.sleep(0.5)
+        for tool, fn in (("guidellm", run_guidellm), ("aiperf", run_aiperf)):
+            venv = a.venvs / tool
+            if not (venv / "bin" / tool).exists():
+                results["runs"].append({"client": tool, "skipped": f"no {venv}/bin/{tool}; see this script's docstring"})
+                continue
+            for conc in a.concurrency:
+                client = fn(venv, url, model_dir, conc, a.requests, a.isl, a.osl, out)
+                results["runs"].append({"client": tool, "concurrency": conc,
+                                        **compare(client, server_ttft_s(log))})
+    finally:
+        srv.terminate()
+        srv.wait(30)
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
