@@ -2,7 +2,9 @@
 
     name: quickstart            # used for the default output directory
     seed: 0
-    deployment: {model, device, tp, replicas, router, gpu_memory_utilization, num_gpu_blocks}
+    deployment: {model, device, tp, replicas, router, gpu_memory_utilization, num_gpu_blocks,
+                 pd: {prefill_replicas, decode_replicas, prefill_tp, decode_tp,
+                      link_bandwidth_gb_s, link_latency_s}}     # disaggregated pools (sim/disagg.py)
     scheduler:  {max_num_batched_tokens, max_num_seqs, max_model_len, block_size,
                  enable_chunked_prefill, long_prefill_token_threshold, enable_prefix_caching,
                  policy, reserve_full_prompt, unhashed_blocks_first, watermark,
@@ -12,13 +14,15 @@
     slo:        {ttft_s, tpot_s, e2e_s, queue_s}
     output:     {record_token_times, plots}
     simulation: {steady_decode, max_time_s}
+    plan:       read by scenarios/plan.py (`servetwin plan`)
+    sweep:      read by scenarios/sweep.py (`servetwin sweep`)
 
 Errors name the file, the key path and the value. Scheduler defaults are those of a vLLM server
 on a data-center GPU (8192 batched tokens, 1024 sequences), not the scheduler class defaults.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -41,7 +45,7 @@ class _M(SpecMap):
 
 
 TOP_KEYS = ("name", "description", "seed", "deployment", "scheduler", "cost_model", "workload", "slo",
-            "output", "simulation")
+            "output", "simulation", "plan", "sweep")
 
 
 @dataclass
@@ -60,11 +64,18 @@ class Scenario:
     steady_decode: bool
     max_time_s: float | None
     deployment: dict
+    pd: dict | None = None  # disaggregated: pool sizes, link, and a (config, cost model) per pool
 
     def describe(self) -> str:
         c = self.scheduler_config
         d = self.deployment
         w = self.workload.describe()
+        if self.pd is not None:
+            p = self.pd
+            return (f"{d.get('model')} on {d.get('device')}: {p['prefill_replicas']} prefill replica(s) "
+                    f"(tp={p['prefill_tp']}) + {p['decode_replicas']} decode replica(s) (tp={p['decode_tp']}), "
+                    f"KV link {p['link_bandwidth_gb_s']:g} GB/s; budget {c.max_num_batched_tokens} tokens / "
+                    f"{c.max_num_seqs} seqs; {len(self.workload)} requests ({w.get('source', '?')})")
         return (f"{d.get('model')} on {self.replicas}x {d.get('device')} (tp={d.get('tp')}), "
                 f"{c.num_gpu_blocks - 1} KV blocks of {c.block_size} per replica, "
                 f"budget {c.max_num_batched_tokens} tokens / {c.max_num_seqs} seqs; "
@@ -110,53 +121,79 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     router = dep.text("router", "round_robin", choices=ROUTERS)
     util = dep.number("gpu_memory_utilization", 0.9, gt=0, le=1)
     blocks = dep.integer("num_gpu_blocks", None, ge=2)
+    pd_m = dep.sub("pd")
+    pd = None
+    if pd_m is not None:
+        pd = {"prefill_replicas": pd_m.integer("prefill_replicas", 1, ge=1),
+              "decode_replicas": pd_m.integer("decode_replicas", 1, ge=1),
+              "prefill_tp": pd_m.integer("prefill_tp", tp, ge=1),
+              "decode_tp": pd_m.integer("decode_tp", tp, ge=1),
+              "link_bandwidth_gb_s": pd_m.number("link_bandwidth_gb_s", 50.0, gt=0),
+              "link_latency_s": pd_m.number("link_latency_s", 1e-4, ge=0)}
+        pd_m.done()
+        for key in ("prefill_tp", "decode_tp"):
+            t = pd[key]
+            if model.num_heads % t or model.num_kv_heads % t and t % model.num_kv_heads:
+                raise ScenarioError(f"deployment.pd.{key}={t}: must divide num_heads={model.num_heads} "
+                                    f"of {model.name}")
     dep.done()
 
     # Cost model: a fitted profile (by default the shipped one for this deployment, if any),
-    # else the analytic roofline.
+    # else the analytic roofline. Read once, built for each tensor-parallel size in use.
     cm = root.sub("cost_model")
-    default_profile = f"{device.name}-{model.name}" if tp == 1 else f"{device.name}-tp{tp}-{model.name}"
+    explicit_cm = cm is not None
     if cm is None:
-        shipped = (PROFILES_DIR / f"{default_profile}.json").exists()
-        cm = _M({"type": "fitted" if shipped else "analytic"}, "cost_model")
-    kind = cm.text("type", "fitted", choices=("fitted", "analytic"))
-    profile_meta = {}
-    if kind == "fitted":
-        prof_name = cm.text("profile", default_profile)
-        prof_ref: str | Path = prof_name
-        if prof_name.endswith(".json") and not Path(prof_name).is_absolute() and base_dir is not None:
-            prof_ref = base_dir / prof_name
+        cm = _M({}, "cost_model")
+    kind = cm.text("type", "fitted", choices=("fitted", "analytic")) if explicit_cm else None
+    prof_name = cm.text("profile", None) if kind == "fitted" else None
+    eff = cm.raw("efficiency", None) if kind == "analytic" else None
+    cm.done()
+
+    def cost_for(t: int) -> tuple[CostModel, dict]:
+        default_profile = f"{device.name}-{model.name}" if t == 1 else f"{device.name}-tp{t}-{model.name}"
+        k = kind
+        if k is None:
+            k = "fitted" if (PROFILES_DIR / f"{default_profile}.json").exists() else "analytic"
+        if k == "analytic":
+            try:
+                return AnalyticCostModel(model, device, t, eff), {}
+            except (TypeError, ValueError) as e:
+                raise ScenarioError(f"cost_model.efficiency={eff!r}: {e}") from None
+        name = prof_name or default_profile
+        prof_ref: str | Path = name
+        if name.endswith(".json") and not Path(name).is_absolute() and base_dir is not None:
+            prof_ref = base_dir / name
         try:
             prof = load_profile(prof_ref)
         except ValueError as e:
             raise ScenarioError(str(e)) from None
-        cost: CostModel = FittedCostModel.from_profile(prof)
-        profile_meta = prof.get("metadata", {})
-        for key, mine in (("model", model.name), ("device", device.name), ("tp", tp)):
-            theirs = profile_meta.get(key)
+        meta = prof.get("metadata", {})
+        for key, mine in (("model", model.name), ("device", device.name), ("tp", t)):
+            theirs = meta.get(key)
             if theirs is not None and theirs != mine:
                 raise ScenarioError(
-                    f"cost_model.profile={prof_name!r} was made for {key}={theirs!r} but "
+                    f"cost_model.profile={name!r} was made for {key}={theirs!r} but "
                     f"deployment.{key}={mine!r}; use a matching profile or cost_model.type: analytic")
-    else:
-        eff = cm.raw("efficiency", None)
-        try:
-            cost = AnalyticCostModel(model, device, tp, eff)
-        except (TypeError, ValueError) as e:
-            raise ScenarioError(f"cost_model.efficiency={eff!r}: {e}") from None
-    cm.done()
+        return FittedCostModel.from_profile(prof), meta
+
+    cost, profile_meta = cost_for(tp)
 
     # Scheduler, with the KV pool from the deployment (explicit > profile > memory accounting).
     sc = root.sub("scheduler") or _M({}, "scheduler")
     block_size = sc.integer("block_size", 16, ge=1)
-    if blocks is None:
-        if profile_meta.get("num_gpu_blocks") and profile_meta.get("block_size", block_size) == block_size:
-            blocks = int(profile_meta["num_gpu_blocks"])
-        else:
-            try:
-                blocks = kv_cache_blocks(model, device, tp, block_size, util)
-            except ValueError as e:
-                raise ScenarioError(str(e)) from None
+
+    def blocks_for(t: int, meta: dict) -> int:
+        if blocks is not None:
+            return blocks
+        if meta.get("num_gpu_blocks") and meta.get("block_size", block_size) == block_size:
+            return int(meta["num_gpu_blocks"])
+        try:
+            return kv_cache_blocks(model, device, t, block_size, util)
+        except ValueError as e:
+            raise ScenarioError(str(e)) from None
+
+    explicit_blocks = blocks
+    blocks = blocks_for(tp, profile_meta)
     default_len = min(model.max_position_embeddings, (blocks - 1) * block_size)
     policy = sc.text("policy", "fcfs", choices=tuple(POLICIES))
     try:
@@ -199,19 +236,39 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     max_time = sim_m.number("max_time_s", None, gt=0)
     sim_m.done()
 
+    if pd is not None:
+        blocks = explicit_blocks
+        for pool in ("prefill", "decode"):
+            pool_cost, meta = cost_for(pd[f"{pool}_tp"])
+            pool_blocks = blocks_for(pd[f"{pool}_tp"], meta)
+            pool_cfg = replace(cfg, num_gpu_blocks=pool_blocks,
+                               max_model_len=min(cfg.max_model_len, (pool_blocks - 1) * block_size))
+            pd[pool] = (pool_cfg, pool_cost)
+        pd["kv_bytes_per_token"] = model.kv_bytes_per_token
+        blocks = pd["decode"][0].num_gpu_blocks
+
     return Scenario(name=name, seed=seed, path=path, scheduler_config=cfg, cost_model=cost,
                     workload=workload, replicas=replicas, router=router, slo=slo,
                     record_token_times=record_times, plots=plots, steady_decode=steady,
-                    max_time_s=max_time,
+                    max_time_s=max_time, pd=pd,
                     deployment={"model": model.name, "device": device.name, "tp": tp,
-                                "replicas": replicas, "router": router, "num_gpu_blocks": blocks})
+                                "replicas": replicas, "router": router, "num_gpu_blocks": blocks,
+                                "gpu_memory_utilization": util,
+                                **({"pd": {k: v for k, v in pd.items() if k not in ("prefill", "decode")}}
+                                   if pd else {})})
 
 
 def run_scenario(sc: Scenario, progress: bool = False) -> SimResult:
-    sim = Simulation(sc.workload, sc.scheduler_config, sc.cost_model, num_replicas=sc.replicas,
-                     router=sc.router, seed=sc.seed, use_steady=sc.steady_decode,
-                     keep_token_times=sc.record_token_times, progress=progress, slo=sc.slo,
-                     max_time_s=sc.max_time_s)
+    if sc.pd is not None:
+        from sim.disagg import DisaggSimulation
+        sim = DisaggSimulation(sc.workload, sc.pd, router=sc.router, seed=sc.seed,
+                               keep_token_times=sc.record_token_times, progress=progress, slo=sc.slo,
+                               max_time_s=sc.max_time_s)
+    else:
+        sim = Simulation(sc.workload, sc.scheduler_config, sc.cost_model, num_replicas=sc.replicas,
+                         router=sc.router, seed=sc.seed, use_steady=sc.steady_decode,
+                         keep_token_times=sc.record_token_times, progress=progress, slo=sc.slo,
+                         max_time_s=sc.max_time_s)
     result = sim.run()
     result.summary["scenario"] = {"name": sc.name, "seed": sc.seed, **sc.deployment,
                                   "cost_model": sc.cost_model.describe(),

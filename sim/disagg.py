@@ -1,0 +1,236 @@
+"""Disaggregated prefill/decode pools on one SimPy clock, composed from Simulation and Replica.
+
+    arrival -> router -> prefill replica: the prompt with max_tokens 1 (prefill + first token)
+            -> transfer queue (FIFO) -> the decode replica with room and fewest requests
+            -> KV transfer: prompt tokens x KV bytes per token / link bandwidth + link latency
+            -> decode replica: the remaining output_len - 1 tokens
+
+Every replica, prefill or decode, is a plain `Replica` with its own shared-scheduler instance.
+
+Room on a decode replica: fewer than max_num_seqs of its requests outstanding (in transfer,
+waiting or running), and its free KV blocks, less those promised to transfers it has not
+scheduled yet, cover the prompt plus one token. Until a decode replica has room the transfer
+waits and its KV stays on the prefill replica (this model does not hold those blocks there);
+nothing is dropped. Room grows only when a decode replica finishes a request, so the queue is
+retried then. A prompt larger than every decode replica's whole pool is rejected.
+
+Arrived KV on a decode replica: its scheduler admits the request as a prompt whose KV is about
+to be computed; two choices make that step what a KV-receiving engine does:
+  - the decode pool's token budget is raised to max_model_len + max_num_seqs, so an arrived
+    prompt is admitted in one step, never chunked;
+  - `KVArrivedCost` prices a prompt row as one decode token reading that prompt's KV (the row
+    computes the second output token from the arrived KV; no prefill FLOPs).
+A request preempted on a decode replica is priced the same way when it resumes (an engine would
+recompute it), so preemption-heavy decode pools are optimistic.
+
+Transfers do not contend: each takes bytes / bandwidth + latency whatever else is in flight.
+Steady decoding is off: a decode replica cannot know ahead when the next KV will land.
+Cancellation is not supported with pools.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import replace
+from operator import attrgetter
+
+import numpy as np
+
+from engine.core.records import STEP_COLUMNS, RequestRecord
+from sim.cost_model import CostModel
+from sim.metrics import request_table, summarize, stats
+from sim.replica import Replica, SimRequest
+from sim.simulation import SimResult, Simulation
+
+
+class KVArrivedCost(CostModel):
+    """A decode pool's step time: prompt rows are arrived KV, priced as decodes of their context."""
+
+    kind = "kv-arrived"
+
+    def __init__(self, base: CostModel) -> None:
+        self.base = base
+        self.metadata = {"decode_pool_of": base.describe()}
+
+    def step_time(self, f) -> float:
+        n = f.num_decode_reqs + f.num_prefill_reqs
+        ctx = f.decode_context_tokens + f.prefill_context_tokens + f.num_prefill_tokens
+        return self.base._time(f.num_reqs, n, 0, 0, 0, ctx)
+
+
+class _PrefillView:
+    """The workload as the prefill pool sees it: every request stops after its first token."""
+
+    def __init__(self, workload) -> None:
+        self.workload = workload
+        self.closed_loop_concurrency = getattr(workload, "closed_loop_concurrency", None)
+        self.output_len: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.workload)
+
+    def __iter__(self):
+        for spec in self.workload:
+            self.output_len[spec.request_id] = spec.output_len
+            yield replace(spec, output_len=1)
+
+
+class _Handoff:
+    __slots__ = ("sreq", "output_len", "need", "ready_s", "decoder", "dsreq")
+
+    def __init__(self, sreq, output_len, need, ready_s) -> None:
+        self.sreq, self.output_len, self.need, self.ready_s = sreq, output_len, need, ready_s
+        self.decoder = None
+        self.dsreq = None
+
+
+class DisaggSimulation(Simulation):
+    """`pd`: {prefill_replicas, decode_replicas, link_bandwidth_gb_s, link_latency_s,
+    kv_bytes_per_token, prefill: (SchedulerConfig, CostModel), decode: (SchedulerConfig, CostModel)}
+    (scenarios.schema builds it from `deployment.pd`). `router` routes arrivals to prefill replicas."""
+
+    def __init__(self, workload, pd: dict, router: str = "round_robin", seed: int = 0,
+                 keep_token_times: bool = False, keep_steps: bool = True, progress: bool = False,
+                 slo: dict | None = None, max_time_s: float | None = None) -> None:
+        if len(workload) and (np.any(~np.isnan(getattr(workload, "cancel_after_s", np.empty(0))))
+                              or np.any(getattr(workload, "cancel_after_tokens", np.empty(0)) >= 0)):
+            raise ValueError("workload.cancellation: not supported with deployment.pd (disaggregated pools)")
+        pcfg, pcost = pd["prefill"]
+        dcfg, dcost = pd["decode"]
+        self.view = _PrefillView(workload)
+        super().__init__(self.view, pcfg, pcost, num_replicas=pd["prefill_replicas"], router=router,
+                         seed=seed, use_steady=False, keep_token_times=keep_token_times,
+                         keep_steps=keep_steps, progress=progress, slo=slo, max_time_s=max_time_s)
+        self.workload = workload
+        self.num_prefill = pd["prefill_replicas"]
+        self.decode_config = replace(
+            dcfg, max_num_batched_tokens=max(dcfg.max_num_batched_tokens, dcfg.max_model_len + dcfg.max_num_seqs))
+        self.decoders = [Replica(self, self.num_prefill + i, self.decode_config, KVArrivedCost(dcost))
+                         for i in range(pd["decode_replicas"])]
+        self.bytes_per_token = pd["kv_bytes_per_token"]
+        self.bandwidth = pd["link_bandwidth_gb_s"] * 1e9
+        self.latency = pd["link_latency_s"]
+        self.pd = {k: v for k, v in pd.items() if k not in ("prefill", "decode")}
+        self.queue: deque[_Handoff] = deque()
+        self.in_flight = [0] * len(self.decoders)
+        self.promised: list[list[_Handoff]] = [[] for _ in self.decoders]
+        self.decoding: dict[str, _Handoff] = {}
+        self.transfer_s: list[float] = []
+        self.wait_s: list[float] = []
+        self.handoff_gaps: list[float] = []
+
+    def transfer_time(self, prompt_tokens: int) -> float:
+        return prompt_tokens * self.bytes_per_token / self.bandwidth + self.latency
+
+    # ------------------------------------------------------------ hand-off
+    def on_finish(self, replica: Replica, sreq: SimRequest, error: str | None) -> None:
+        if replica.index >= self.num_prefill:
+            self._decode_done(replica, sreq, error)
+            return
+        out_len = self.view.output_len.pop(sreq.spec.request_id)
+        rec = sreq.record
+        if error is not None or rec.finish_reason not in ("stop", "length") or out_len <= 1:
+            super().on_finish(replica, sreq, error)
+            return
+        replica.outstanding -= 1
+        rec.finish_reason = rec.finish_s = None  # in transit: not finished yet
+        need = -(-(sreq.spec.prompt_len + 1) // self.decode_config.block_size)
+        self.queue.append(_Handoff(sreq, out_len, need, self.env.now))
+        self._start_transfers()
+
+    def _room(self, i: int, h: _Handoff) -> bool:
+        d = self.decoders[i]
+        if d.outstanding + self.in_flight[i] >= self.decode_config.max_num_seqs:
+            return False
+        # Promises to requests the decode scheduler has since admitted are in its own usage now.
+        self.promised[i] = p = [x for x in self.promised[i] if x.dsreq is None or x.dsreq.record.first_scheduled_s is None]
+        return d.scheduler.kv_cache_manager.num_free_blocks - sum(x.need for x in p) >= h.need
+
+    def _start_transfers(self) -> None:
+        while self.queue:
+            h = self.queue[0]
+            fits = [i for i in range(len(self.decoders)) if self._room(i, h)]
+            if not fits:
+                if all(h.need > d.scheduler.kv_cache_manager.num_usable_blocks for d in self.decoders):
+                    self.queue.popleft()
+                    self._reject(h)
+                    continue
+                return  # first come, first served: the head waits for room
+            self.queue.popleft()
+            i = min(fits, key=lambda j: (self.decoders[j].outstanding + self.in_flight[j], j))
+            h.decoder = i
+            self.in_flight[i] += 1
+            self.promised[i].append(h)
+            self.wait_s.append(self.env.now - h.ready_s)
+            self.env.process(self._transfer(h))
+
+    def _transfer(self, h: _Handoff):
+        dt = self.transfer_time(h.sreq.spec.prompt_len)
+        self.transfer_s.append(dt)
+        yield self.env.timeout(dt)
+        i = h.decoder
+        self.in_flight[i] -= 1
+        spec = h.sreq.spec
+        now = self.env.now
+        dspec = replace(spec, arrival_s=now, output_len=h.output_len - 1)
+        drec = RequestRecord(spec.request_id, now, spec.prompt_len)
+        d = self.decoders[i]
+        drec.replica = d.index
+        h.dsreq = SimRequest(dspec, drec)
+        self.decoding[spec.request_id] = h
+        d.submit(h.dsreq)
+
+    def _reject(self, h: _Handoff) -> None:
+        rec = h.sreq.record
+        rec.finish_reason = "rejected"
+        rec.finish_s = self.env.now
+        msg = (f"prompt of {h.sreq.spec.prompt_len} tokens needs {h.need} KV blocks; no decode replica "
+               f"has that many")
+        # Counted as finished through the base class, on a prefill replica's books.
+        rep = self.replicas[rec.replica]
+        rep.outstanding += 1
+        super().on_finish(rep, h.sreq, msg)
+
+    def _decode_done(self, replica: Replica, dsreq: SimRequest, error: str | None) -> None:
+        h = self.decoding.pop(dsreq.spec.request_id)
+        rec, drec = h.sreq.record, dsreq.record
+        rec.finish_reason, rec.finish_s = drec.finish_reason, drec.finish_s
+        rec.num_preemptions += drec.num_preemptions
+        if drec.first_token_s is not None:
+            self.handoff_gaps.append(drec.first_token_s - rec.first_token_s)
+            rec.last_token_s = drec.last_token_s
+            rec.num_output_tokens += drec.num_output_tokens
+            if rec.token_times_s is not None and drec.token_times_s:
+                rec.token_times_s.extend(drec.token_times_s)
+        super().on_finish(replica, dsreq, error)  # the base class counts it; it reads only the id
+        self._start_transfers()
+
+    # ------------------------------------------------------------- results
+    def collect(self, wall_s: float) -> SimResult:
+        reps = self.replicas + self.decoders
+        table = request_table(self.records)
+        steps = [s for r in reps for s in r.steps]
+        step_table = {c: np.array(list(map(attrgetter(c), steps))) for c in STEP_COLUMNS}
+        vals, weights = [np.asarray(self.handoff_gaps)], [np.ones(len(self.handoff_gaps), np.int64)]
+        for r in self.decoders:
+            v, w = r.itl_sample()
+            vals.append(v)
+            weights.append(w)
+        itl = (np.concatenate(vals), np.concatenate(weights))
+        preemptions = sum(r.scheduler.num_preemptions for r in reps)
+        cut = self.max_time_s is not None and not self._all_done.triggered
+        summary = summarize(table, itl[0], itl[1], self.slo, preemptions,
+                            end_s=float(self.env.now) if cut else None)
+        summary["simulated_s"] = float(self.env.now)
+        summary["wall_s"] = wall_s
+        summary["num_steps"] = int(sum(r.step_idx for r in reps))
+        if steps:
+            kv = step_table["kv_usage"]
+            span = step_table["end_s"] - step_table["start_s"]
+            summary["kv_usage"] = {"mean": float(np.average(kv, weights=span + 1e-15)), "max": float(kv.max())}
+        summary["pd"] = {**self.pd, "kv_transfer_s": stats(self.transfer_s),
+                         "wait_for_room_s": stats(self.wait_s),
+                         "never_transferred": len(self.queue) + sum(self.in_flight)}
+        return SimResult(table, step_table, summary, self.records, itl)
+
+
+__all__ = ["DisaggSimulation", "KVArrivedCost"]
