@@ -48,6 +48,33 @@ def cmd_simulate(a) -> int:
     return 0
 
 
+def cmd_plan(a) -> int:
+    from scenarios.plan import PlanError, plan
+    from scenarios.plan_report import deploy_commands, format_table, why
+    from scenarios.schema import ScenarioError
+    out = Path(a.out) if a.out else None
+    try:
+        result = plan(a.scenario, out, workers=a.workers, ray_address=a.ray, progress=not a.no_progress,
+                      target_rate=a.rate)
+    except (PlanError, ScenarioError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"plan for {result['model']} at {result['target_rate']:g} req/s, SLOs: {result['slo_text']}")
+    print(format_table(result, limit=a.top))
+    w = result["winner"]
+    print("")
+    if w is None:
+        print("no candidate meets the SLOs at the target rate; loosen the SLOs or widen the grid")
+    else:
+        print("winner:")
+        for line in deploy_commands(result, w):
+            print(f"  {line}")
+        print(why(result))
+    print(f"\nplanned in {result['wall_s']:.1f} s ({result['simulated_tasks']} candidate tasks simulated, "
+          f"{result['cached_tasks']} from cache)" + (f"; wrote {out}/plan.json, plan.csv, report.html" if out else ""))
+    return 0 if w is not None else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="servetwin", description="ServeTwin: LLM serving digital twin")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -59,6 +86,17 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("plan", help="capacity plan: the cheapest deployment meeting the scenario's `plan:` SLOs")
+    p.add_argument("scenario", help="scenario file with a plan: section, e.g. scenarios/capacity-chat-h100.yaml")
+    p.add_argument("--out", help="output directory for plan.json, plan.csv, report.html, plots and the cache")
+    p.add_argument("--workers", type=int, default=2, help="local worker processes (default 2)")
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="evaluate on Ray: a cluster address, or none for a local Ray instance")
+    p.add_argument("--rate", type=float, default=None, help="override plan.target.rate (req/s)")
+    p.add_argument("--top", type=int, default=None, help="print only the first N candidates")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_plan)
 
     try:
         from engine.cli import add_generate_args
