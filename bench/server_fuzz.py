@@ -42,19 +42,21 @@ def start_server():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    threading.Thread(target=server.run, daemon=True).start()
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
     while not server.started:
         time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", server, app
+    return f"http://127.0.0.1:{port}", (server, thread), app
 
 
-async def fuzz(url: str, n: int, concurrency: int, seed: int, check_every: int) -> dict:
+async def fuzz(url: str, n: int, concurrency: int, seed: int, check_every: int, timeout_s: float) -> dict:
     from tqdm import tqdm
 
     statuses: dict[int, int] = {}
     bad: list[str] = []
+    timeouts: list[str] = []
     wrong = 0
-    async with httpx.AsyncClient(timeout=300) as c:
+    async with httpx.AsyncClient(timeout=timeout_s) as c:
         ref = (await c.post(url + "/v1/completions", json=CHECK)).json()["choices"][0]["text"]
         todo = list(range(n))
         bar = tqdm(total=n, desc="fuzz", file=sys.stderr)
@@ -68,13 +70,18 @@ async def fuzz(url: str, n: int, concurrency: int, seed: int, check_every: int) 
                     r = await c.post(url + "/v1/completions", json=CHECK)
                     if r.status_code != 200 or r.json()["choices"][0]["text"] != ref:
                         wrong += 1
+                    statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
                 else:
                     path = "/v1/chat/completions" if rng.random() < 0.4 else "/v1/completions"
-                    r = await c.post(url + path, content=fuzz_body(rng),
-                                     headers={"content-type": "application/json"})
-                    if r.status_code >= 500 and len(bad) < 10:
-                        bad.append(f"{r.status_code} {r.text[:300]}")
-                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                    body = fuzz_body(rng)
+                    try:
+                        r = await c.post(url + path, content=body, headers={"content-type": "application/json"})
+                    except httpx.TimeoutException:
+                        timeouts.append(body.decode("utf-8", "replace")[:300])
+                    else:
+                        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                        if r.status_code >= 500 and len(bad) < 10:
+                            bad.append(f"{r.status_code} {r.text[:300]}")
                 bar.update(1)
 
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
@@ -82,7 +89,8 @@ async def fuzz(url: str, n: int, concurrency: int, seed: int, check_every: int) 
         health = (await c.get(url + "/health")).status_code
     return {"statuses": dict(sorted(statuses.items())), "responses_500": sum(v for k, v in statuses.items()
                                                                                if k >= 500),
-            "wrong_answers": wrong, "health_status": health, "first_5xx": bad}
+            "wrong_answers": wrong, "timeouts": len(timeouts), "timed_out_bodies": timeouts[:5],
+            "health_status": health, "first_5xx": bad}
 
 
 def main() -> int:
@@ -91,6 +99,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check-every", type=int, default=25)
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="a request unanswered this long is a failure")
     ap.add_argument("--url", default=None, help="fuzz a running server instead of starting one")
     a = ap.parse_args()
     server = app = None
@@ -98,16 +107,21 @@ def main() -> int:
     if url is None:
         url, server, app = start_server()
     t = time.perf_counter()
-    res = asyncio.run(fuzz(url, a.requests, a.concurrency, a.seed, a.check_every))
-    res = {"requests": a.requests, "concurrency": a.concurrency, "seed": a.seed, **res,
-           "wall_s": round(time.perf_counter() - t, 1)}
-    if app is not None:
-        aeng = app.state.async_engine
-        res["engine_loop_alive"] = aeng.alive
-        res["engine_step_failures"] = aeng.total_failed_steps
-        server.should_exit = True
-    print(json.dumps(res, indent=2))
-    ok = res["responses_500"] == 0 and res["wrong_answers"] == 0 and res["health_status"] == 200
+    try:
+        res = asyncio.run(fuzz(url, a.requests, a.concurrency, a.seed, a.check_every, a.timeout_s))
+        res = {"requests": a.requests, "concurrency": a.concurrency, "seed": a.seed, **res,
+               "wall_s": round(time.perf_counter() - t, 1)}
+        if app is not None:
+            aeng = app.state.async_engine
+            res["engine_loop_alive"] = aeng.alive
+            res["engine_step_failures"] = aeng.total_failed_steps
+        print(json.dumps(res, indent=2), flush=True)
+    finally:
+        if server is not None:  # uvicorn's shutdown stops the engine loop (lifespan)
+            server[0].should_exit = True
+            server[1].join(30)
+    ok = (res["responses_500"] == 0 and res["wrong_answers"] == 0 and res["timeouts"] == 0
+          and res["health_status"] == 200)
     return 0 if ok else 1
 
 
