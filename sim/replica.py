@@ -96,6 +96,7 @@ class Replica:
             req = Request(spec.request_id, spec.token_ids(), _SHARED_SP, arrival_time=rec.arrival_s,
                           priority=spec.priority)
             req.max_tokens = spec.output_len
+            req.unique_from = spec.unique_from
             if spec.cancel_after_tokens is not None and spec.cancel_after_tokens < spec.output_len:
                 # The client disconnects after receiving that many tokens; the server notices
                 # at the next step boundary and aborts the request (the scheduler's abort path).

@@ -60,6 +60,9 @@ class RequestSpec:
     priority: int = 0
     cancel_after_s: float | None = None  # abandon if not finished this long after arrival
     cancel_after_tokens: int | None = None  # disconnect after receiving this many output tokens
+    # Position of its first token whose id no other request has (see Workload.unique_from);
+    # the scheduler's KV manager then never hashes the blocks past it. None: not known.
+    unique_from: int | None = None
 
     def token_ids(self) -> list[int]:
         """Synthetic prompt token ids (len == prompt_len); segment (k, n) is ids k .. k+n-1."""
@@ -76,6 +79,9 @@ class RequestSpec:
 class Workload:
     """A fixed list of requests, stored column-wise. Segments are in CSR form: request i owns
     seg_keys[seg_off[i]:seg_off[i+1]] (and the matching seg_lens)."""
+
+    # Hand RequestSpec.unique_from to the scheduler (False: never; tests compare both).
+    unique_hints = True
 
     def __init__(self, *, arrival_s, prompt_len, output_len, seg_off, seg_keys, seg_lens,
                  priority=None, cancel_after_s=None, cancel_after_tokens=None,
@@ -99,6 +105,7 @@ class Workload:
         self.cancel_after_tokens = (np.full(n, -1, np.int64) if cancel_after_tokens is None
                                     else np.asarray(cancel_after_tokens, dtype=np.int64))
         self._ids = request_ids  # None: "req-<index>"
+        self._unique = None
         self._check()
 
     def _id(self, i: int) -> str:
@@ -142,16 +149,48 @@ class Workload:
     def __len__(self) -> int:
         return self.num_requests
 
+    def unique_from(self) -> np.ndarray:
+        """Per request, the position of its first token that no other request has, or -1.
+
+        A segment (k, n) stands for ids k .. k+n-1; one whose id range overlaps no other
+        segment of the workload (its own request's included) holds ids nobody else has, so a
+        prompt's token list agrees with no other request's past the start of its first such
+        segment. Built-in workloads give each request a fresh range for its unique tail.
+        """
+        if self._unique is None:
+            keys, lens, off = self.seg_keys, self.seg_lens, self.seg_off
+            order = np.argsort(keys, kind="stable")
+            ks, es = keys[order], keys[order] + lens[order]
+            overlap = np.zeros(len(ks), bool)
+            if len(ks) > 1:
+                prev_end = np.maximum.accumulate(es)[:-1]
+                overlap[1:] |= prev_end > ks[1:]    # starts inside an earlier range
+                overlap[:-1] |= ks[1:] < es[:-1]    # a later range starts inside it
+            exclusive = np.empty(len(ks), bool)
+            exclusive[order] = ~overlap
+            if self.num_requests == 0:
+                self._unique = np.empty(0, np.int64)
+                return self._unique
+            # Index of each request's first exclusive segment (len(keys) if none) ...
+            idx = np.where(exclusive, np.arange(len(keys)), len(keys))
+            first = np.minimum(np.minimum.reduceat(idx, off[:-1]), off[1:])
+            # ... and the tokens before it.
+            tok = np.concatenate([[0], np.cumsum(lens)])
+            self._unique = np.where(first < off[1:], tok[first] - tok[off[:-1]], -1)
+        return self._unique
+
     def __iter__(self) -> Iterator[RequestSpec]:
         # Plain lists once, then cheap per-request indexing (numpy scalars are slow to unbox).
         arrival, prompt, output, prio, dl, ct, off, keys, lens = (a.tolist() for a in (
             self.arrival_s, self.prompt_len, self.output_len, self.priority, self.cancel_after_s,
             self.cancel_after_tokens, self.seg_off, self.seg_keys, self.seg_lens))
+        uniq = self.unique_from().tolist() if self.unique_hints else [-1] * self.num_requests
         for i in range(self.num_requests):
             s, e = off[i], off[i + 1]
             yield RequestSpec(
                 self._id(i), arrival[i], prompt[i], output[i], tuple(zip(keys[s:e], lens[s:e])),
-                prio[i], None if dl[i] != dl[i] else dl[i], None if ct[i] < 0 else ct[i])
+                prio[i], None if dl[i] != dl[i] else dl[i], None if ct[i] < 0 else ct[i],
+                None if uniq[i] < 0 else uniq[i])
 
     def __getitem__(self, i: int) -> RequestSpec:
         if not -self.num_requests <= i < self.num_requests:
@@ -163,7 +202,8 @@ class Workload:
             self._id(i), float(self.arrival_s[i]), int(self.prompt_len[i]),
             int(self.output_len[i]),
             tuple(zip(self.seg_keys[s:e].tolist(), self.seg_lens[s:e].tolist())),
-            int(self.priority[i]), None if math.isnan(dl) else dl, None if ct < 0 else ct)
+            int(self.priority[i]), None if math.isnan(dl) else dl, None if ct < 0 else ct,
+            int(self.unique_from()[i]) if self.unique_hints and self.unique_from()[i] >= 0 else None)
 
     def describe(self) -> dict:
         n = self.num_requests

@@ -18,6 +18,7 @@ def state(s: Scheduler):
         [b.block_id for b in kvm.block_pool.free_queue],
         sorted((h, tuple(b.block_id for b in kvm.block_pool.cached_blocks(h))) for h in kvm.block_pool.cached),
         dict(kvm.num_cached_block), kvm.num_queried_tokens, kvm.num_hit_tokens, s.num_preemptions,
+        [b.block_hash is None for b in kvm.block_pool.blocks],  # cached (hashed or UNIQUE) or not
     )
 
 
@@ -42,9 +43,14 @@ def test_steady_steps_equal_plain_steps(data):
     a, b = Scheduler(SchedulerConfig(**cfg)), Scheduler(SchedulerConfig(**cfg))
     shared = [data.draw(st.integers(1, 3)) for _ in range(40)]
     reqs = []
+    uniques = {}
     for i in range(data.draw(st.integers(1, 10))):
         plen = data.draw(st.integers(1, mml - 2))
-        prompt = (shared + [100 + i] * plen)[:plen] if data.draw(st.booleans()) else [100 + i] * plen
+        lead = 40 if data.draw(st.booleans()) else 0
+        prompt = (shared[:lead] + [100 + i] * plen)[:plen]
+        # Token 100 + i is request i's own: a true Request.unique_from (given to half of them).
+        unique_from = lead if lead < plen and data.draw(st.booleans()) else None
+        uniques[f"r{i}"] = unique_from
         stops = data.draw(st.sampled_from([(), (), (TOKEN,)]))  # the fixed token may stop some
         reqs.append((data.draw(st.integers(0, 60)), f"r{i}", prompt,
                      data.draw(st.integers(1, mml - plen)), data.draw(st.integers(0, 2)),
@@ -61,9 +67,11 @@ def test_steady_steps_equal_plain_steps(data):
         for (t, rid, prompt, mt, prio, (stops, min_toks), _) in reqs:
             if t == k:
                 for s in (a, b):
-                    s.add_request(Request(rid, list(prompt), SamplingParams(
+                    r = Request(rid, list(prompt), SamplingParams(
                         max_tokens=mt, ignore_eos=True, stop_token_ids=list(stops),
-                        min_tokens=min(min_toks, mt)), arrival_time=float(t), priority=prio))
+                        min_tokens=min(min_toks, mt)), arrival_time=float(t), priority=prio)
+                    r.unique_from = uniques[rid]
+                    s.add_request(r)
         if aborts:
             from engine.core import RequestStatus
             a.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)

@@ -14,6 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+# block_hash of a block that is cached (it goes to the tail when freed, like any hashed block)
+# but whose content is unique to its request (Request.unique_from), so no other request can hit
+# it: its real hash is computed only if the request is preempted and may hit it on resumption.
+# Never a key of the hash map.
+UNIQUE = type("UniqueContent", (), {"__repr__": lambda self: "UNIQUE", "__slots__": ()})()
+
 
 class KVCacheBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
@@ -132,11 +138,12 @@ class BlockPool:
         b = head.next_free
         for _ in range(n):
             h = b.block_hash
-            if h is not None and cached is not None:  # lazy eviction (self.evict, inlined)
-                v = cached.pop(h, None)
-                if v is not b and v is not None:  # several blocks hold h: put them back
-                    cached[h] = v
-                    self.evict(b)
+            if h is not None:  # lazy eviction (self.evict, inlined)
+                if h is not UNIQUE and cached is not None:
+                    v = cached.pop(h, None)
+                    if v is not b and v is not None:  # several blocks hold h: put them back
+                        cached[h] = v
+                        self.evict(b)
                 b.block_hash = None
             b.ref_cnt = 1
             out.append(b)

@@ -5,8 +5,10 @@ class: one KV cache group, full attention, which is what the engine and simulato
 """
 from __future__ import annotations
 
-from engine.core.block_pool import BlockPool, KVCacheBlock
+from engine.core.block_pool import UNIQUE, BlockPool, KVCacheBlock
 from engine.core.request import Request
+
+_NO_BLOCKS: list = []  # shared, never mutated
 
 # Seed of the hash chain; any fixed value works, it only has to be the same for every request.
 NONE_HASH = hash(("servetwin-prefix-cache", 0))
@@ -93,6 +95,11 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if request.unique_from is not None and request.num_preemptions == 0:
+            # Blocks past unique_from are nobody else's; it has none of its own yet.
+            max_blocks = min(max_blocks, request.unique_from // self.block_size)
+            if max_blocks == 0:
+                return [], 0
         hashes = self._ensure_block_hashes(request, max_blocks)
         get = self.block_pool.get_cached_block
         hits: list[KVCacheBlock] = []
@@ -167,43 +174,91 @@ class KVCacheManager:
                 self._cache_full_blocks(request, req_blocks, num_full)
         return new_blocks
 
-    def append_slot(self, request: Request) -> list[KVCacheBlock] | None:
-        """allocate_slots(request, 1) for a running request that holds its blocks (a decode, or a
-        one-token chunk): a new block when the token's position starts one, and the block it
-        fills entered in the prefix cache. None if the pool has no block for it.
+    def append_slots(self, requests: list[Request]) -> list[KVCacheBlock] | None:
+        """allocate_slots(r, 1) for each of these running requests, in order, or for none of them
+        (None) if the pool lacks the blocks. Each holds its blocks and schedules one new token
+        (a decode, or a one-token chunk): it gets a block when the token's position starts one,
+        and the block the token fills enters the prefix cache. Returns the new blocks in order.
 
-        schedule() and the scheduler's fast steps both call it for every such request whose step
-        is not a pure counter increment (see Scheduler.advance).
+        The one implementation of a one-token step: schedule() calls it for a single request,
+        the fast steps of Scheduler.advance() for all the requests at a block boundary at once.
         """
-        p = request.num_computed_tokens
-        rid = request.request_id
-        blocks = self.req_to_blocks[rid]
         bs = self.block_size
-        new: list[KVCacheBlock] = []
-        if p >= len(blocks) * bs:
-            pool = self.block_pool
-            if pool.free_queue.num_free_blocks == 0:
-                return None
-            new = pool.get_new_blocks(1)
-            blocks.append(new[0])
-        if self.enable_caching:
-            num_full = (p + 1) // bs
-            if num_full > self.num_cached_block[rid]:
-                self._cache_full_blocks(request, blocks, num_full)
+        req_to_blocks = self.req_to_blocks
+        need = 0
+        for r in requests:
+            if r.num_computed_tokens >= len(req_to_blocks[r.request_id]) * bs:
+                need += 1
+        pool = self.block_pool
+        if need > pool.free_queue.num_free_blocks:
+            return None
+        new = pool.get_new_blocks(need) if need else _NO_BLOCKS
+        k = 0
+        caching = self.enable_caching
+        for r in requests:
+            p = r.num_computed_tokens
+            blocks = req_to_blocks[r.request_id]
+            if p >= len(blocks) * bs:
+                blocks.append(new[k])
+                k += 1
+            # Only a token that fills its block can cache one (the blocks before are cached).
+            if caching and (p + 1) % bs == 0 and (p + 1) // bs > self.num_cached_block[r.request_id]:
+                self._cache_full_blocks(r, blocks, (p + 1) // bs)
         return new
 
+    def cache_full_blocks(self, request: Request) -> None:
+        """Enter the request's full computed blocks in the prefix cache, if some are not yet (as
+        allocate_slots does for the blocks a step fills). Scheduler.advance() defers it for the
+        UNIQUE blocks of a request decoding lazily: nobody can hit them, nothing frees them."""
+        if self.enable_caching:
+            num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+            if num_full > self.num_cached_block.get(request.request_id, num_full):
+                self._cache_full_blocks(request, self.req_to_blocks[request.request_id], num_full)
+
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_full: int) -> None:
-        """Enter blocks [num_cached, num_full) of a request in the prefix-cache map."""
+        """Enter blocks [num_cached, num_full) of a request in the prefix-cache map (blocks past
+        request.unique_from are marked UNIQUE instead: cached, but hashed only on preemption)."""
         start = self.num_cached_block[request.request_id]
-        hashes = self._ensure_block_hashes(request, num_full)
+        self.num_cached_block[request.request_id] = num_full
+        num_hashed = num_full
+        if request.unique_from is not None:
+            num_hashed = min(num_full, request.unique_from // self.block_size)
+            for i in range(max(start, num_hashed), num_full):
+                b = req_blocks[i]
+                if b.block_hash is None:
+                    b.block_hash = UNIQUE
+            if start >= num_hashed:
+                return
+        hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, num_hashed,
+                                     self.block_size, request.cache_salt)
         cached = self.block_pool.cached
-        for i in range(start, num_full):
+        for i in range(start, num_hashed):
             b = req_blocks[i]
             if b.block_hash is None:
                 h = b.block_hash = hashes[i]
                 if cached.setdefault(h, b) is not b:  # h already cached: keep both
                     self.block_pool.cache_block(b, h)
-        self.num_cached_block[request.request_id] = num_full
+
+    def _hash_unique_blocks(self, request: Request, blocks: list[KVCacheBlock]) -> None:
+        """Give a request's UNIQUE blocks their real hashes and enter them in the map, as they
+        would have been all along (a preempted request may hit them when it resumes)."""
+        num = self.num_cached_block.get(request.request_id, 0)
+        first = None
+        for i in range(num):
+            if blocks[i].block_hash is UNIQUE:
+                first = i
+                break
+        if first is None:
+            return
+        hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, num,
+                                     self.block_size, request.cache_salt)
+        cached = self.block_pool.cached
+        for i in range(first, num):
+            b = blocks[i]
+            if b.block_hash is UNIQUE:
+                h = b.block_hash = hashes[i]
+                if cached.setdefault(h, b) is not b:
+                    self.block_pool.cache_block(b, h)
 
     def uncache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Take the blocks past `num_computed_tokens` out of the prefix-cache map: they were
@@ -218,9 +273,13 @@ class KVCacheManager:
                 self.block_pool.evict(b)
         self.num_cached_block[request.request_id] = first
 
-    def free(self, request: Request) -> None:
-        """Release a request's blocks, last block first (so tails are evicted before prefixes)."""
-        blocks = self.req_to_blocks.pop(request.request_id, None)
+    def free(self, request: Request, resumable: bool = False) -> None:
+        """Release a request's blocks, last block first (so tails are evicted before prefixes).
+        `resumable`: the request is preempted and will look its own blocks up again."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks and resumable and request.unique_from is not None:
+            self._hash_unique_blocks(request, blocks)
+        self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))

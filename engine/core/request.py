@@ -46,7 +46,7 @@ class Request:
         "eos_token_id", "cache_salt", "status", "num_prompt_tokens", "all_token_ids",
         "output_token_ids", "num_tokens", "num_computed_tokens", "max_tokens", "stop_reason",
         "num_preemptions", "num_cached_tokens", "block_hashes", "stop_ids", "token_limit",
-        "driver_state",
+        "driver_state", "unique_from",
     )
 
     def __init__(
@@ -90,6 +90,11 @@ class Request:
         self.token_limit = 0
         # Opaque per-request state of the driver (engine or simulator); the scheduler never reads it.
         self.driver_state = None
+        # A driver's promise (the simulator's synthetic prompts): no other request's token ids
+        # agree with this one's up to position unique_from, so no other request can ever hit a
+        # block reaching past it, and the KV manager caches such blocks without hashing them
+        # (until a preemption, after which the request itself may hit them). None: no promise.
+        self.unique_from: int | None = None
 
     @property
     def num_output_tokens(self) -> int:

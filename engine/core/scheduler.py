@@ -23,7 +23,7 @@ from engine.core.output import (CachedRequestData, EngineCoreOutput, NewRequestD
                                 SchedulerOutput)
 from engine.core.policy import make_queue
 from engine.core.request import Request, RequestStatus
-from engine.core.steady import SHIFT, LazyDecodes
+from engine.core.steady import SEQ_MASK, LazyDecodes
 
 _WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING
@@ -153,8 +153,8 @@ class Scheduler:
         if lazy is not None:
             for req in found:
                 seq = lazy.index.get(req.request_id)
-                if seq is not None:
-                    lazy.drop(seq)  # its counters and tokens as of the last step
+                if seq is not None:  # its counters, tokens and cached blocks as of the last step
+                    self.kv_cache_manager.cache_full_blocks(lazy.drop(seq))
         running_drop = {id(r) for r in found if r.status == _RUNNING}
         if running_drop:
             self.running = [r for r in self.running if id(r) not in running_drop]
@@ -172,7 +172,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Preemption by recompute: drop the KV, keep the outputs, go back to the front."""
-        self.kv_cache_manager.free(req)
+        self.kv_cache_manager.free(req, resumable=True)
         req.status = _PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -219,7 +219,7 @@ class Scheduler:
             n = req.num_tokens - computed
             if n == 1:
                 # A pure counter increment: the slot exists and the token completes no block, so
-                # append_slot would allocate and cache nothing (the fast steps of advance() skip
+                # append_slots would allocate and cache nothing (the fast steps of advance() skip
                 # exactly these requests too).
                 if computed < len(req_to_blocks[rid]) * bs and (not caching or (computed + 1) % bs):
                     num_scheduled[rid] = 1
@@ -251,8 +251,8 @@ class Scheduler:
                     i += 1
                     continue
             while True:
-                # One new token: the same call a fast step makes for a decode at a block event.
-                blocks = kvm.append_slot(req) if n == 1 else kvm.allocate_slots(req, n)
+                # One new token: the call a fast step makes for the decodes at a block boundary.
+                blocks = kvm.append_slots([req]) if n == 1 else kvm.allocate_slots(req, n)
                 if blocks is not None:
                     break
                 if victim_key is None:
@@ -442,7 +442,7 @@ class Scheduler:
         Only steps in which every running request decodes are taken here ("fast steps"); the
         per-request work of such a step is done only for the requests whose step is more than a
         counter increment (engine/core/steady.py), with the code schedule() runs for them:
-        KVCacheManager.append_slot at block boundaries, _admit_waiting for the waiting queue,
+        KVCacheManager.append_slots at block boundaries, _admit_waiting for the waiting queue,
         update_from_output for finishes and first tokens. Running requests stay *lazy* (their
         counters stale) between calls, until sync(), schedule() or finish_requests() writes
         them back.
@@ -509,7 +509,10 @@ class Scheduler:
         if lazy is None:
             return []
         self._lazy = None
-        return lazy.drop_all()
+        written = lazy.drop_all()
+        for r in written:
+            self.kv_cache_manager.cache_full_blocks(r)
+        return written
 
     def _can_go_lazy(self, token_id: int) -> bool:
         running = self.running
@@ -532,21 +535,39 @@ class Scheduler:
         members = lazy.members
         kvm = self.kv_cache_manager
 
-        # 1. Running part: the requests at a block boundary get append_slot, in running order;
+        # 1. Running part: the requests at a block boundary get append_slots, in running order;
         #    the step is refused whole if the pool cannot give every block (a preemption).
         keys, need = lazy.pop_block_events()
         if keys:
             if need > kvm.num_free_blocks:
                 lazy.push_block_events(keys, 0)
                 return None
+            c0s, s0s, t = lazy.c0, lazy.s0, lazy.t
+            tok = lazy.token_id
+            hashing = lazy.caching
+            at_boundary = []
             prev = -1
             for key in keys:
-                seq = (key >> 1) & 0x7FFFFFFF
-                if seq != prev:  # both kinds of one request (block_size 1): one call
-                    prev = seq
-                    kvm.append_slot(lazy.materialize(members[seq], lazy.computed(seq)))
+                seq = (key >> 1) & SEQ_MASK
+                if seq == prev:
+                    continue  # both kinds of one request (block_size 1)
+                prev = seq
+                # lazy.materialize(r, computed before step t), inlined: this loop is hot. The
+                # tokens are only needed where append_slots may hash them (written back later).
+                r = members[seq]
+                p = c0s[seq] + t - s0s[seq]
+                r.num_computed_tokens = p
+                r.num_tokens = p + 1
+                if hashing and r.unique_from is None:
+                    missing = p + 1 - len(r.all_token_ids)
+                    if missing > 0:
+                        tail = [tok] * missing
+                        r.all_token_ids += tail
+                        r.output_token_ids += tail
+                at_boundary.append(r)
+            kvm.append_slots(at_boundary)  # cannot fail: need <= free
             lazy.push_block_events(keys, self.block_size)
-        ctx = lazy.decode_context_tokens()
+        ctx = lazy.ctx_base + n_dec * lazy.t  # lazy.decode_context_tokens()
 
         # 2. Waiting part: the admission code of schedule().
         admitted = ()
@@ -567,6 +588,7 @@ class Scheduler:
         for seq in limit:
             r = lazy.drop(seq)  # as before step t; then as schedule() leaves it: c + 1 computed
             r.num_computed_tokens += 1
+            kvm.cache_full_blocks(r)
             sampling.append(r)
         lazy.t = t + 1
         done = [a[0] for a in admitted if a[1] + a[2] == a[0].num_tokens]

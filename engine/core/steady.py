@@ -10,9 +10,13 @@ and the missing tokens back.
 What a step can change for a member comes from two heaps of events keyed by step:
 
     block events   its next position starts a block (ALLOC), or its last token fills one (CACHE):
-                   the scheduler materializes it and calls KVCacheManager.append_slot, the very
+                   the scheduler materializes it and calls KVCacheManager.append_slots, the
                    call schedule() makes for such a decode. CACHE events exist only with prefix
-                   caching on (without it a filled block needs nothing).
+                   caching on (without it a filled block needs nothing), and not for a request
+                   whose blocks nobody else can hit (Request.unique_from): its filled blocks are
+                   marked when it is written back (KVCacheManager.cache_full_blocks), which no
+                   one can tell apart, since no lookup can hit them and nothing frees them
+                   before.
     limit events   it reaches its length limit (it finishes through update_from_output), or a
                    num_tokens the driver asked to watch.
 
@@ -70,7 +74,7 @@ class LazyDecodes:
         ev = self.block_events
         # Position c0 + k starts a block at step s0 + k for k = (-c0) mod bs, then every bs steps ...
         heapq.heappush(ev, ((s0 + (-c0) % bs) << SHIFT) | (seq << 1) | ALLOC)
-        if self.caching:  # ... and fills one at k = (-(c0 + 1)) mod bs.
+        if self.caching and r.unique_from is None:  # ... and fills one at k = (-(c0 + 1)) mod bs.
             heapq.heappush(ev, ((s0 + (-(c0 + 1)) % bs) << SHIFT) | (seq << 1) | CACHE)
         # After step s0 + k its num_tokens is c0 + k + 2.
         lim = self.limit_events
