@@ -140,7 +140,7 @@ def mean_metrics(runs: list[dict]) -> dict:
     for k, v in runs[0].items():
         if isinstance(v, dict):
             out[k] = {p: _mean([r[k][p] for r in runs]) for p in v}
-        elif isinstance(v, (int, float)) and k != "seed":
+        elif (v is None or isinstance(v, (int, float))) and k != "seed":
             out[k] = _mean([r[k] for r in runs])
     out["seeds"] = [r["seed"] for r in runs]
     return out

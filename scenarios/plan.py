@@ -58,7 +58,9 @@ from scenarios.compose import at_rate, load_raw, mean_metrics, measure, saturati
 from scenarios.schema import ScenarioError, parse_scenario
 from sim.simulation import ROUTERS
 from sim.specmap import SpecMap
+from sim.specmap import SpecError
 from sim.specs import DEVICES, GiB, DeviceSpec, ModelSpec, get_device, get_model
+from sim.workload import build_workload
 
 # USD per GPU-hour: rough on-demand list prices of GPU clouds in 2025 (single GPUs in 8-GPU
 # nodes). They only rank candidates; put your own in `plan.prices`.
@@ -335,9 +337,8 @@ def longest_request(data: dict, base_dir, spec: PlanSpec) -> int:
     """Longest prompt + output of the requests the search will simulate (every seed)."""
     out = 0
     for seed in spec.seeds:
-        d = set_field(strip(data), "workload.num_requests", spec.requests)
-        sc = parse_scenario(d, base_dir=base_dir, seed=seed)
-        w = sc.workload
+        wl = set_field(strip(data), "workload.num_requests", spec.requests).get("workload")
+        w = build_workload(wl, seed=seed, base_dir=base_dir)
         if len(w):
             out = max(out, int((w.prompt_len + w.output_len).max()))
     return out
@@ -491,6 +492,7 @@ class Runner:
         self.progress = progress
         self.simulated = 0
         self.cached = 0
+        self.simulated_by_kind: dict[str, int] = {}
         self._ray_started = False
 
     def run(self, kind: str, tasks: list[dict], desc: str, order: list[int] | None = None) -> list[dict]:
@@ -516,6 +518,7 @@ class Runner:
             results[i] = r
             self._store(kind, tasks[i], r)
             self.simulated += 1
+            self.simulated_by_kind[kind] = self.simulated_by_kind.get(kind, 0) + 1
             bar.update(1)
         bar.close()
         return results
@@ -597,9 +600,8 @@ def plan(path: str | Path, out_dir: str | Path | None = None, workers: int = 2,
     if target_rate is not None:
         spec.target_rate = target_rate
     try:
-        parse_scenario(strip(data), base_dir=base_dir, seed=spec.seeds[0])  # the base must be valid
         longest = longest_request(data, base_dir, spec)
-    except ScenarioError as e:
+    except SpecError as e:
         raise PlanError(f"{path}: {e}") from None
     cands = candidates(data, spec)
     rows = []
@@ -651,6 +653,7 @@ def plan(path: str | Path, out_dir: str | Path | None = None, workers: int = 2,
     result = assemble(rows, spec, data, str(path))
     result["wall_s"] = time.perf_counter() - wall0
     result["simulated_tasks"], result["cached_tasks"] = runner.simulated, runner.cached
+    result["simulated_by_kind"] = runner.simulated_by_kind
     if out_dir is not None:
         from scenarios.plan_report import write_outputs
         write_outputs(result, Path(out_dir))

@@ -147,7 +147,8 @@ def write_plots(result: dict, out: Path) -> dict[str, Path]:
     ax.set_ylabel("throughput per GPU (output tokens/s)")
     ax.set_title("Throughput per GPU vs per-user latency")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if xy:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     paths["pareto"] = out / "pareto.png"
     fig.savefig(paths["pareto"], dpi=110)
@@ -168,7 +169,7 @@ def write_plots(result: dict, out: Path) -> dict[str, Path]:
     ax.set_ylabel("cost ($ per hour)")
     ax.set_title("Cost against target rate (replicas = ceil(rate / max rate per replica))")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7)  # the target line has a label even when no candidate is feasible
     fig.tight_layout()
     paths["cost"] = out / "cost_vs_rate.png"
     fig.savefig(paths["cost"], dpi=110)
