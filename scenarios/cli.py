@@ -75,6 +75,27 @@ def cmd_plan(a) -> int:
     return 0 if w is not None else 1
 
 
+def cmd_sweep(a) -> int:
+    from scenarios.schema import ScenarioError
+    from scenarios.sweep import format_table, sweep
+    try:
+        rates = [float(x) for x in a.rates.split(",")] if a.rates else None
+    except ValueError:
+        print(f"error: --rates {a.rates!r}: expected numbers separated by commas", file=sys.stderr)
+        return 2
+    out = Path(a.out) if a.out else None
+    try:
+        result = sweep(a.scenario, a.set, rates, a.seeds, a.requests, out, workers=a.workers,
+                       progress=not a.no_progress)
+    except ScenarioError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    if out:
+        print(f"results: {out}/ (sweep.json, sweep.csv, latency_vs_load.png)")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="servetwin", description="ServeTwin: LLM serving digital twin")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -97,6 +118,19 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=None, help="print only the first N candidates")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("sweep", help="what-if sweep: latency against load for each setting of any fields")
+    p.add_argument("scenario", help="scenario file (its sweep: section gives defaults)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2",
+                   help="a scenario field and its values, e.g. scheduler.max_num_batched_tokens=512,2048 "
+                        "(repeat for a grid)")
+    p.add_argument("--rates", help="arrival rates in req/s, e.g. 2,4,8,16")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per point (default 2)")
+    p.add_argument("--requests", type=int, default=None, help="requests per run (default: the scenario's)")
+    p.add_argument("--out", help="output directory (sweep.json, sweep.csv, latency_vs_load.png)")
+    p.add_argument("--workers", type=int, default=2, help="local worker processes (default 2)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_sweep)
 
     try:
         from engine.cli import add_generate_args

@@ -471,6 +471,9 @@ def confirm_task(t: dict) -> dict:
 
 
 def run_task(kind: str, task: dict) -> dict:
+    if kind == "sweep":
+        from scenarios.sweep import sweep_task
+        return sweep_task(task)
     return search_task(task) if kind == "search" else confirm_task(task)
 
 
