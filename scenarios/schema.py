@@ -218,6 +218,8 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
 
     wl = root.raw("workload")
     workload = build_workload(wl, seed=seed, base_dir=base_dir)
+    if pd is not None and isinstance(wl, dict) and wl.get("cancellation"):
+        raise ScenarioError("workload.cancellation: not supported with deployment.pd (disaggregated pools)")
 
     slo_m = root.sub("slo")
     slo = {}

@@ -227,10 +227,14 @@ class DisaggSimulation(Simulation):
             kv = step_table["kv_usage"]
             span = step_table["end_s"] - step_table["start_s"]
             summary["kv_usage"] = {"mean": float(np.average(kv, weights=span + 1e-15)), "max": float(kv.max())}
-        summary["pd"] = {**self.pd, "kv_transfer_s": stats(self.transfer_s),
-                         "wait_for_room_s": stats(self.wait_s),
+        summary["pd"] = {**self.pd, "kv_transfer_s": _stats(self.transfer_s),
+                         "wait_for_room_s": _stats(self.wait_s),
                          "never_transferred": len(self.queue) + sum(self.in_flight)}
         return SimResult(table, step_table, summary, self.records, itl)
+
+
+def _stats(xs: list[float]) -> dict:
+    return {**stats(xs), "max": max(xs) if xs else None}
 
 
 __all__ = ["DisaggSimulation", "KVArrivedCost"]
