@@ -201,7 +201,11 @@ def plot(result: dict, path: Path) -> None:
             for i, s in enumerate(result["settings"]):
                 if s["knee"].get("rate"):
                     ax.axvline(s["knee"]["rate"], color=colors[i % len(colors)], ls=":", lw=0.8)
-        ax.set_yscale("log")
+        ys = [_ms(p[f"{pct}_{metric}"]) for s in result["settings"] for p in s["points"] for pct in ("p50", "p99")]
+        if any(y > 0 for y in ys if y == y):
+            ax.set_yscale("log")
+        else:
+            ax.text(0.5, 0.5, "undefined (single-token outputs)", ha="center", transform=ax.transAxes)
         ax.set_xlabel("arrival rate (req/s)")
         ax.set_ylabel(f"{title} (ms)")
         ax.set_title(f"{title} p50 (dashed) and p99 (solid) vs load")
