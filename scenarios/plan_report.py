@@ -82,9 +82,10 @@ def why(result: dict) -> str:
               + (" (a lower bound)" if rest[0]["status"] == "bound" else "")) if rest else ""
     bind = w["binding_slo"] or "no SLO below the search's max rate"
     hi_s = f"{hi:.1f}" if hi else "max"
+    unit = "P/D unit" if w.get("pd") else "replica"
     return (f"{w['label']} won because it is the cheapest configuration whose cluster meets "
-            f"{result['slo_text']} at {result['target_rate']:g} req/s: {w['replicas']} replica(s), "
-            f"{w['gpus']} GPU(s), ${w['cost_per_hour']:.2f}/h; one replica sustains {lo:.1f} req/s "
+            f"{result['slo_text']} at {result['target_rate']:g} req/s: {w['replicas']} {unit}(s), "
+            f"{w['gpus']} GPU(s), ${w['cost_per_hour']:.2f}/h; one {unit} sustains {lo:.1f} req/s "
             f"(it fails at {hi_s}) before {bind} binds{runner}.")
 
 

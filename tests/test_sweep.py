@@ -81,3 +81,18 @@ def test_budget_study_shows_the_budget_trade_off():
     by = {s["values"]["scheduler.max_num_batched_tokens"]: s["points"][0] for s in res["settings"]}
     assert by[512]["p50_ttft_s"] > by[2048]["p50_ttft_s"] > by[8192]["p50_ttft_s"]
     assert by[512]["p99_itl_s"] < by[2048]["p99_itl_s"] < by[8192]["p99_itl_s"]
+
+
+@pytest.mark.parametrize("name", ["capacity-chat-h100", "rag-long-prompt", "pd-vs-agg", "policy-study",
+                                  "budget-study"])
+def test_example_scenarios_are_valid(name):
+    from scenarios.compose import load_raw, strip
+    from scenarios.plan import candidates, parse_plan
+    from scenarios.schema import parse_scenario
+    data, base = load_raw(f"scenarios/{name}.yaml")
+    parse_scenario(strip(data), base_dir=base)
+    if "plan" in data:
+        spec = parse_plan(data)
+        assert len(candidates(data, spec)) >= 4
+    else:
+        assert data["sweep"]["rates"] and data["sweep"]["set"]
