@@ -692,7 +692,7 @@ def assemble(rows: list[dict], spec: PlanSpec, data: dict, path: str) -> dict:
         elif "confirm" not in r:
             n = r["units_lb"]
             rec.update(status="bound", replicas=n, gpus=n * r["gpus_per_unit"], cost_per_hour=r["cost_lb"],
-                       reason="not cluster-checked: its lower bound costs more than the winner")
+                       reason="not cluster-checked: its lower bound is no cheaper than the winner")
         elif not r["confirm"]["confirmed"]:
             rec.update(status="unconfirmed", cluster_tries=r["confirm"]["tries"],
                        reason=f"the cluster misses the SLOs at {spec.target_rate:g} req/s even with "
