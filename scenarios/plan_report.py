@@ -225,7 +225,7 @@ replica, relative tolerance {result['search']['rel_tol']:g}. Prices in USD per G
 </table>
 <p>Latencies are predicted by a cluster simulation at the target rate (mean over seeds).
 Status: confirmed = cluster-checked; bound = never cluster-checked because even its lower bound
-costs more than the winner; pruned = cannot run the workload (memory accounting); infeasible =
+(ceil(target / max rate per replica) replicas) is no cheaper than the winner; pruned = cannot run the workload (memory accounting); infeasible =
 misses the SLOs at the lowest rate searched. Simulated by ServeTwin: the step times come from its
 cost models, not from measurements of these GPUs.</p>
 </body></html>
