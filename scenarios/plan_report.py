@@ -72,21 +72,35 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
     return out
 
 
+def pretty_slo(name: str | None) -> str:
+    """'p99 ttft_s' -> 'p99 TTFT'."""
+    if not name:
+        return "no SLO below the search's max rate"
+    parts = name.split(" ")
+    return " ".join(p[:-2].upper() if p.endswith("_s") else p for p in parts)
+
+
 def why(result: dict) -> str:
     w = result["winner"]
     if w is None:
         return "No candidate met the SLOs at the target rate in a cluster simulation."
-    rest = [c for c in result["candidates"] if c is not w and c["status"] in ("confirmed", "bound")]
+    others = [c for c in result["candidates"] if c is not w and c["status"] in ("confirmed", "bound")]
+    ties = [c for c in others if abs(c["cost_per_hour"] - w["cost_per_hour"]) < 1e-9]
+    dearer = [c for c in others if c["cost_per_hour"] > w["cost_per_hour"] + 1e-9]
     lo, hi = w["rate_interval"]
-    runner = (f"; the runner-up, {rest[0]['label']}, costs ${rest[0]['cost_per_hour']:.2f}/h"
-              + (" (a lower bound)" if rest[0]["status"] == "bound" else "")) if rest else ""
-    bind = w["binding_slo"] or "no SLO below the search's max rate"
-    hi_s = f"{hi:.1f}" if hi else "max"
     unit = "P/D unit" if w.get("pd") else "replica"
+    hi_s = f"{hi:.1f}" if hi else "beyond the search"
+    tail = ""
+    if ties:
+        tail += (f"; {len(ties)} other candidate(s) cost the same and this one ranks first by its "
+                 f"per-{unit} rate")
+    if dearer:
+        tail += (f"; the next cheapest, {dearer[0]['label']}, costs ${dearer[0]['cost_per_hour']:.2f}/h"
+                 + (" or more" if dearer[0]["status"] == "bound" else ""))
     return (f"{w['label']} won because it is the cheapest configuration whose cluster meets "
             f"{result['slo_text']} at {result['target_rate']:g} req/s: {w['replicas']} {unit}(s), "
             f"{w['gpus']} GPU(s), ${w['cost_per_hour']:.2f}/h; one {unit} sustains {lo:.1f} req/s "
-            f"(it fails at {hi_s}) before {bind} binds{runner}.")
+            f"(it fails at {hi_s}) before {pretty_slo(w['binding_slo'])} binds{tail}.")
 
 
 def write_outputs(result: dict, out: Path) -> None:
@@ -155,16 +169,28 @@ def write_plots(result: dict, out: Path) -> dict[str, Path]:
     fig.savefig(paths["pareto"], dpi=110)
     plt.close(fig)
 
-    # Cost against target rate: ceil(rate / max rate per replica) replicas for the cheapest few
-    # (from the rate search; the cluster check confirms the plan's own target only).
+    # Cost against target rate: ceil(rate / max rate per replica) replicas, for the best candidate
+    # of each device and shape, and the cheapest of all (from the rate search; the cluster check
+    # confirms the plan's own target only).
     fig, ax = plt.subplots(figsize=(7.5, 5))
     target = result["target_rate"]
-    rates = [target * f for f in [i / 20 for i in range(1, 61)]]
+    rates = [target * i / 40 for i in range(1, 121)]
     feas = [c for c in result["candidates"] if c.get("max_rate_per_replica")]
-    for c in feas[:6]:
-        per = c["gpus_per_replica"] * c["price_per_gpu_hour"]
-        ax.step(rates, [math.ceil(r / c["max_rate_per_replica"] - 1e-9) * per for r in rates], where="post",
-                label=c["label"], lw=1.2)
+
+    def cost(c, r):
+        return math.ceil(r / c["max_rate_per_replica"] - 1e-9) * c["gpus_per_replica"] * c["price_per_gpu_hour"]
+    groups: dict = {}
+    for c in feas:
+        key = (c["device"], c["tp"], json.dumps(c.get("pd"), sort_keys=True))
+        if key not in groups or c["max_rate_per_replica"] > groups[key]["max_rate_per_replica"]:
+            groups[key] = c
+    for c in list(groups.values())[:8]:
+        shape = c["label"].split(" B")[0]
+        ax.step(rates, [cost(c, r) for r in rates], where="post", lw=1.0, alpha=0.8,
+                label=f"{shape} (best: B{c['max_num_batched_tokens']} S{c['max_num_seqs']})")
+    if feas:
+        ax.step(rates, [min(cost(c, r) for c in feas) for r in rates], where="post", color="black", lw=2.2,
+                label="cheapest candidate")
     ax.axvline(target, color="black", ls="--", lw=0.8, label=f"target {target:g} req/s")
     ax.set_xlabel("target rate (req/s)")
     ax.set_ylabel("cost ($ per hour)")
