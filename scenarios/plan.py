@@ -515,6 +515,7 @@ class Runner:
         if not todo:
             return results
         from tqdm import tqdm
+        tqdm.monitor_interval = 0  # no monitor thread in the parent when the worker pool forks
         bar = tqdm(total=len(todo), desc=desc, unit="cand", disable=not self.progress, file=sys.stderr,
                    mininterval=0.5)
         for i, r in self._execute(kind, [tasks[i] for i in todo], todo):

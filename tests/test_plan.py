@@ -251,3 +251,17 @@ def test_nothing_fits_is_refused(tmp_path):
 def test_missing_plan_section_is_refused():
     with pytest.raises(PlanError, match="plan: required"):
         plan("scenarios/quickstart.yaml", workers=1, progress=False)
+
+
+def test_target_rate_rescales_a_trace(tmp_path):
+    """A trace's timestamps are scaled to the plan's rate (the planner's probes and cluster check)."""
+    from scenarios.schema import parse_scenario
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    rows += [f"2023-11-16 18:00:{i // 10:02d}.{(i % 10) * 100000:07d},{100 + i},{10 + i % 7}" for i in range(41)]
+    (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
+    data = {"deployment": {"model": "llama-3.1-8b"}, "cost_model": {"type": "analytic"},
+            "workload": {"trace": {"path": "t.csv", "time_scale": 3.0}}}
+    sc = parse_scenario(at_rate(data, 20.0), base_dir=tmp_path)
+    d = sc.workload.describe()
+    assert d["num_requests"] == 41 and d["mean_rate_rps"] == pytest.approx(20.0)
+    assert list(sc.workload.prompt_len[:3]) == [100, 101, 102]
