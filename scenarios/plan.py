@@ -25,7 +25,7 @@ Per candidate (a point of the grid), with one unit = one replica, or one prefill
      longest request of the workload), each pruned candidate with its reason;
   2. pilot: the unit's throughput X in a closed loop of min(max_num_seqs, requests / 3)
      clients, counted while the loop is full (a start point that does not depend on the target);
-  3. rate search: probes at open-loop rates from X, stepping x1.5 until a pass and a fail
+  3. rate search: probes at open-loop rates from X, up x2 (or down /1.5) until a pass and a fail
      bracket the answer, then geometric bisection until hi/lo <= 1 + rel_tol. A probe runs
      each seed in turn and passes when every seed meets every SLO (a failing seed ends it).
      max_rate_per_replica = lo (the highest passing probe), reported with [lo, hi];
@@ -427,7 +427,7 @@ def search_task(t: dict) -> dict:
             if hi is None:
                 if r >= search["max_rate"]:
                     break
-                r = min(r * 1.5, search["max_rate"])
+                r = min(r * 2, search["max_rate"])
         else:
             hi = r
             if lo is None:
