@@ -35,7 +35,7 @@ def format_table(result: dict, limit: int | None = None) -> str:
         lines.append(
             f"{c['rank']:>3} {c['label'][:40]:<40} {_num(c['replicas'], '{}'):>4} {_num(c['gpus'], '{}'):>4} "
             f"{_num(c['cost_per_hour'], '{:.2f}'):>7} {_num(c['max_rate_per_replica']):>10} {ivs:>13} "
-            f"{(c.get('binding_slo') or '-'):>12} {_ms(pr.get('p99_ttft_s')):>8} {_ms(pr.get('p99_tpot_s')):>8}  "
+            f"{(pretty_slo(c['binding_slo']) if c.get('binding_slo') else '-'):>12} {_ms(pr.get('p99_ttft_s')):>8} {_ms(pr.get('p99_tpot_s')):>8}  "
             f"{c['status']}" + (f": {c['reason']}" if c["status"] in ("pruned", "infeasible") else ""))
     if limit is not None and len(cands) > limit:
         lines.append(f"    ... {len(cands) - limit} more in plan.csv")
@@ -106,7 +106,7 @@ def why(result: dict) -> str:
 def write_outputs(result: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "plan.json", "w") as f:
-        json.dump(result, f, indent=1, default=_json_default)
+        json.dump(_finite(result), f, indent=1, default=_json_default, allow_nan=False)
     import pandas as pd
     rows = []
     for c in result["candidates"]:
@@ -118,6 +118,18 @@ def write_outputs(result: dict, out: Path) -> None:
     pd.DataFrame(rows, columns=list(CSV_COLUMNS)).to_csv(out / "plan.csv", index=False)
     plots = write_plots(result, out)
     (out / "report.html").write_text(report_html(result, plots))
+
+
+def _finite(x):
+    """JSON has no infinity or NaN: an unbounded value (a probe whose requests never finished)
+    is written as null."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def _json_default(x):
@@ -217,7 +229,7 @@ def report_html(result: dict, plots: dict[str, Path]) -> str:
         iv = c.get("rate_interval")
         cells = [c["rank"], c["label"], c["status"], _num(c["replicas"], "{}"), _num(c["gpus"], "{}"),
                  _num(c["cost_per_hour"], "{:.2f}"), _num(c["max_rate_per_replica"]),
-                 f"[{_num(iv[0])}, {_num(iv[1])}]" if iv else "-", c.get("binding_slo") or "-",
+                 f"[{_num(iv[0])}, {_num(iv[1])}]" if iv else "-", pretty_slo(c.get("binding_slo")) if c.get("binding_slo") else "-",
                  _ms(pr.get("p99_ttft_s")), _ms(pr.get("p99_tpot_s")), _ms(pr.get("p99_itl_s")),
                  c.get("reason") or ""]
         style = ' class="win"' if c is w else ""
