@@ -1,7 +1,6 @@
 """Disaggregated prefill/decode pools (sim/disagg.py) and P/D candidates in a plan."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from scenarios.schema import ScenarioError, parse_scenario, run_scenario
