@@ -93,7 +93,7 @@ class Replica:
         sched = self.scheduler
         for sreq in self.inbox:
             spec, rec = sreq.spec, sreq.record
-            req = Request(spec.request_id, spec.token_ids(), _SHARED_SP, arrival_time=rec.arrival_s,
+            req = Request(spec.request_id, spec.token_sequence(), _SHARED_SP, arrival_time=rec.arrival_s,
                           priority=spec.priority)
             req.max_tokens = spec.output_len
             req.unique_from = spec.unique_from

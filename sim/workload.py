@@ -64,6 +64,14 @@ class RequestSpec:
     # the scheduler's KV manager then never hashes the blocks past it. None: not known.
     unique_from: int | None = None
 
+    def token_sequence(self) -> list[int] | range:
+        """token_ids(), as a range when it is one segment (the scheduler's Request copies it into
+        its own list: no list built twice)."""
+        if len(self.segments) == 1:
+            k, n = self.segments[0]
+            return range(k, k + n)
+        return self.token_ids()
+
     def token_ids(self) -> list[int]:
         """Synthetic prompt token ids (len == prompt_len); segment (k, n) is ids k .. k+n-1."""
         segs = self.segments

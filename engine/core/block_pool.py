@@ -147,9 +147,7 @@ class BlockPool:
                 b.block_hash = None
             b.ref_cnt = 1
             out.append(b)
-            nxt = b.next_free
-            b.prev_free = b.next_free = None
-            b = nxt
+            b = b.next_free  # (an allocated block's links are stale; nothing reads them)
         head.next_free = b
         b.prev_free = head
         q.num_free_blocks -= n

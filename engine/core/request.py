@@ -60,8 +60,10 @@ class Request:
         cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
-        # Not copied: the caller hands the list over (all_token_ids below is the growing copy).
-        self.prompt_token_ids = prompt_token_ids if isinstance(prompt_token_ids, list) else list(prompt_token_ids)
+        # Not copied: the caller hands the sequence over (a list, or a range or tuple, as the
+        # simulator's synthetic prompts are); all_token_ids below is the growing list.
+        self.prompt_token_ids = (prompt_token_ids if isinstance(prompt_token_ids, (list, range, tuple))
+                                 else list(prompt_token_ids))
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         self.arrival_time = arrival_time
         self.priority = priority

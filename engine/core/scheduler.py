@@ -426,7 +426,9 @@ class Scheduler:
                 stopped.append(req)
                 self._free_request(req)
                 append(EngineCoreOutput(rid, toks, _FINISH_REASON[status], req.stop_reason))
-        if stopped:
+        if len(stopped) == 1:
+            self.running.remove(stopped[0])  # identity compare, in C
+        elif stopped:
             drop = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in drop]
         return outputs
