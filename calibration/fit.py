@@ -49,8 +49,21 @@ def _model(coef: np.ndarray, knots: Sequence[float], metadata: dict | None = Non
 
 
 def fit_cost_model(rows: Sequence[dict], times_s: Sequence[float], knots: Sequence[float] | None = None,
-                   metadata: dict | None = None, folds: int = 5, seed: int = 0) -> FittedCostModel:
-    """Fit, then report k-fold cross-validated error and residual quantiles in the model."""
+                   metadata: dict | None = None, folds: int = 5, seed: int = 0,
+                   groups: Sequence | None = None) -> FittedCostModel:
+    """Fit, then report cross-validated error and out-of-sample residual quantiles in the model.
+
+    With `groups` (one label per row: the sweep group a step came from), cross-validation leaves
+    one group out at a time, so a held-out step never has near-duplicates (its neighbours of the
+    same batch shape) in the training data: this is the error a step of an unseen composition
+    should expect, and it exposes overfitting that random k-fold over near-duplicate steps hides.
+    Without groups, contiguous blocks of rows are held out (blocked k-fold).
+
+    `residual_quantiles` are quantiles of the out-of-sample relative residuals (prediction /
+    measurement - 1); metadata["cv"] says how they were obtained, and metadata["cv_group_bias"]
+    lists each held-out group's mean relative residual (the spread of systematic error between
+    regimes, which prediction intervals use).
+    """
     y = np.asarray(times_s, dtype=float)
     if len(rows) != len(y) or len(y) < 8:
         raise ValueError(f"fit_cost_model: need >= 8 rows with one time each, got {len(rows)} rows, {len(y)} times")
@@ -62,21 +75,36 @@ def fit_cost_model(rows: Sequence[dict], times_s: Sequence[float], knots: Sequen
     pred = X @ _coef_vector(model, knots)
     rel = (pred - y) / y
 
-    # Cross-validation: the error a new step should expect.
-    rng = np.random.default_rng(seed)
-    idx = rng.permutation(len(y))
-    cv_rel = np.empty_like(y)
-    for f in range(folds):
-        test = idx[f::folds]
-        train = np.setdiff1d(idx, test)
+    if groups is not None:
+        if len(groups) != len(y):
+            raise ValueError(f"fit_cost_model: {len(groups)} group labels for {len(y)} rows")
+        labels = np.asarray([str(g) for g in groups])
+        held = [labels == g for g in dict.fromkeys(labels)]
+        how = f"leave-one-group-out over {len(held)} sweep groups"
+    else:
+        blocks = np.array_split(np.arange(len(y)), folds)
+        held = [np.isin(np.arange(len(y)), b) for b in blocks]
+        how = f"blocked {folds}-fold (contiguous rows held out)"
+    cv_rel = np.full_like(y, np.nan)
+    group_bias = []
+    for test in held:
+        train = ~test
+        if train.sum() < X.shape[1] or not test.any():
+            continue
         c = _solve(X[train], y[train])
         cv_rel[test] = (X[test] @ c - y[test]) / y[test]
-    model.residual_quantiles = {f"p{q:02d}": float(np.quantile(rel, q / 100)) for q in (5, 25, 50, 75, 95)}
+        group_bias.append(float(np.mean(cv_rel[test])))
+    ok = ~np.isnan(cv_rel)
+    cv_rel = cv_rel[ok]
+    model.residual_quantiles = {f"p{q:02d}": float(np.quantile(cv_rel, q / 100)) for q in range(0, 101, 5)}
     model.metadata.update({
         "num_samples": int(len(y)),
         "fit_mape": float(np.mean(np.abs(rel))),
+        "cv": how,
         "cv_mape": float(np.mean(np.abs(cv_rel))),
         "cv_p95_abs_rel_error": float(np.quantile(np.abs(cv_rel), 0.95)),
+        "cv_group_bias": group_bias,
+        "residual_quantiles_are": "out-of-sample (cross-validated) relative residuals, prediction/measured - 1",
     })
     return model
 

@@ -144,6 +144,8 @@ def main(argv=None) -> int:
         add_serve_args = None
     if add_serve_args is not None:
         add_serve_args(sub)
+    from calibration.cli import add_calibration_args
+    add_calibration_args(sub)
 
     a = ap.parse_args(argv)
     try:

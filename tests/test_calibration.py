@@ -35,25 +35,76 @@ def test_fit_approximates_the_analytic_roofline():
     assert fit.metadata["cv_mape"] < 0.02  # the hinge basis captures the roofline's knee
 
 
-def test_profile_engine_end_to_end(tmp_path):
-    from calibration.profile_engine import make_profile, sweep
+def test_grouped_cv_flags_an_overfit_model():
+    """Each sweep group covers its own token range and the truth is not in the basis (quadratic):
+    random k-fold sees near-duplicates and looks fine; leaving a group out shows the error a new
+    regime gets, and the blocked/grouped estimate is several times larger."""
+    rng = np.random.default_rng(3)
+    rows, times, groups = [], [], []
+    for g, (lo, hi) in enumerate([(1, 40), (40, 120), (120, 400), (400, 1200), (1200, 4000)]):
+        for _ in range(150):
+            n = int(rng.integers(lo, hi))
+            rows.append({"num_reqs": 1, "num_tokens": n, "num_prefill_reqs": 1, "prefill_attn_pairs": 0,
+                         "prefill_context_tokens": 0, "decode_context_tokens": 0})
+            times.append(1e-3 + 1e-9 * n * n * (1 + rng.normal(0, 0.01)))
+            groups.append(f"g{g}")
+    knots = [20, 60, 200, 600, 2000]
+    grouped = fit_cost_model(rows, times, knots=knots, groups=groups)
+    assert grouped.metadata["cv"].startswith("leave-one-group-out over 5")
+    # Random k-fold, computed here independently of fit_cost_model.
+    from calibration.fit import _solve, design_matrix
+    X, y = design_matrix(rows, knots), np.asarray(times)
+    idx = np.random.default_rng(0).permutation(len(y))
+    err = []
+    for f in range(5):
+        test = idx[f::5]
+        train = np.setdiff1d(idx, test)
+        c = _solve(X[train], y[train])
+        err.extend(np.abs(X[test] @ c / y[test] - 1))
+    assert grouped.metadata["cv_mape"] > 3 * np.mean(err)
+    assert grouped.metadata["cv_mape"] > 3 * grouped.metadata["fit_mape"]
+    # The out-of-sample residual quantiles are monotone and span the held-out errors.
+    q = [grouped.residual_quantiles[f"p{k:02d}"] for k in range(0, 101, 5)]
+    assert q == sorted(q) and q[0] < 0 < q[-1]
+
+
+def test_calibrate_and_validate_end_to_end(tmp_path):
+    """A tiny sweep and a tiny validation on the real engine: the profile says what it measured
+    and how, and validation.json holds every row with its error, interval and spread. No
+    assertion on how fast this machine is."""
+    from calibration.calibrate import calibrate, sweep_groups
+    from calibration.validate import validate
     from engine.llm_engine import LLMEngine
-    eng = LLMEngine(model="default", device="cpu", max_num_batched_tokens=256, max_num_seqs=8,
-                    num_gpu_blocks=256)
-    steps = sweep(eng, batch_sizes=(1, 4), prompt_lens=(16, 48), decode_tokens=6, progress=False, mixed=6)
-    assert len(steps) >= 20 and any(s.num_prefill_reqs and s.num_decode_reqs for s in steps)
-    prof = make_profile(eng, steps, source="test")
-    path = tmp_path / "p.json"
-    path.write_text(json.dumps(prof))
-    loaded = load_profile(path)
-    assert loaded["metadata"]["model"] == "smollm2-135m" and loaded["metadata"]["num_gpu_blocks"] == 256
-    # The profile drives a simulation of the same engine configuration.
-    cfg = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=2048, block_size=16,
-                          num_gpu_blocks=256)
-    wl = build_workload({"num_requests": 20, "arrival": {"type": "poisson", "rate": 2},
-                         "prompt_len": {"type": "fixed", "value": 32},
-                         "output_len": {"type": "fixed", "value": 8}}, seed=0)
-    s = Simulation(wl, cfg, FittedCostModel.from_profile(loaded)).run().summary
-    assert s["requests"]["completed"] == 20
-    # A decode step of this tiny model on this CPU takes milliseconds to a few hundred.
-    assert 0.001 < s["tpot_s"]["p50"] < 1.0
+    eng = LLMEngine(model="default", device="cpu", max_num_batched_tokens=128, max_num_seqs=4,
+                    num_gpu_blocks=128)
+    groups = sweep_groups(4, eng.max_model_len, concurrency=(1, 4), bands={"short": (16, 40), "medium": (40, 100)},
+                          requests_per_slot=1.0, min_requests=2)
+    assert [g["name"] for g in groups] == ["c1-short", "c4-short", "c1-medium", "c4-medium"]
+    prof = calibrate(eng, tmp_path / "p.json", groups=groups, progress=False)
+    m = prof["metadata"]
+    assert m["cv"] == "leave-one-group-out over 4 sweep groups"
+    assert m["num_gpu_blocks"] == 128 and m["max_num_batched_tokens"] == 128 and m["model"] == "smollm2-135m"
+    assert m["measured_ranges"]["num_reqs"][1] <= 4 and m["measured_ranges"]["num_tokens"][1] <= 128
+    assert "step period" in m["timing"]
+    steps = (tmp_path / "p.steps.csv").read_text().splitlines()
+    assert len(steps) - 1 == m["num_samples"]
+    assert loaded_ok(tmp_path / "p.json")
+    scen = {"workload": {"num_requests": 4, "arrival": {"type": "poisson", "rate": 1},
+                         "prompt_len": {"type": "uniform", "min": 16, "max": 48},
+                         "output_len": {"type": "uniform", "min": 4, "max": 8}}}
+    rep = validate(eng, prof, scen, tmp_path / "val", loads=(0.5,), seeds=1, duration_s=1, min_requests=3,
+                   progress=False)
+    saved = json.loads((tmp_path / "val" / "validation.json").read_text())
+    assert saved["summary"]["rows"] == rep["summary"]["rows"] == 15  # 5 metrics x p50/p90/p99
+    row = saved["loads"]["0.5"]["metrics"]["ttft_s.p90"]
+    assert row["rel_error"] == pytest.approx(row["sim"] / row["engine"] - 1)
+    assert row["interval"][0] <= row["sim"] <= row["interval"][1] and len(row["seed_rel_errors"]) == 1
+    assert saved["loads"]["0.5"]["step_time_mape"] >= 0 and "throughput_rel_error" in saved["loads"]["0.5"]
+    assert (tmp_path / "val" / "cdf-load0.5.png").stat().st_size > 1000
+    # Both sides ran on one scheduler configuration: the engine's, with its KV pool.
+    assert eng.scheduler_config.uncache_unscheduled_victims
+
+
+def loaded_ok(path) -> bool:
+    prof = load_profile(path)
+    return FittedCostModel.from_profile(prof).step_time(random_batches(1, seed=0)[0]) > 0

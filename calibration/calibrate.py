@@ -1,0 +1,198 @@
+"""`servetwin calibrate`: profile the real engine as it serves, and fit a cost-model profile.
+
+The engine runs in calibration.driver's loop (the server's engine loop without HTTP) through a
+sweep of closed-loop groups: K requests kept in flight (K = 1, 2, 4, ... up to max_num_seqs) with
+prompts from one length band (short, medium, long) and random output lengths, so every step
+looks like a served step: decodes of many context lengths beside prefill chunks, requests
+finishing and being admitted. Each step's batch features come from the engine's step log and its
+time is its *period* (start to the next step's start, calibration.driver), which is what the
+simulator advances its clock by.
+
+The fit (calibration.fit) is cross-validated leave-one-group-out; the profile keeps those
+out-of-sample residuals, the ranges it measured (tokens per step, requests per step, context
+lengths), the KV block count and scheduler limits of the engine it profiled, and provenance.
+Every measured step is also written to PROFILE.steps.csv as it is measured, so an interrupted
+run (Ctrl-C) keeps its data and still writes a profile from the groups it finished.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from calibration.driver import Arrival, drive, warm_up
+from calibration.fit import FEATURES, fit_cost_model
+from engine.core import SamplingParams
+from sim.cost_model import today
+
+PROMPT_BANDS = {"short": (16, 64), "medium": (64, 256), "long": (256, 768)}
+CONCURRENCY = (1, 2, 4, 8, 16, 32)
+OUTPUT_LEN = (8, 64)
+
+
+def sweep_groups(max_num_seqs: int, max_model_len: int, concurrency=CONCURRENCY, bands=PROMPT_BANDS,
+                 requests_per_slot: float = 2.0, min_requests: int = 6) -> list[dict]:
+    """The sweep: one closed-loop group per (concurrency, prompt band) that fits the engine."""
+    out = []
+    for name, (lo, hi) in bands.items():
+        hi = min(hi, max_model_len - OUTPUT_LEN[1] - 1)
+        if hi <= lo:
+            continue
+        for k in concurrency:
+            if k > max_num_seqs:
+                continue
+            out.append({"name": f"c{k}-{name}", "concurrency": k, "prompt": (lo, hi),
+                        "requests": max(min_requests, int(requests_per_slot * k))})
+    return out
+
+
+def _requests(group: dict, rng: np.random.Generator, vocab: int):
+    lo, hi = group["prompt"]
+    # A third of the requests open with a shared 32-token prefix (prefix-cache hits, as in chat).
+    shared = rng.integers(100, vocab - 100, 32).tolist()
+    for i in range(group["requests"]):
+        n = int(rng.integers(lo, hi + 1))
+        ids = rng.integers(100, vocab - 100, n).tolist()
+        if i % 3 == 0 and n > 48:
+            ids[:32] = shared
+        out = int(rng.integers(OUTPUT_LEN[0], OUTPUT_LEN[1] + 1))
+        yield Arrival(0.0, f"cal-{group['name']}-{i}", ids,
+                      SamplingParams(max_tokens=out, ignore_eos=True, temperature=0), group["name"])
+
+
+def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None = None,
+              progress: bool = True) -> tuple[list[dict], list[float], list[str], bool]:
+    """Run the groups; return (feature rows, periods, group labels, interrupted)."""
+    rng = np.random.default_rng(seed)
+    rows: list[dict] = []
+    times: list[float] = []
+    labels: list[str] = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=sum(g["requests"] for g in groups), desc="calibrating", unit="req")
+    writer = f = None
+    if steps_csv is not None:
+        f = open(steps_csv, "w", newline="")
+        writer = csv.writer(f)
+        writer.writerow(["group", *FEATURES, "period_s", "forward_s"])
+    interrupted = False
+    try:
+        for g in groups:
+            reqs = list(_requests(g, rng, engine.vocab_size))
+            first, rest = reqs[:g["concurrency"]], iter(reqs[g["concurrency"]:])
+
+            def refill(_rid, _now, rest=rest):
+                nxt = next(rest, None)
+                return [] if nxt is None else [nxt]
+
+            res = drive(engine, first, refill, on_finish=(lambda _r: bar.update(1)) if bar else None)
+            for s, period in zip(res.steps, res.periods_s):
+                if period is None:
+                    continue
+                row = {k: getattr(s, k) for k in FEATURES}
+                rows.append(row)
+                times.append(period)
+                labels.append(g["name"])
+                if writer is not None:
+                    writer.writerow([g["name"], *row.values(), f"{period:.6f}", f"{s.forward_s:.6f}"])
+            if f is not None:
+                f.flush()
+    except KeyboardInterrupt:
+        interrupted = True
+        while engine.has_unfinished_requests():  # leave the engine clean
+            engine.abort_request(list(engine.scheduler.requests))
+    finally:
+        if bar is not None:
+            bar.close()
+        if f is not None:
+            f.close()
+    return rows, times, labels, interrupted
+
+
+def measured_ranges(rows: list[dict]) -> dict:
+    """What the profile saw: predictions outside these ranges are extrapolations."""
+    def col(k):
+        return np.asarray([r[k] for r in rows], dtype=float)
+    dec = col("num_reqs") - col("num_prefill_reqs")
+    ctx = np.divide(col("decode_context_tokens"), dec, out=np.zeros_like(dec), where=dec > 0)
+    return {"num_tokens": [int(col("num_tokens").min()), int(col("num_tokens").max())],
+            "num_reqs": [int(col("num_reqs").min()), int(col("num_reqs").max())],
+            "mean_decode_context_tokens": [0, int(ctx.max())],
+            "decode_context_tokens": [0, int(col("decode_context_tokens").max())]}
+
+
+def device_name(engine) -> str:
+    """The catalog's name (sim/specs.py) of the engine's device, e.g. 'h100-sxm' or 'cpu-2core'."""
+    if engine.device.type == "cpu":
+        return f"cpu-{os.cpu_count()}core"
+    import torch
+    name = torch.cuda.get_device_name(engine.device).lower()
+    for key, ours in (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80g"), ("l40s", "l40s"),
+                      ("a10g", "a10g")):
+        if key in name:
+            return ours
+    return name.replace(" ", "-")
+
+
+def calibrate(engine, out: str | Path, seed: int = 0, groups: list[dict] | None = None,
+              progress: bool = True) -> dict:
+    """Profile `engine` and write the fitted profile to `out` (and its steps to out.steps.csv)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cfg = engine.scheduler_config
+    if groups is None:
+        groups = sweep_groups(cfg.max_num_seqs, engine.max_model_len)
+    warm_up(engine)
+    t0 = time.perf_counter()
+    rows, times, labels, interrupted = run_sweep(engine, groups, seed, out.with_suffix(".steps.csv"), progress)
+    if len(rows) < 8 or len(set(labels)) < 2:
+        raise RuntimeError(f"calibrate: only {len(rows)} steps from {len(set(labels))} groups were measured; "
+                           "need at least 8 steps from 2 groups to fit")
+    mc = engine.model.config
+    meta = {
+        "device": device_name(engine),
+        "model": "smollm2-135m" if engine.model_name == "default" else engine.model_name,
+        "cpu": platform.processor() or platform.machine(),
+        "dtype": str(engine.dtype).replace("torch.", ""), "tp": 1,
+        "block_size": engine.block_size, "num_gpu_blocks": engine.num_gpu_blocks,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
+        "max_model_len": engine.max_model_len,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "model_shape": {"num_layers": mc.num_layers, "hidden_size": mc.hidden_size,
+                        "num_heads": mc.num_heads, "num_kv_heads": mc.num_kv_heads},
+        "engine_version": "servetwin-0.1", "date": today(),
+        "timing": "step period: start of a step to the start of the next (calibration.driver loop)",
+        "source": (f"measured: servetwin calibrate, {len(rows)} steps in {len(set(labels))} groups, "
+                   f"{time.perf_counter() - t0:.0f} s" + (" (interrupted: partial sweep)" if interrupted else "")),
+        "measured_ranges": measured_ranges(rows),
+        "kv_pool": engine.memory_profile.get("source"),
+    }
+    prof = fit_cost_model(rows, times, metadata=meta, seed=seed, groups=labels).to_profile()
+    with open(out, "w") as f:
+        json.dump(prof, f, indent=1)
+    return prof
+
+
+def main(a) -> int:
+    """`servetwin calibrate` (arguments from calibration.cli)."""
+    from engine.llm_engine import LLMEngine
+    import torch
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    engine = LLMEngine(model=a.model, device=device, max_num_batched_tokens=a.max_num_batched_tokens,
+                       max_num_seqs=a.max_num_seqs, num_gpu_blocks=a.num_gpu_blocks,
+                       gpu_memory_utilization=a.gpu_memory_utilization, max_model_len=a.max_model_len)
+    groups = sweep_groups(engine.scheduler_config.max_num_seqs, engine.max_model_len,
+                          requests_per_slot=a.requests_per_slot)
+    prof = calibrate(engine, a.out, a.seed, groups)
+    m = prof["metadata"]
+    print(json.dumps({"profile": str(a.out), "steps": m["num_samples"], "source": m["source"],
+                      "fit_mape": round(m["fit_mape"], 4), "cv": m["cv"], "cv_mape": round(m["cv_mape"], 4),
+                      "cv_p95_abs_rel_error": round(m["cv_p95_abs_rel_error"], 4),
+                      "num_gpu_blocks": m["num_gpu_blocks"]}, indent=1))
+    return 0

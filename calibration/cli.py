@@ -1,0 +1,41 @@
+"""`servetwin calibrate` and `servetwin validate` (torch is imported only when they run)."""
+from __future__ import annotations
+
+
+def add_calibration_args(sub) -> None:
+    p = sub.add_parser("calibrate", help="profile the real engine as it serves and fit a cost-model profile")
+    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), an HF dir or a .gguf")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--out", required=True, help="profile JSON to write (its steps go to OUT.steps.csv)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="KV pool size (default: what the engine sizes, recorded in the profile)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--requests-per-slot", type=float, default=2.0,
+                   help="requests per unit of concurrency in each sweep group (more: longer, steadier)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_calibrate)
+
+    p = sub.add_parser("validate", help="one workload through the real engine and the simulator: error table")
+    p.add_argument("--profile", required=True, help="profile JSON (from servetwin calibrate)")
+    p.add_argument("--workload", default="scenarios/validate-cpu.yaml", help="scenario YAML whose workload to replay")
+    p.add_argument("--out", required=True, help="directory for validation.json and the CDF plots")
+    p.add_argument("--model", default="default")
+    p.add_argument("--device", default=None)
+    p.add_argument("--loads", type=float, nargs="+", default=[0.3, 0.6, 0.9, 1.2],
+                   help="fractions of the engine's measured capacity (default 0.3 0.6 0.9 and overload 1.2)")
+    p.add_argument("--seeds", type=int, default=3, help="workload seeds per load (default 3)")
+    p.add_argument("--duration-s", type=float, default=20.0, help="arrival window of each run (s)")
+    p.set_defaults(func=_validate)
+
+
+def _calibrate(a) -> int:
+    from calibration.calibrate import main
+    return main(a)
+
+
+def _validate(a) -> int:
+    from calibration.validate import main
+    return main(a)

@@ -1,0 +1,277 @@
+"""`servetwin validate`: one workload through the real engine and through the simulator.
+
+For each load (a fraction of the engine's capacity, measured here with a burst of requests) and
+each seed, the scenario's workload is drawn at that rate and replayed through the engine in real
+time (calibration.driver, the server's engine loop without HTTP) and through the simulator. Both
+sides use the same SchedulerConfig object (the engine's) and so the same KV pool; the simulator
+times steps with the profile. Seeds are the outer loop, so machine drift spreads over every load.
+
+The simulator runs each workload NOISE_REPLICAS times with step times drawn around the fitted
+model from the profile's out-of-sample residuals (a CPU step's time jitters by about +-20%, and
+ITL tails are made of that jitter). The predicted value is the median over replicates; its 90%
+interval spans the replicates and the profile's spread of systematic error between held-out
+sweep groups (metadata.cv_group_bias).
+
+DIR/validation.json, per load and for each of ttft_s, tpot_s, itl_s, e2e_s and queue_s at p50,
+p90 and p99: {"engine", "sim", "rel_error", "seed_rel_errors", "interval", "covered"}, with
+rel_error = sim / engine - 1 over the requests of all seeds pooled; plus throughput_rel_error,
+step_time_mape (the profile applied to the engine's own logged steps of the same runs: cost-model
+error, apart from scheduling divergence), a signed bias summary and interval coverage.
+DIR/cdf-load<L>.png overlays the engine's and the simulator's CDFs per load.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+
+from calibration.driver import Arrival, drive, warm_up
+from engine.core import SamplingParams
+from sim.cost_model import FittedCostModel
+from sim.metrics import itl_from_token_times, request_table, summarize
+from sim.simulation import Simulation
+from sim.workload import build_workload
+
+METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
+STATS = ("p50", "p90", "p99")
+NOISE_REPLICAS = 3
+
+
+class NoisyCostModel:
+    """A fitted model whose step times jitter as the profiled engine's did: each step's time is
+    the prediction times a ratio drawn from the profile's out-of-sample measured/predicted
+    distribution (interpolated between its quantiles)."""
+
+    kind = "fitted+noise"
+
+    def __init__(self, base: FittedCostModel, seed: int, scale: float = 1.0) -> None:
+        self.base = base
+        q = base.residual_quantiles
+        levels = sorted(q, key=lambda k: int(k[1:]))
+        # residual r = predicted / measured - 1  ->  measured / predicted = 1 / (1 + r)
+        if len(levels) < 2:
+            raise ValueError("cost_model.profile: residual_quantiles has fewer than 2 levels; "
+                             "recalibrate with servetwin calibrate")
+        self._p = np.array([int(k[1:]) / 100 for k in levels])
+        self._ratio = np.array([1.0 / (1.0 + q[k]) for k in levels])[::-1]
+        self._p_sorted = 1.0 - self._p[::-1]
+        self.rng = np.random.default_rng(seed)
+        self.scale = scale
+        self.metadata = base.metadata
+
+    def step_time(self, f) -> float:
+        u = self.rng.random()
+        return self.base.step_time(f) * self.scale * float(np.interp(u, self._p_sorted, self._ratio))
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, **self.metadata}
+
+
+def engine_token_ids(spec, vocab: int) -> list[int]:
+    """The workload's synthetic ids mapped into the model's vocabulary (equal ids stay equal, so
+    shared prefixes stay shared)."""
+    span = vocab - 200
+    return [100 + (t * 2654435761) % span for t in spec.token_ids()]
+
+
+def arrivals(workload, vocab: int) -> list[Arrival]:
+    return [Arrival(s.arrival_s, s.request_id, engine_token_ids(s, vocab),
+                    SamplingParams(max_tokens=s.output_len, ignore_eos=True, temperature=0))
+            for s in workload]
+
+
+def _summary(records) -> dict:
+    itl, w = itl_from_token_times(records)
+    return summarize(request_table(records), itl, w)
+
+
+def measure_capacity(engine, wl_spec: dict, n: int, seed: int = 999) -> float:
+    """Requests per second the engine completes from a burst of n requests all arriving at 0."""
+    spec = copy.deepcopy(wl_spec)
+    spec.update(num_requests=n, arrival={"type": "constant", "rate": 1e6})
+    res = drive(engine, arrivals(build_workload(spec, seed), engine.vocab_size))
+    return _summary(res.records)["throughput"]["requests_per_s"]
+
+
+def _pool(values: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate([v[~np.isnan(v)] for v in values]) if values else np.array([])
+
+
+def _latencies(records) -> dict[str, np.ndarray]:
+    t = request_table(records)
+    done = np.asarray([r.finish_reason in ("stop", "length") for r in records])
+    out = {k: np.asarray(t[k], dtype=float)[done] for k in ("ttft_s", "tpot_s", "e2e_s")}
+    out["queue_s"] = np.asarray(t["queue_s"], dtype=float)
+    itl, _ = itl_from_token_times(records)
+    out["itl_s"] = np.asarray(itl, dtype=float)
+    return out
+
+
+def _pct(v: np.ndarray, stat: str) -> float | None:
+    v = v[~np.isnan(v)]
+    return float(np.percentile(v, int(stat[1:]))) if len(v) else None
+
+
+def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(0.3, 0.6, 0.9, 1.2),
+             seeds: int = 3, duration_s: float = 20.0, min_requests: int = 12, progress: bool = True) -> dict:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = FittedCostModel.from_profile(profile)
+    cfg = engine.scheduler_config          # one object, shared by both sides
+    wl_spec = dict(scenario["workload"])
+    warm_up(engine)
+    capacity = measure_capacity(engine, wl_spec, n=max(16, 2 * min(cfg.max_num_seqs, 32)))
+    bias = np.asarray(profile["metadata"].get("cv_group_bias") or [0.0])
+    b_lo, b_hi = float(np.quantile(bias, 0.05)), float(np.quantile(bias, 0.95))
+    runs = [(s, load) for s in range(seeds) for load in loads]  # seeds outer: drift spreads evenly
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(runs), desc="validating", unit="run")
+    per_load: dict[float, dict] = {load: {"engine": [], "sim": [], "sim_reps": [], "steps": [],
+                                          "engine_tput": [], "sim_tput": []} for load in loads}
+    for seed, load in runs:
+        rate = load * capacity
+        spec = copy.deepcopy(wl_spec)
+        spec.update(num_requests=max(min_requests, int(round(rate * duration_s))),
+                    arrival={"type": "poisson", "rate": rate})
+        wl = build_workload(spec, seed=1000 * seed + int(load * 100))
+        res = drive(engine, arrivals(wl, engine.vocab_size))
+        d = per_load[load]
+        d["engine"].append(res.records)
+        d["engine_tput"].append(_summary(res.records)["throughput"]["output_tokens_per_s"])
+        d["steps"].extend((s, p) for s, p in zip(res.steps, res.periods_s) if p is not None)
+        reps = []
+        for r in range(NOISE_REPLICAS):
+            sim = Simulation(wl, cfg, NoisyCostModel(base, seed=seed * 100 + r), keep_token_times=True).run()
+            reps.append(sim.records)
+        d["sim_reps"].append(reps)
+        d["sim_tput"].append(float(np.median([_summary(x)["throughput"]["output_tokens_per_s"] for x in reps])))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    report: dict = {"profile": profile["metadata"].get("source"), "capacity_requests_per_s": capacity,
+                    "loads": {}, "seeds": seeds, "noise_replicas": NOISE_REPLICAS,
+                    "interval": "90%: noise replicates x the profile's 5-95% held-out group bias"}
+    all_rows = []
+    for load in loads:
+        d = per_load[load]
+        eng = {k: _pool([_latencies(r)[k] for r in d["engine"]]) for k in METRICS}
+        rep_pools = [{k: _pool([_latencies(rs[i])[k] for rs in d["sim_reps"]]) for k in METRICS}
+                     for i in range(NOISE_REPLICAS)]
+        rows = {}
+        for k in METRICS:
+            for st in STATS:
+                e = _pct(eng[k], st)
+                vals = [v for v in (_pct(p[k], st) for p in rep_pools) if v is not None]
+                if e is None or not vals:
+                    continue
+                s = float(np.median(vals))
+                lo, hi = min(vals) / (1 + b_hi), max(vals) / (1 + b_lo)
+                seed_err = []
+                for i, er in enumerate(d["engine"]):
+                    ev = _pct(_latencies(er)[k], st)
+                    sv = [_pct(_latencies(x)[k], st) for x in d["sim_reps"][i]]
+                    sv = [v for v in sv if v is not None]
+                    if ev and sv:
+                        seed_err.append(round(float(np.median(sv)) / ev - 1, 4))
+                row = {"engine": e, "sim": s, "rel_error": (s / e - 1) if e else None,
+                       "seed_rel_errors": seed_err, "interval": [lo, hi], "covered": bool(lo <= e <= hi)}
+                rows[f"{k}.{st}"] = row
+                all_rows.append(row)
+        steps = d["steps"]
+        meas = np.array([p for _, p in steps])
+        pred = np.array([base.step_time(_features(s)) for s, _ in steps])
+        et, stp = float(np.mean(d["engine_tput"])), float(np.mean(d["sim_tput"]))
+        report["loads"][str(load)] = {
+            "rate_requests_per_s": load * capacity, "metrics": rows,
+            "throughput_output_tokens_per_s": {"engine": et, "sim": stp},
+            "throughput_rel_error": stp / et - 1,
+            "step_time_mape": float(np.mean(np.abs(pred / meas - 1))) if len(meas) else None,
+            "step_time_bias": float(np.mean(pred / meas - 1)) if len(meas) else None,
+            "signed_mean_error": float(np.mean([r["rel_error"] for r in rows.values() if r["rel_error"] is not None])),
+        }
+        _plot(out_dir / f"cdf-load{load}.png", eng, rep_pools[0], load)
+    errs = [r["rel_error"] for r in all_rows if r["rel_error"] is not None]
+    report["summary"] = {
+        "signed_mean_error": float(np.mean(errs)), "median_abs_error": float(np.median(np.abs(errs))),
+        "rows": len(all_rows), "interval_coverage": float(np.mean([r["covered"] for r in all_rows])),
+        "step_time_mape": float(np.mean([v["step_time_mape"] for v in report["loads"].values()
+                                         if v["step_time_mape"] is not None])),
+        "profile_cv_mape": profile["metadata"].get("cv_mape"), "profile_cv": profile["metadata"].get("cv")}
+    with open(out_dir / "validation.json", "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def _features(s):
+    from engine.core.features import BatchFeatures
+    f = BatchFeatures()
+    for k in ("num_reqs", "num_prefill_reqs", "num_prefill_tokens", "prefill_context_tokens",
+              "prefill_attn_pairs", "num_decode_reqs", "decode_context_tokens"):
+        setattr(f, k, getattr(s, k))
+    return f
+
+
+def _plot(path: Path, eng: dict, sim: dict, load: float) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 3.2))
+    for ax, k in zip(axes, METRICS):
+        for name, v, style in (("engine", eng[k], "-"), ("sim", sim[k], "--")):
+            v = np.sort(v[~np.isnan(v)]) * 1e3
+            if len(v):
+                ax.plot(v, np.arange(1, len(v) + 1) / len(v), style, label=name)
+        ax.set_xlabel(f"{k[:-2]} (ms)")
+        ax.set_title(k)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("CDF")
+    axes[0].legend()
+    fig.suptitle(f"engine vs simulator at {load:.0%} of capacity")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def print_table(report: dict) -> None:
+    print(f"{'load':>5} {'metric':<12}{'engine ms':>11}{'sim ms':>10}{'rel err':>9}  seeds")
+    for load, d in report["loads"].items():
+        for name, r in d["metrics"].items():
+            print(f"{float(load):>5.0%} {name:<12}{r['engine'] * 1e3:>11.1f}{r['sim'] * 1e3:>10.1f}"
+                  f"{r['rel_error']:>+9.1%}  {' '.join(f'{x:+.0%}' for x in r['seed_rel_errors'])}")
+        print(f"{float(load):>5.0%} throughput rel err {d['throughput_rel_error']:+.1%}, "
+              f"step-time MAPE {d['step_time_mape']:.1%} (bias {d['step_time_bias']:+.1%})")
+    s = report["summary"]
+    print(f"signed mean error {s['signed_mean_error']:+.1%}, median |error| {s['median_abs_error']:.1%}, "
+          f"interval coverage {s['interval_coverage']:.0%} of {s['rows']} rows")
+
+
+def main(a) -> int:
+    """`servetwin validate` (arguments from calibration.cli)."""
+    import torch
+    import yaml
+
+    from engine.llm_engine import LLMEngine
+    from sim.cost_model import load_profile
+    profile = load_profile(a.profile)
+    with open(a.workload) as f:
+        scenario = yaml.safe_load(f)
+    meta = profile["metadata"]
+    sched = scenario.get("scheduler", {})
+    dep = scenario.get("deployment", {})
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    engine = LLMEngine(model=a.model, device=device,
+                       max_num_batched_tokens=sched.get("max_num_batched_tokens", meta.get("max_num_batched_tokens", 512)),
+                       max_num_seqs=sched.get("max_num_seqs", meta.get("max_num_seqs", 32)),
+                       max_model_len=sched.get("max_model_len"),
+                       num_gpu_blocks=dep.get("num_gpu_blocks", meta.get("num_gpu_blocks")))
+    report = validate(engine, profile, scenario, a.out, loads=tuple(a.loads), seeds=a.seeds,
+                      duration_s=a.duration_s)
+    print_table(report)
+    print(f"wrote {Path(a.out) / 'validation.json'}")
+    return 0
