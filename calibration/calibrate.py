@@ -11,7 +11,9 @@ simulator advances its clock by.
 The fit (calibration.fit) is cross-validated leave-one-group-out; the profile keeps those
 out-of-sample residuals, the ranges it measured (tokens per step, requests per step, context
 lengths), the KV block count and scheduler limits of the engine it profiled, and provenance.
-Every measured step is also written to PROFILE.steps.csv as it is measured, so an interrupted
+Every measured step is also written to PROFILE.steps.csv as it is measured (with its period, its
+own duration inside LLMEngine.step and its forward time, so the work between steps can be seen
+apart), so an interrupted
 run (Ctrl-C) keeps its data and still writes a profile from the groups it finished.
 """
 from __future__ import annotations
@@ -80,7 +82,7 @@ def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None 
     if steps_csv is not None:
         f = open(steps_csv, "w", newline="")
         writer = csv.writer(f)
-        writer.writerow(["group", *FEATURES, "period_s", "forward_s"])
+        writer.writerow(["group", *FEATURES, "period_s", "step_s", "forward_s"])
     interrupted = False
     try:
         for g in groups:
@@ -100,7 +102,8 @@ def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None 
                 times.append(period)
                 labels.append(g["name"])
                 if writer is not None:
-                    writer.writerow([g["name"], *row.values(), f"{period:.6f}", f"{s.forward_s:.6f}"])
+                    writer.writerow([g["name"], *row.values(), f"{period:.6f}", f"{s.end_s - s.start_s:.6f}",
+                                     f"{s.forward_s:.6f}"])
             if f is not None:
                 f.flush()
     except KeyboardInterrupt:
