@@ -65,12 +65,22 @@ class RequestSpec:
     unique_from: int | None = None
 
     def token_sequence(self) -> list[int] | range:
-        """token_ids(), as a range when it is one segment (the scheduler's Request copies it into
-        its own list: no list built twice)."""
-        if len(self.segments) == 1:
-            k, n = self.segments[0]
-            return range(k, k + n)
-        return self.token_ids()
+        """The prompt as the scheduler needs it: token_ids(), except that from unique_from on
+        (ids no other request has) it is a filler of zeros, since the scheduler keys those
+        blocks by the request and never reads their tokens (Request.unique_from). A range when
+        it is one segment of real ids (the Request copies it into its own list)."""
+        u = self.unique_from
+        if u is None:
+            if len(self.segments) == 1:
+                k, n = self.segments[0]
+                return range(k, k + n)
+            return self.token_ids()
+        head: list[int] = []
+        for k, n in self.segments:
+            if len(head) >= u:
+                break
+            head += range(k, k + n)
+        return head + [0] * (self.prompt_len - u)
 
     def token_ids(self) -> list[int]:
         """Synthetic prompt token ids (len == prompt_len); segment (k, n) is ids k .. k+n-1."""

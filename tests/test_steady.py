@@ -51,6 +51,8 @@ def test_steady_steps_equal_plain_steps(data):
         # Token 100 + i is request i's own: a true Request.unique_from (given to half of them).
         unique_from = lead if lead < plen and data.draw(st.booleans()) else None
         uniques[f"r{i}"] = unique_from
+        if unique_from is not None:  # its tokens from there on are never read: zeros
+            prompt = prompt[:unique_from] + [0] * (plen - unique_from)
         stops = data.draw(st.sampled_from([(), (), (TOKEN,)]))  # the fixed token may stop some
         reqs.append((data.draw(st.integers(0, 60)), f"r{i}", prompt,
                      data.draw(st.integers(1, mml - plen)), data.draw(st.integers(0, 2)),

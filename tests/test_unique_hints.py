@@ -1,6 +1,7 @@
 """Request.unique_from (content no other request shares) lets the KV manager skip hashing blocks
-no one else can hit. Decisions must not change: same steps, same blocks, same free queue, same
-prefix hits (a preempted request still hits its own blocks), with and without the hint."""
+no one else can hit, and the simulator skip building their token ids. Decisions must not change:
+same steps, same blocks, same free queue, same prefix hits (a preempted request still hits its
+own blocks), with and without the hint."""
 import random
 
 import pytest
@@ -48,8 +49,10 @@ def test_hint_changes_no_decision(data):
     for k in range(3000):
         for (t, rid, prompt, unique_from, mt, prio) in reqs:
             if t == k:
-                for s, hint in ((plain, None), (hinted, unique_from)):
-                    r = Request(rid, list(prompt), SamplingParams(max_tokens=mt, ignore_eos=True),
+                # The hinted scheduler never reads tokens past unique_from: it gets zeros there.
+                filler = prompt if unique_from is None else prompt[:unique_from] + [0] * (len(prompt) - unique_from)
+                for s, hint, toks in ((plain, None, prompt), (hinted, unique_from, filler)):
+                    r = Request(rid, list(toks), SamplingParams(max_tokens=mt, ignore_eos=True),
                                 arrival_time=float(t), priority=prio)
                     r.unique_from = hint
                     s.add_request(r)

@@ -14,27 +14,39 @@ _NO_BLOCKS: list = []  # shared, never mutated
 NONE_HASH = hash(("servetwin-prefix-cache", 0))
 
 
-def extend_block_hashes(hashes: list[int], token_ids, num_full_blocks: int, block_size: int,
-                        extra_keys=None) -> list[int]:
-    """The block hash, the only place it is computed: extend `hashes` (a request's chain) to
-    `num_full_blocks` full blocks of `token_ids`.
+def block_hashes(request: Request, num_full_blocks: int, block_size: int) -> list[int]:
+    """The block hash, the only place it is computed: extend the request's chain
+    (request.block_hashes) to `num_full_blocks` full blocks and return it.
 
         hashes[i] = hash((hashes[i - 1], tuple(tokens of block i)))     hashes[-1] = NONE_HASH
 
-    Block 0 also mixes in `extra_keys` (vLLM's cache_salt) when given. Equal hashes mean equal
-    token prefixes (up to 64-bit collisions).
+    Block 0 also mixes in the request's cache_salt (vLLM's) when it has one. Equal hashes mean
+    equal token prefixes (up to 64-bit collisions). A block past request.unique_from (content
+    no other request has) is keyed by the request id instead of its tokens, hashes[i] =
+    hash((hashes[i - 1], request_id)): no other request can have it either, so its tokens need
+    not exist (the simulator does not build them).
     """
+    hashes = request.block_hashes
     n = len(hashes)
     if n >= num_full_blocks:
         return hashes
     bs = block_size
+    toks = request.all_token_ids
+    by_content = num_full_blocks
+    if request.unique_from is not None:
+        by_content = min(num_full_blocks, request.unique_from // bs)
     parent = hashes[-1] if n else NONE_HASH
-    if n == 0 and extra_keys is not None:
-        parent = hash((parent, tuple(token_ids[:bs]), extra_keys))
+    if n == 0 and request.cache_salt is not None:
+        key = tuple(toks[:bs]) if by_content > 0 else request.request_id
+        parent = hash((parent, key, request.cache_salt))
         hashes.append(parent)
         n = 1
-    for i in range(n, num_full_blocks):
-        parent = hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
+    for i in range(n, by_content):
+        parent = hash((parent, tuple(toks[i * bs:(i + 1) * bs])))
+        hashes.append(parent)
+    rid = request.request_id
+    for _ in range(max(n, by_content), num_full_blocks):
+        parent = hash((parent, rid))
         hashes.append(parent)
     return hashes
 
@@ -82,8 +94,7 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------- hashing
     def _ensure_block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
-        return extend_block_hashes(request.block_hashes, request.all_token_ids, num_full_blocks,
-                                   self.block_size, request.cache_salt)
+        return block_hashes(request, num_full_blocks, self.block_size)
 
     # ---------------------------------------------------------------- lookup
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -229,8 +240,7 @@ class KVCacheManager:
                     b.block_hash = UNIQUE
             if start >= num_hashed:
                 return
-        hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, num_hashed,
-                                     self.block_size, request.cache_salt)
+        hashes = block_hashes(request, num_hashed, self.block_size)
         cached = self.block_pool.cached
         for i in range(start, num_hashed):
             b = req_blocks[i]
@@ -250,8 +260,7 @@ class KVCacheManager:
                 break
         if first is None:
             return
-        hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, num,
-                                     self.block_size, request.cache_salt)
+        hashes = block_hashes(request, num, self.block_size)
         cached = self.block_pool.cached
         for i in range(first, num):
             b = blocks[i]

@@ -94,8 +94,10 @@ class Request:
         self.driver_state = None
         # A driver's promise (the simulator's synthetic prompts): no other request's token ids
         # agree with this one's up to position unique_from, so no other request can ever hit a
-        # block reaching past it, and the KV manager caches such blocks without hashing them
-        # (until a preemption, after which the request itself may hit them). None: no promise.
+        # block reaching past it. The KV manager caches such blocks without hashing them (until
+        # a preemption, after which the request itself may hit them), and keys them by the
+        # request id, not by their tokens, whose values past unique_from then do not matter.
+        # None: no promise.
         self.unique_from: int | None = None
 
     @property
