@@ -25,6 +25,13 @@ def format_summary(summary: dict) -> str:
                      + ", ".join(f"{k}<={v * 1e3:g}ms" for k, v in slo.items()))
     lines.append(f"requests: {r['completed']} completed, {r['aborted']} aborted, {r['rejected']} rejected, "
                  f"{r['preemptions']} preemptions")
+    pd = summary.get("pd")
+    if pd:
+        tr, wait = pd["kv_transfer_s"], pd["wait_for_room_s"]
+        if tr["count"]:
+            lines.append(f"P/D: {pd['prefill_replicas']} prefill + {pd['decode_replicas']} decode replicas; "
+                         f"KV transfer mean {tr['mean'] * 1e3:.2f} ms, p99 {tr['p99'] * 1e3:.2f} ms; "
+                         f"wait for decode room mean {wait['mean'] * 1e3:.1f} ms, max {wait['max'] * 1e3:.1f} ms")
     if "simulated_s" in summary:
         lines.append(f"simulated {summary['simulated_s']:.1f} s in {summary['wall_s']:.2f} s wall "
                      f"({summary.get('num_steps', 0)} steps)")

@@ -131,6 +131,9 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
               "link_bandwidth_gb_s": pd_m.number("link_bandwidth_gb_s", 50.0, gt=0),
               "link_latency_s": pd_m.number("link_latency_s", 1e-4, ge=0)}
         pd_m.done()
+        if replicas != 1:
+            raise ScenarioError(f"deployment.replicas={replicas}: with deployment.pd, size the pools with "
+                                "pd.prefill_replicas and pd.decode_replicas")
         for key in ("prefill_tp", "decode_tp"):
             t = pd[key]
             if model.num_heads % t or model.num_kv_heads % t and t % model.num_kv_heads:

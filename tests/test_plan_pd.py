@@ -114,3 +114,19 @@ def test_plan_evaluates_pd_candidates_as_units(tmp_path):
     cmds = deploy_commands(res, {**unit, "replicas": 2})
     assert "kv_transfer_config" not in cmds[0] and "--kv-transfer-config" in cmds[0]
     assert cmds[0].endswith("x 2 prefill replica(s)") and cmds[1].endswith("x 4 decode replica(s)")
+
+
+def test_pd_sizes_pools_not_replicas_and_simulate_reports_transfers(tmp_path, capsys):
+    import yaml
+
+    from scenarios.cli import main
+    data = pd_scenario(500, 20, n=20, rate=10.0)
+    data["deployment"]["replicas"] = 2
+    with pytest.raises(ScenarioError, match="deployment.replicas=2: with deployment.pd"):
+        parse_scenario(data)
+    data["deployment"].pop("replicas")
+    path = tmp_path / "pd.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["simulate", str(path), "--out", str(tmp_path / "o"), "--no-progress", "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "P/D: 1 prefill + 1 decode replicas; KV transfer mean 1.41 ms" in out  # 500 x 128 KiB / 50 GB/s + 0.1 ms
