@@ -49,7 +49,14 @@ def build_app(a):
 
 
 def run_serve(a: argparse.Namespace) -> int:
+    import sys
+
     import uvicorn
+
+    # The engine thread runs Python between its torch calls while holding the GIL; with the
+    # default 5 ms switch interval the event loop (HTTP receipt, SSE writes) could wait that long
+    # for it at every hand-off, which clients would see as TTFT the server never logged.
+    sys.setswitchinterval(0.001)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(a)
