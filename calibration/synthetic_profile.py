@@ -66,6 +66,9 @@ def make_profile(model: str, device: str, tp: int = 1, block_size: int = 16, n: 
                    "default efficiency factors), NOT a measurement; replace with a calibrated profile"),
     }
     model_fit = fit_cost_model(rows, times, metadata=meta, seed=seed)
+    model_fit.metadata.update(synthetic=True, error_is=(
+        "agreement with the analytic roofline this profile was fitted to (synthetic), not accuracy "
+        "against any engine"))
     return model_fit.to_profile()
 
 

@@ -7,10 +7,10 @@ sides use the same SchedulerConfig object (the engine's) and so the same KV pool
 times steps with the profile. Seeds are the outer loop, so machine drift spreads over every load.
 
 The simulator runs each workload NOISE_REPLICAS times with step times drawn around the fitted
-model from the profile's out-of-sample residuals (a CPU step's time jitters by about +-20%, and
-ITL tails are made of that jitter). The predicted value is the median over replicates; its 90%
-interval spans the replicates and the profile's spread of systematic error between held-out
-sweep groups (metadata.cv_group_bias).
+model from the profile's out-of-sample residuals (sim.intervals.NoisyCostModel: a CPU step's time
+jitters by about +-20%, and ITL tails are made of that jitter). The predicted value is the median
+over replicates; its 90% interval spans the replicates and the profile's spread of systematic
+error between held-out sweep groups (sim.intervals).
 
 DIR/validation.json, per load and for each of ttft_s, tpot_s, itl_s, e2e_s and queue_s at p50,
 p90 and p99: {"engine", "sim", "rel_error", "seed_rel_errors", "interval", "covered"}, with
@@ -30,6 +30,7 @@ import numpy as np
 from calibration.driver import Arrival, drive, warm_up
 from engine.core import SamplingParams
 from sim.cost_model import FittedCostModel
+from sim.intervals import NoisyCostModel, group_bias_range
 from sim.metrics import itl_from_token_times, request_table, summarize
 from sim.simulation import Simulation
 from sim.workload import build_workload
@@ -37,36 +38,6 @@ from sim.workload import build_workload
 METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
 STATS = ("p50", "p90", "p99")
 NOISE_REPLICAS = 3
-
-
-class NoisyCostModel:
-    """A fitted model whose step times jitter as the profiled engine's did: each step's time is
-    the prediction times a ratio drawn from the profile's out-of-sample measured/predicted
-    distribution (interpolated between its quantiles)."""
-
-    kind = "fitted+noise"
-
-    def __init__(self, base: FittedCostModel, seed: int, scale: float = 1.0) -> None:
-        self.base = base
-        q = base.residual_quantiles
-        levels = sorted(q, key=lambda k: int(k[1:]))
-        # residual r = predicted / measured - 1  ->  measured / predicted = 1 / (1 + r)
-        if len(levels) < 2:
-            raise ValueError("cost_model.profile: residual_quantiles has fewer than 2 levels; "
-                             "recalibrate with servetwin calibrate")
-        self._p = np.array([int(k[1:]) / 100 for k in levels])
-        self._ratio = np.array([1.0 / (1.0 + q[k]) for k in levels])[::-1]
-        self._p_sorted = 1.0 - self._p[::-1]
-        self.rng = np.random.default_rng(seed)
-        self.scale = scale
-        self.metadata = base.metadata
-
-    def step_time(self, f) -> float:
-        u = self.rng.random()
-        return self.base.step_time(f) * self.scale * float(np.interp(u, self._p_sorted, self._ratio))
-
-    def describe(self) -> dict:
-        return {"kind": self.kind, **self.metadata}
 
 
 def engine_token_ids(spec, vocab: int) -> list[int]:
@@ -123,8 +94,7 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
     wl_spec = dict(scenario["workload"])
     warm_up(engine)
     capacity = measure_capacity(engine, wl_spec, n=max(16, 2 * min(cfg.max_num_seqs, 32)))
-    bias = np.asarray(profile["metadata"].get("cv_group_bias") or [0.0])
-    b_lo, b_hi = float(np.quantile(bias, 0.05)), float(np.quantile(bias, 0.95))
+    b_lo, b_hi = group_bias_range(profile["metadata"])
     runs = [(s, load) for s in range(seeds) for load in loads]  # seeds outer: drift spreads evenly
     bar = None
     if progress:

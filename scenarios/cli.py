@@ -6,6 +6,11 @@ import sys
 from pathlib import Path
 
 
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.0f}" if ms < 1000 else f"{ms / 1000:.1f}k"
+
+
 def format_summary(summary: dict) -> str:
     """The end-of-run table: latencies in milliseconds, then throughput and counts."""
     lines = [f"{'metric':<10}{'mean':>10}{'p50':>10}{'p90':>10}{'p95':>10}{'p99':>10}{'count':>9}"]
@@ -15,6 +20,11 @@ def format_summary(summary: dict) -> str:
         cells = "".join(f"{(s[k] * 1e3 if s[k] is not None else float('nan')):>10.1f}"
                         for k in ("mean", "p50", "p90", "p95", "p99"))
         lines.append(f"{label + ' (ms)':<10}{cells}{s['count']:>9}")
+        if "p50_interval" in s:  # prediction intervals (sim.intervals)
+            cells = "".join(f"{'':>10}" if k == "mean" else
+                            f"{_ms(s[k + '_interval'][0]) + '-' + _ms(s[k + '_interval'][1]):>10}"
+                            for k in ("mean", "p50", "p90", "p95", "p99"))
+            lines.append(f"{'  90% int':<10}{cells}")
     t, r = summary["throughput"], summary["requests"]
     lines.append("")
     lines.append(f"throughput: {t['requests_per_s']:.2f} req/s, {t['output_tokens_per_s']:.0f} output tok/s, "
@@ -46,13 +56,37 @@ def cmd_simulate(a) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"scenario {sc.name}: {sc.describe()}", file=sys.stderr)
+    for w in sc.warnings:
+        print(f"warning: {w}", file=sys.stderr)
     result = run_scenario(sc, progress=not a.no_progress)
+    if sc.warnings:
+        result.summary["warnings"] = list(sc.warnings)
+    if a.replicates and sc.pd is None:
+        add_replicate_intervals(a.scenario, sc, result.summary, a.replicates)
     print(format_summary(result.summary))
     out = Path(a.out) if a.out else Path("results") / sc.name
     result.save(out, plots=not a.no_plots)
     print(f"results: {out}/ (summary.json, requests.csv, steps.csv"
           + ("" if a.no_plots else ", latency_cdf.png, kv_and_batch.png") + ")")
     return 0
+
+
+def add_replicate_intervals(path, sc, summary: dict, n: int) -> None:
+    """90% intervals for every percentile: n more runs with other workload seeds and, when the
+    profile has measured residuals, step times drawn from them (sim.intervals)."""
+    from scenarios.schema import load_scenario, run_scenario
+    from sim.intervals import NoisyCostModel, add_intervals, has_residuals
+    noisy = has_residuals(sc.cost_model)
+    reps = []
+    for k in range(n):
+        rk = load_scenario(path, seed=sc.seed + 1 + k)
+        if noisy:
+            rk.cost_model = NoisyCostModel(rk.cost_model, seed=sc.seed + 1 + k)
+        reps.append(run_scenario(rk).summary)
+    how = (f"workload seeds {sc.seed + 1}..{sc.seed + n}"
+           + (" x step times drawn from the profile's out-of-sample residuals x its held-out group bias"
+              if noisy else " only (this cost model has no measured residuals)"))
+    add_intervals(summary, reps, getattr(sc.cost_model, "metadata", {}) if noisy else {}, how)
 
 
 def cmd_plan(a) -> int:
@@ -113,6 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--replicates", type=int, default=4,
+                   help="extra runs for the 90%% prediction intervals (other seeds, step-time noise); 0: none")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("plan", help="capacity plan: the cheapest deployment meeting the scenario's `plan:` SLOs")

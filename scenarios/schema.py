@@ -22,7 +22,7 @@ on a data-center GPU (8192 batched tokens, 1024 sequences), not the scheduler cl
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -65,6 +65,7 @@ class Scenario:
     max_time_s: float | None
     deployment: dict
     pd: dict | None = None  # disaggregated: pool sizes, link, and a (config, cost model) per pool
+    warnings: list[str] = field(default_factory=list)  # e.g. a profile used outside what it measured
 
     def describe(self) -> str:
         c = self.scheduler_config
@@ -185,10 +186,18 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     sc = root.sub("scheduler") or _M({}, "scheduler")
     block_size = sc.integer("block_size", 16, ge=1)
 
+    util_given = dep.has("gpu_memory_utilization")
+
     def blocks_for(t: int, meta: dict) -> int:
         if blocks is not None:
             return blocks
-        if meta.get("num_gpu_blocks") and meta.get("block_size", block_size) == block_size:
+        measured = meta.get("num_gpu_blocks") and meta.get("block_size", block_size) == block_size
+        if measured and util_given and device.name.startswith("cpu"):
+            raise ScenarioError(
+                f"deployment.gpu_memory_utilization={util}: the profile's KV pool of {meta['num_gpu_blocks']} "
+                f"blocks was measured on {device.name}, which has no GPU memory to account; set "
+                "deployment.num_gpu_blocks instead")
+        if measured and not util_given:
             return int(meta["num_gpu_blocks"])
         try:
             return kv_cache_blocks(model, device, t, block_size, util)
@@ -221,6 +230,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
 
     wl = root.raw("workload")
     workload = build_workload(wl, seed=seed, base_dir=base_dir)
+    warnings = _range_warnings(profile_meta, prof_name or "(default)", cfg, workload)
     if pd is not None and isinstance(wl, dict) and wl.get("cancellation"):
         raise ScenarioError("workload.cancellation: not supported with deployment.pd (disaggregated pools)")
 
@@ -255,12 +265,29 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     return Scenario(name=name, seed=seed, path=path, scheduler_config=cfg, cost_model=cost,
                     workload=workload, replicas=replicas, router=router, slo=slo,
                     record_token_times=record_times, plots=plots, steady_decode=steady,
-                    max_time_s=max_time, pd=pd,
+                    max_time_s=max_time, pd=pd, warnings=warnings,
                     deployment={"model": model.name, "device": device.name, "tp": tp,
                                 "replicas": replicas, "router": router, "num_gpu_blocks": blocks,
                                 "gpu_memory_utilization": util,
                                 **({"pd": {k: v for k, v in pd.items() if k not in ("prefill", "decode")}}
                                    if pd else {})})
+
+
+def _range_warnings(meta: dict, name: str, cfg: SchedulerConfig, workload: Workload) -> list[str]:
+    """Where the scenario asks the profile for step shapes it never measured (extrapolation)."""
+    r = meta.get("measured_ranges")
+    if not r:
+        return []
+    out = []
+    longest = int((workload.prompt_len + workload.output_len).max()) if len(workload) else 0
+    for what, asked, key in (("scheduler.max_num_batched_tokens", cfg.max_num_batched_tokens, "num_tokens"),
+                             ("scheduler.max_num_seqs", cfg.max_num_seqs, "num_reqs"),
+                             ("the workload's longest request (tokens)", longest, "mean_decode_context_tokens")):
+        seen = r.get(key, [0, 0])[1]
+        if asked > seen:
+            out.append(f"cost_model.profile={name!r} measured {key} up to {seen}; {what}={asked} "
+                       "extrapolates beyond it")
+    return out
 
 
 def run_scenario(sc: Scenario, progress: bool = False) -> SimResult:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from engine.core.features import BatchFeatures
@@ -144,11 +144,51 @@ def load_profile(name_or_path: str | Path) -> dict:
     if not p.exists():
         known = sorted(x.stem for x in PROFILES_DIR.glob("*.json"))
         raise ValueError(f"cost_model.profile={str(name_or_path)!r}: no such profile file; shipped: {known}")
-    with open(p) as f:
-        prof = json.load(f)
-    if prof.get("format") != PROFILE_FORMAT:
-        raise ValueError(f"cost_model.profile={str(p)!r}: format {prof.get('format')!r} is not {PROFILE_FORMAT!r}")
+    try:
+        with open(p) as f:
+            prof = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"cost_model.profile={str(p)!r}: not valid JSON ({e})") from None
+    check_profile(prof, str(p))
     return prof
+
+
+_COEFFICIENTS = {f.name for f in fields(FittedCostModel)} - {"residual_quantiles", "metadata"}
+
+
+def check_profile(prof, where: str) -> None:
+    """ValueError naming the field for a profile that is not a fitted profile of this format."""
+    def bad(field_name: str, value, why: str):
+        raise ValueError(f"cost_model.profile={where!r}: {field_name}={value!r}: {why}")
+
+    if not isinstance(prof, dict):
+        bad("(top level)", type(prof).__name__, "a profile is a JSON object")
+    if prof.get("format") != PROFILE_FORMAT:
+        bad("format", prof.get("format"), f"expected {PROFILE_FORMAT!r}")
+    if prof.get("kind") != "fitted":
+        bad("kind", prof.get("kind"), "expected 'fitted'")
+    for key in ("metadata", "coefficients"):
+        if not isinstance(prof.get(key), dict):
+            bad(key, prof.get(key), "missing, or not an object")
+    for k, v in prof["coefficients"].items():
+        if k not in _COEFFICIENTS:
+            bad(f"coefficients.{k}", v, f"unknown coefficient; known: {sorted(_COEFFICIENTS)}")
+        if k == "hinges":
+            if not isinstance(v, list) or not all(isinstance(h, list) and len(h) == 2 and
+                                                  all(_number(x) and x >= 0 for x in h) for h in v):
+                bad("coefficients.hinges", v, "a list of [knot_tokens, slope_s] pairs of numbers >= 0")
+        elif not _number(v) or v < 0:
+            bad(f"coefficients.{k}", v, "must be a number >= 0 (seconds)")
+    rq = prof.get("residual_quantiles", {})
+    if not isinstance(rq, dict) or not all(_number(x) for x in rq.values()):
+        bad("residual_quantiles", rq, "an object of quantile name -> number")
+    for key in ("model", "device"):
+        if key in prof["metadata"] and not isinstance(prof["metadata"][key], str):
+            bad(f"metadata.{key}", prof["metadata"][key], "must be a string")
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
 
 
 def make_cost_model(spec: dict | None, model=None, device=None, tp: int = 1) -> CostModel:

@@ -1,0 +1,80 @@
+"""Prediction intervals for simulated percentiles.
+
+A simulated percentile is uncertain for two reasons, and the interval combines both:
+
+- the workload: another draw of the same arrival process and length distributions gives another
+  value (workload seed replicates);
+- the cost model: a step's real time scatters around the fitted prediction (the profile's
+  out-of-sample residuals, drawn per step by NoisyCostModel), and the fit can be off
+  systematically for a regime it did not see (the profile's held-out group biases,
+  metadata.cv_group_bias, 5th to 95th percentile).
+
+`interval(values, profile_meta)` turns one percentile's values over the replicates into
+[min / (1 + b95), max / (1 + b05)], where b are the held-out group biases (prediction/measured - 1).
+A cost model without residuals (the analytic roofline, or a synthetic profile fitted to it)
+contributes nothing: its interval covers workload variation only, and says so.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
+STATS = ("p50", "p90", "p95", "p99")
+
+
+class NoisyCostModel:
+    """A fitted model whose step times scatter as the profiled engine's did: each step takes the
+    prediction times a ratio measured/predicted drawn from the profile's out-of-sample residual
+    quantiles (interpolated between them)."""
+
+    kind = "fitted+noise"
+
+    def __init__(self, base, seed: int, scale: float = 1.0) -> None:
+        q = base.residual_quantiles
+        levels = sorted(q, key=lambda k: int(k[1:]))
+        if len(levels) < 2:
+            raise ValueError("cost_model.profile: residual_quantiles has fewer than 2 levels; "
+                             "recalibrate with servetwin calibrate")
+        # residual r = predicted / measured - 1, so measured / predicted = 1 / (1 + r): the
+        # p-quantile of r is the (1 - p)-quantile of the ratio.
+        p = np.array([int(k[1:]) / 100 for k in levels])
+        self._u = (1.0 - p)[::-1]
+        self._ratio = np.array([1.0 / (1.0 + q[k]) for k in levels])[::-1]
+        self.base = base
+        self.rng = np.random.default_rng(seed)
+        self.scale = scale
+        self.metadata = base.metadata
+
+    def step_time(self, f) -> float:
+        return self.base.step_time(f) * self.scale * float(np.interp(self.rng.random(), self._u, self._ratio))
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, **self.metadata}
+
+
+def has_residuals(cost_model) -> bool:
+    return len(getattr(cost_model, "residual_quantiles", None) or {}) >= 2
+
+
+def group_bias_range(meta: dict) -> tuple[float, float]:
+    b = np.asarray(meta.get("cv_group_bias") or [0.0], dtype=float)
+    return float(np.quantile(b, 0.05)), float(np.quantile(b, 0.95))
+
+
+def interval(values: list[float], meta: dict) -> list[float] | None:
+    v = [x for x in values if x is not None and x == x]
+    if not v:
+        return None
+    lo, hi = group_bias_range(meta)
+    return [min(v) / (1 + hi), max(v) / (1 + lo)]
+
+
+def add_intervals(summary: dict, replicate_summaries: list[dict], meta: dict, how: str) -> None:
+    """summary[metric][stat + '_interval'] = [lo, hi] over the main run and the replicates."""
+    runs = [summary, *replicate_summaries]
+    for k in METRICS:
+        for st in STATS:
+            iv = interval([r[k].get(st) for r in runs], meta)
+            if iv is not None:
+                summary[k][f"{st}_interval"] = iv
+    summary["intervals"] = {"replicates": len(replicate_summaries), "method": how}

@@ -1,0 +1,127 @@
+"""Profiles are checked when loaded; gpu_memory_utilization is honoured or refused; a profile used
+outside what it measured warns; `servetwin simulate` gives an interval for every percentile."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from scenarios.cli import main as cli
+from scenarios.schema import ScenarioError, load_scenario
+from sim.cost_model import FittedCostModel, load_profile
+from sim.intervals import NoisyCostModel
+
+GOOD = {"format": "servetwin-profile/1", "kind": "fitted",
+        "metadata": {"model": "smollm2-135m", "device": "cpu-2core", "tp": 1, "block_size": 16,
+                     "num_gpu_blocks": 300, "cv_group_bias": [-0.05, 0.0, 0.04],
+                     "measured_ranges": {"num_tokens": [1, 512], "num_reqs": [1, 32],
+                                         "mean_decode_context_tokens": [0, 900]}},
+        "coefficients": {"intercept_s": 0.01, "per_req_s": 1e-4, "per_token_s": 2e-5, "hinges": [[256, 1e-5]]},
+        "residual_quantiles": {f"p{q:02d}": (q - 50) / 250 for q in range(0, 101, 5)}}
+
+
+def write(tmp_path, name, obj) -> str:
+    p = tmp_path / name
+    p.write_text(json.dumps(obj) if not isinstance(obj, str) else obj)
+    return str(p)
+
+
+@pytest.mark.parametrize("patch,field", [
+    ({"format": "servetwin-profile/0"}, "format"),
+    ({"kind": "analytic"}, "kind"),
+    ({"coefficients": None}, "coefficients"),
+    ({"metadata": "x"}, "metadata"),
+    ({"coefficients": {"intercept_s": -1.0}}, "coefficients.intercept_s"),
+    ({"coefficients": {"intercept_s": "0.01"}}, "coefficients.intercept_s"),
+    ({"coefficients": {"per_banana_s": 1.0}}, "coefficients.per_banana_s"),
+    ({"coefficients": {"hinges": [[256]]}}, "coefficients.hinges"),
+    ({"residual_quantiles": {"p50": "a"}}, "residual_quantiles"),
+])
+def test_corrupt_profile_is_refused_naming_the_field(tmp_path, patch, field):
+    prof = {**GOOD, **patch}
+    with pytest.raises(ValueError) as e:
+        load_profile(write(tmp_path, "p.json", prof))
+    assert f"{field}=" in str(e.value)
+
+
+def test_profile_that_is_not_json_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_profile(write(tmp_path, "p.json", "{broken"))
+
+
+def scenario(tmp_path, profile_path, **over) -> str:
+    sc = {"name": "t", "deployment": {"model": "smollm2-135m", "device": "cpu-2core"},
+          "scheduler": {"max_num_batched_tokens": 512, "max_num_seqs": 32},
+          "cost_model": {"type": "fitted", "profile": profile_path},
+          "workload": {"num_requests": 30, "arrival": {"type": "poisson", "rate": 4},
+                       "prompt_len": {"type": "uniform", "min": 16, "max": 200},
+                       "output_len": {"type": "uniform", "min": 4, "max": 40}}}
+    for k, v in over.items():
+        sc[k] = {**sc.get(k, {}), **v}
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump(sc))
+    return str(p)
+
+
+def test_profile_for_another_model_is_refused(tmp_path):
+    prof = write(tmp_path, "p.json", {**GOOD, "metadata": {**GOOD["metadata"], "model": "llama-3.1-8b"}})
+    with pytest.raises(ScenarioError, match="cost_model.profile=.*model='llama-3.1-8b'"):
+        load_scenario(scenario(tmp_path, prof))
+
+
+def test_gpu_memory_utilization_honoured_or_refused(tmp_path):
+    base = {"name": "u", "deployment": {"model": "llama-3.1-8b", "device": "h100-sxm"},
+            "cost_model": {"type": "fitted", "profile": "h100-sxm-llama-3.1-8b"},
+            "workload": {"num_requests": 5, "arrival": {"type": "poisson", "rate": 1},
+                         "prompt_len": {"type": "fixed", "value": 64}, "output_len": {"type": "fixed", "value": 8}}}
+    blocks = {}
+    for util in (None, 0.9, 0.5):
+        sc = json.loads(json.dumps(base))
+        if util is not None:
+            sc["deployment"]["gpu_memory_utilization"] = util
+        p = tmp_path / f"u{util}.yaml"
+        p.write_text(yaml.safe_dump(sc))
+        blocks[util] = load_scenario(p).scheduler_config.num_gpu_blocks
+    # Memory accounting: the KV pool is util x memory - weights - reserve, so halving util more
+    # than halves it; 0.9 matches the profile's measured pool (made at 0.9).
+    assert blocks[0.9] == blocks[None]
+    assert blocks[0.5] < 0.5 * blocks[0.9]
+    # A CPU profile's pool was measured on a machine without GPU memory accounting: refused.
+    prof = write(tmp_path, "p.json", GOOD)
+    with pytest.raises(ScenarioError, match="deployment.gpu_memory_utilization=0.5"):
+        load_scenario(scenario(tmp_path, prof, deployment={"gpu_memory_utilization": 0.5}))
+
+
+def test_profile_outside_its_measured_range_warns(tmp_path):
+    prof = write(tmp_path, "p.json", GOOD)
+    assert load_scenario(scenario(tmp_path, prof)).warnings == []
+    sc = load_scenario(scenario(tmp_path, prof, scheduler={"max_num_batched_tokens": 8192, "max_num_seqs": 64}))
+    text = " ".join(sc.warnings)
+    assert "max_num_batched_tokens=8192" in text and "max_num_seqs=64" in text and len(sc.warnings) == 2
+
+
+def test_noisy_cost_model_draws_the_residual_distribution():
+    base = FittedCostModel.from_profile(GOOD)
+    noisy = NoisyCostModel(base, seed=0)
+    from engine.core.features import BatchFeatures
+    f = BatchFeatures(num_reqs=4, num_decode_reqs=4, decode_context_tokens=400)
+    ratio = np.array([noisy.step_time(f) for _ in range(20000)]) / base.step_time(f)
+    # r = pred / measured - 1 is uniform on [-0.2, 0.2] here, so measured / pred = 1 / (1 + r):
+    for q in (0.1, 0.5, 0.9):
+        assert np.quantile(ratio, q) == pytest.approx(1 / (1 + (0.2 - 0.4 * q)), rel=0.01)
+
+
+def test_simulate_prints_and_saves_intervals(tmp_path, capsys):
+    prof = write(tmp_path, "p.json", GOOD)
+    out = tmp_path / "out"
+    assert cli(["simulate", scenario(tmp_path, prof), "--out", str(out), "--no-plots", "--no-progress",
+                "--replicates", "3"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["intervals"]["replicates"] == 3 and "residuals" in s["intervals"]["method"]
+    for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s"):
+        for st in ("p50", "p90", "p95", "p99"):
+            lo, hi = s[k][f"{st}_interval"]
+            assert lo <= s[k][st] <= hi, (k, st)  # the point run is one of the runs
+    assert "90% int" in capsys.readouterr().out
