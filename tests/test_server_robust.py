@@ -238,6 +238,22 @@ def test_x_request_id_names_the_request(srv):
         assert "chatcmpl-abc-123" in {row["request_id"] for row in csv.DictReader(f)}
 
 
+def test_duplicate_live_request_id_is_refused(srv):
+    """Two requests in flight under one X-Request-Id: the second is refused naming request_id,
+    the first is unaffected."""
+    async def both():
+        async with httpx.AsyncClient(timeout=60) as ac:
+            body = {"model": MODEL, "prompt": "Count to fifty:", "max_tokens": 24, "ignore_eos": True}
+            first = asyncio.ensure_future(ac.post(srv["url"] + "/v1/completions", json=body,
+                                                  headers={"X-Request-Id": "dup"}))
+            await asyncio.sleep(0.3)
+            second = await ac.post(srv["url"] + "/v1/completions", json=body, headers={"X-Request-Id": "dup"})
+            return await first, second
+    first, second = asyncio.run(both())
+    assert first.status_code == 200 and first.json()["usage"]["completion_tokens"] == 24
+    assert second.status_code == 400 and second.json()["error"]["param"] == "request_id"
+
+
 def _metric(text: str, name: str, **labels) -> float:
     for line in text.splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):

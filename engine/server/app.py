@@ -108,6 +108,19 @@ def _overloaded(message: str) -> APIError:
                     headers={"Retry-After": "1"})
 
 
+def _child_seed(seed: int | None, i: int) -> int | None:
+    """vLLM: the i-th choice of a seeded request uses seed + i (kept within 64 bits)."""
+    if seed is None:
+        return None
+    return seed + i if seed < 0 else (seed + i) & MASK64
+
+
+def _field_of(e: ValueError) -> str:
+    """The field an engine ValueError names first ('prompt: ...', 'request_id=...')."""
+    head = str(e).split(":", 1)[0].split("=", 1)[0].strip()
+    return head if head.isidentifier() else "prompt"
+
+
 def _encode(tok, text: str, special: bool) -> list[int]:
     return list(tok(text, add_special_tokens=special).input_ids)
 
@@ -277,10 +290,7 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
             field = f"prompt[{p}]" if len(prompts) > 1 else "prompt"
             mt = limits(req, len(ids), field if isinstance(req, CompletionRequest) else "messages")
             for i in range(req.n):
-                # vLLM: the i-th choice of a seeded request uses seed + i.
-                seed = None if req.seed is None else (req.seed + i if req.seed + i <= MASK64
-                                                      else (req.seed + i) & MASK64)
-                params = req.sampling_params(mt, seed, logprobs)
+                params = req.sampling_params(mt, _child_seed(req.seed, i), logprobs)
                 cid = f"{rid}-{p * req.n + i}" if many else rid
                 out.append(Child(cid, ids, params, text, req.priority))
         return out
@@ -388,7 +398,7 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
             if exc is not None:
                 raise exc
         except ValueError as e:
-            raise APIError(400, str(e), "prompt") from None
+            raise APIError(400, str(e), _field_of(e)) from None
         except EngineDead as e:
             raise APIError(503, str(e), None, type="server_error", headers={"Retry-After": "1"}) from None
         except RequestFailed as e:
@@ -441,7 +451,8 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
             yield "data: [DONE]\n\n"
         except (ValueError, EngineDead, RequestFailed) as e:
             status = 400 if isinstance(e, ValueError) else 503 if isinstance(e, EngineDead) else 500
-            err = APIError(status, str(e), None, type="invalid_request_error" if status == 400 else "server_error")
+            err = APIError(status, str(e), _field_of(e) if status == 400 else None,
+                           type="invalid_request_error" if status == 400 else "server_error")
             yield f"data: {json.dumps(err.body())}\n\n"
             yield "data: [DONE]\n\n"
         finally:

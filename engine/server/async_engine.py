@@ -142,10 +142,12 @@ class AsyncEngine:
                 yield i, out
         finally:
             for rid in unfinished:
-                self.abort(rid)
+                self.abort(rid, group)
 
-    def abort(self, request_id: str) -> None:
-        self._cmds.put(("abort", request_id))
+    def abort(self, request_id: str, group: Group | None = None) -> None:
+        """Abort a request (of `group`, if given: a refused group's id may belong to another
+        live request, which must not be touched)."""
+        self._cmds.put(("abort", request_id, group))
 
     async def call(self, fn):
         """Run fn(engine) on the engine thread, between steps; return its result."""
@@ -193,7 +195,9 @@ class AsyncEngine:
                 self._groups[rid] = group
                 heapq.heappush(self._deadlines, (group.deadline, rid))
         elif kind == "abort":
-            self._abort(cmd[1])
+            _, rid, group = cmd
+            if group is None or self._groups.get(rid) is group:
+                self._abort(rid)
         elif kind == "call":
             _, fn, fut = cmd
             try:
