@@ -35,6 +35,7 @@ import torch
 
 from engine.attention import kv_cache_bytes_per_block
 from engine.core import RequestStatus, SamplingParams, Scheduler, SchedulerConfig, batch_features
+from engine.core.admission import admit
 from engine.core.records import RequestRecord, StepRecord
 from engine.core.request import Request
 from engine.detokenizer import IncrementalDetokenizer
@@ -288,12 +289,9 @@ class LLMEngine:
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params={sampling_params!r}: expected a SamplingParams")
         sampling_params.validate()
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt: empty prompt (0 tokens); a request needs at least one prompt token")
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt: {n} tokens is too long for max_model_len={self.max_model_len} "
-                             "(the prompt must be shorter, to leave room for a generated token)")
+        # The engine core's rule (engine.core.admission): too long is refused, prompt + max_tokens
+        # past max_model_len is truncated by the scheduler.
+        admit(len(prompt_token_ids), sampling_params.max_tokens, self.max_model_len, refuse_overflow=False)
         for t in prompt_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt_token_ids: {t!r} is not a token id in [0, {self.vocab_size})")

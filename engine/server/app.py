@@ -35,6 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.core.admission import AdmissionError, admit
 from engine.core.records import RequestRecord
 from engine.server.async_engine import AsyncEngine, Child, EngineDead, RequestFailed
 from engine.server.metrics import ServerMetrics
@@ -178,6 +179,14 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
         return JSONResponse(APIError(e.status_code, msg, None, code=code).body(), status_code=e.status_code,
                             headers=getattr(e, "headers", None))
 
+    @app.exception_handler(Exception)
+    async def _internal_error(_req, e: Exception):
+        # A bug, not the client's fault: logged, and answered in OpenAI's format (never a plain
+        # text 500 that closes the connection).
+        logger.exception("internal error")
+        metrics.rejected("error").inc()
+        return _error(APIError(500, f"internal server error: {e!r}", None, type="server_error"))
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_req, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
@@ -263,21 +272,16 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
                                 f"{max_model_len} tokens", field)
 
     def limits(req, n_prompt: int, field: str) -> int:
-        """The request's max_tokens for a prompt of n_prompt tokens, or a 400 naming the field."""
-        if n_prompt == 0:
-            raise APIError(400, f"{field}: empty prompt (0 tokens)", field)
-        if n_prompt >= max_model_len:
-            raise APIError(400, f"{field}: {n_prompt} tokens does not fit in max_model_len={max_model_len} "
-                                "(it must leave room for at least one generated token)", field)
+        """The request's max_tokens for a prompt of n_prompt tokens, or a 400 naming the field
+        (engine.core.admission, the server's rule: prompt + max_tokens must fit)."""
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        mt = req.requested_max_tokens
-        if mt is None:
-            mt = max_model_len - n_prompt  # what fits
-        elif mt < 1:
-            raise APIError(400, f"{name}={mt}: must be >= 1", name)
-        elif n_prompt + mt > max_model_len:
-            raise APIError(400, f"{name}={mt}: prompt ({n_prompt} tokens) + {name} exceeds "
-                                f"max_model_len={max_model_len}", name)
+        try:
+            mt = admit(n_prompt, req.requested_max_tokens, max_model_len, refuse_overflow=True,
+                       max_tokens_field=name)
+        except AdmissionError as e:
+            if e.field == "prompt":
+                raise APIError(400, field + str(e)[len("prompt"):], field) from None
+            raise APIError(400, str(e), e.field) from None
         problem = engine.scheduler.fit_problem(n_prompt, mt)  # config only: safe from this thread
         if problem is not None:
             raise APIError(400, f"{name}={mt}: {problem}", name)
@@ -303,7 +307,7 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
             return f"{prefix}-{given}"
         return new_id(prefix)
 
-    def admit(kids: list[Child]) -> None:
+    def check_capacity(kids: list[Child]) -> None:
         if not aeng.alive:
             raise APIError(503, f"engine is not running: {aeng.error!r}", None, type="server_error",
                            headers={"Retry-After": "1"})
@@ -360,9 +364,9 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
 
     async def respond(request: Request, req, rid: str, kids: list[Child], arrival: float, chat: bool,
                       echo: list[str] | None = None):
-        admit(kids)
+        check_capacity(kids)
         try:
-            group = aeng.submit(kids, arrival)  # same event-loop turn as admit(): counted at once
+            group = aeng.submit(kids, arrival)  # same event-loop turn as check_capacity(): counted at once
         except EngineDead as e:
             raise APIError(503, str(e), None, type="server_error", headers={"Retry-After": "1"}) from None
         gen = aeng.outputs(group)
