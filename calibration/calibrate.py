@@ -143,6 +143,11 @@ def device_name(engine) -> str:
     return name.replace(" ", "-")
 
 
+def _threads() -> int:
+    import torch
+    return torch.get_num_threads()
+
+
 def calibrate(engine, out: str | Path, seed: int = 0, groups: list[dict] | None = None,
               progress: bool = True) -> dict:
     """Profile `engine` and write the fitted profile to `out` (and its steps to out.steps.csv)."""
@@ -175,6 +180,7 @@ def calibrate(engine, out: str | Path, seed: int = 0, groups: list[dict] | None 
                    f"{time.perf_counter() - t0:.0f} s" + (" (interrupted: partial sweep)" if interrupted else "")),
         "measured_ranges": measured_ranges(rows),
         "kv_pool": engine.memory_profile.get("source"),
+        "torch_threads": _threads(),
     }
     prof = fit_cost_model(rows, times, metadata=meta, seed=seed, groups=labels).to_profile()
     with open(out, "w") as f:
@@ -184,8 +190,11 @@ def calibrate(engine, out: str | Path, seed: int = 0, groups: list[dict] | None 
 
 def main(a) -> int:
     """`servetwin calibrate` (arguments from calibration.cli)."""
-    from engine.llm_engine import LLMEngine
     import torch
+
+    from engine.llm_engine import LLMEngine
+    if a.threads:
+        torch.set_num_threads(a.threads)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = LLMEngine(model=a.model, device=device, max_num_batched_tokens=a.max_num_batched_tokens,
                        max_num_seqs=a.max_num_seqs, num_gpu_blocks=a.num_gpu_blocks,

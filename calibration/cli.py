@@ -16,6 +16,8 @@ def add_calibration_args(sub) -> None:
     p.add_argument("--requests-per-slot", type=float, default=2.0,
                    help="requests per unit of concurrency in each sweep group (more: longer, steadier)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's, one per core); recorded in the profile")
     p.set_defaults(func=_calibrate)
 
     p = sub.add_parser("validate", help="one workload through the real engine and the simulator: error table")
@@ -28,6 +30,8 @@ def add_calibration_args(sub) -> None:
                    help="fractions of the engine's measured capacity (default 0.3 0.6 0.9 and overload 1.2)")
     p.add_argument("--seeds", type=int, default=3, help="workload seeds per load (default 3)")
     p.add_argument("--duration-s", type=float, default=20.0, help="arrival window of each run (s)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: the profile's, else torch's)")
     p.set_defaults(func=_validate)
 
 

@@ -221,6 +221,11 @@ def print_table(report: dict) -> None:
           f"interval coverage {s['interval_coverage']:.0%} of {s['rows']} rows")
 
 
+def device_is_cpu(device: str | None) -> bool:
+    import torch
+    return device == "cpu" or (device is None and not torch.cuda.is_available())
+
+
 def main(a) -> int:
     """`servetwin validate` (arguments from calibration.cli)."""
     import torch
@@ -229,6 +234,9 @@ def main(a) -> int:
     from engine.llm_engine import LLMEngine
     from sim.cost_model import load_profile
     profile = load_profile(a.profile)
+    threads = a.threads or profile["metadata"].get("torch_threads")
+    if threads and device_is_cpu(a.device):
+        torch.set_num_threads(int(threads))
     with open(a.workload) as f:
         scenario = yaml.safe_load(f)
     meta = profile["metadata"]
