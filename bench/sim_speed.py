@@ -3,9 +3,9 @@ side with AISimulate on the same workload when it is installed.
 
 Prints JSON. For each size (the trace tiled past its 19,366 rows), runs alternate between the
 tools (`--reps` times each, medians reported):
-  - ServeTwin: `servetwin simulate` in a subprocess. end_to_end_s is its wall time (start-up,
-    trace parsing, simulation, metrics and files); simulation_s is the simulation loop alone
-    (summary wall_s).
+  - ServeTwin: `servetwin simulate --replicates 0` (one simulation, no prediction-interval
+    replicates) in a subprocess. end_to_end_s is its wall time (start-up, trace parsing,
+    simulation, metrics and files); simulation_s is the simulation loop alone (summary wall_s).
   - AISimulate: `aisimulate predict` in a subprocess on a Mooncake trace written from the very
     same workload (arrival times, prompt and output lengths; unique content per request), with
     the same KV pool (usable blocks of 16 tokens), token budget and max_num_seqs.
@@ -107,7 +107,10 @@ def servetwin_setup(trace: Path, n: int, rate: float, steady: bool, tmp: Path) -
 def servetwin_run(path: Path, n: int, tmp: Path) -> dict:
     out = tmp / f"out-{n}"
     exe = Path(sys.executable).parent / "servetwin"
-    wall, rss = timed([str(exe), "simulate", str(path), "--out", str(out), "--no-progress", "--no-plots"])
+    # One simulation, as AISimulate runs one (servetwin simulate adds seed replicates for
+    # prediction intervals by default).
+    wall, rss = timed([str(exe), "simulate", str(path), "--out", str(out), "--no-progress", "--no-plots",
+                       "--replicates", "0"])
     s = json.loads((out / "summary.json").read_text())
     return {"end_to_end_s": wall, "simulation_s": s["wall_s"], "peak_rss_mib": rss,
             "simulated_s": s["simulated_s"], "num_steps": s["num_steps"],

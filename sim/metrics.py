@@ -179,15 +179,28 @@ def summarize(t, itl_values, itl_weights=None, slo: dict | None = None,
 
 
 def write_csv(table: dict, path, columns=None) -> None:
-    """A column table as CSV (empty cells for None/NaN), without pandas."""
+    """A column table as CSV (empty cells for None/NaN), without pandas. Cleaned column by
+    column, then written by csv.writerows in one call (a 100k-row table is not a Python loop
+    over cells)."""
     import csv
     cols = list(columns or table)
-    data = [table[c].tolist() if hasattr(table[c], "tolist") else list(table[c]) for c in cols]
+    data = []
+    for c in cols:
+        v = table[c]
+        cells = v.tolist() if hasattr(v, "tolist") else list(v)
+        kind = v.dtype.kind if isinstance(v, np.ndarray) else "O"
+        if kind == "f":
+            nan = np.isnan(v)
+            if nan.any():
+                for i in np.flatnonzero(nan).tolist():
+                    cells[i] = ""
+        elif kind == "O":
+            cells = ["" if x is None or x != x else x for x in cells]
+        data.append(cells)
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(cols)
-        for row in zip(*data):
-            w.writerow(["" if v is None or v != v else v for v in row])
+        w.writerows(zip(*data))
 
 
 def read_request_log(path):
