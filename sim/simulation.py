@@ -195,7 +195,9 @@ class Simulation:
     def collect(self, wall_s: float) -> SimResult:
         table = request_table(self.records)
         steps = [s for r in self.replicas for s in r.steps]
-        step_table = {c: np.array(list(map(attrgetter(c), steps))) for c in STEP_COLUMNS}
+        # One C-level getter per record, transposed by zip: columns without a loop per cell.
+        cols = list(zip(*map(attrgetter(*STEP_COLUMNS), steps))) if steps else [()] * len(STEP_COLUMNS)
+        step_table = {c: np.array(v) for c, v in zip(STEP_COLUMNS, cols)}
         vals, weights = [], []
         for r in self.replicas:
             v, w = r.itl_sample()
