@@ -254,12 +254,12 @@ class AsyncEngine:
                 self._fail(rid, err)
             return
         self.num_failed_steps = 0
-        if self.metrics is not None:
-            self.metrics.on_step(eng, outputs, eng.scheduler.num_preemptions - before)
-        for o in outputs:
+        for o in outputs:  # clients before metrics (the log row first: a client may read it next)
             if o.finished:
                 self._finish_record(o.request_id)
             self._deliver(o.request_id, o)
+        if self.metrics is not None:
+            self.metrics.on_step(eng, outputs, eng.scheduler.num_preemptions - before)
         if len(eng.step_log) > 2 * self.keep_step_log:
             del eng.step_log[:-self.keep_step_log]
 
