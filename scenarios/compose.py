@@ -9,9 +9,8 @@ import copy
 from pathlib import Path
 
 import numpy as np
-import yaml
 
-from scenarios.schema import ScenarioError, parse_scenario, run_scenario
+from scenarios.schema import ScenarioError, parse_scenario, read_yaml, run_scenario
 from sim.metrics import meets_slo
 
 OPEN_LOOP = ("poisson", "gamma", "constant")
@@ -22,13 +21,7 @@ PCTS = ("p50", "p90", "p95", "p99")
 def load_raw(path: str | Path) -> tuple[dict, Path]:
     """A scenario file's mapping (unvalidated) and the folder its relative paths start from."""
     path = Path(path)
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise ScenarioError(f"{path}: no such scenario file") from None
-    except yaml.YAMLError as e:
-        raise ScenarioError(f"{path}: not valid YAML: {e}") from None
+    data = read_yaml(path)
     if not isinstance(data, dict):
         raise ScenarioError(f"{path}: must be a mapping")
     data.setdefault("name", path.stem)

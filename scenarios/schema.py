@@ -84,15 +84,20 @@ class Scenario:
                 f"cost model {self.cost_model.kind}")
 
 
-def load_scenario(path: str | Path, seed: int | None = None) -> Scenario:
-    path = Path(path)
+def read_yaml(path: Path):
+    """A scenario file's parsed YAML, or ScenarioError naming the file."""
     try:
         with open(path) as f:
-            data = yaml.safe_load(f)
+            return yaml.safe_load(f)
     except FileNotFoundError:
         raise ScenarioError(f"{path}: no such scenario file") from None
     except yaml.YAMLError as e:
         raise ScenarioError(f"{path}: not valid YAML: {e}") from None
+
+
+def load_scenario(path: str | Path, seed: int | None = None) -> Scenario:
+    path = Path(path)
+    data = read_yaml(path)
     try:
         return parse_scenario(data, base_dir=path.parent, seed=seed, path=path)
     except SpecError as e:
