@@ -1,11 +1,25 @@
-"""A deployment under a workload, on SimPy's clock: arrivals, a router, replicas, results."""
+"""A deployment under a workload, on SimPy's clock: clients, a router, replicas, results.
+
+Clients (sim/clients.py): a request is sent when its arrival is due and, with a concurrency cap
+(closed loop, or a benchmark's max concurrency), when a slot is free, after the client's
+turnaround; it reaches the engine after the API server's HTTP handling and tokenization (one
+request at a time), and every token reaches the client `output_s` after its step ends. Record
+times are the client's: arrival_s is the send, token and finish times are when the client has
+them (collect() adds output_s). With the ENGINE_DIRECT client all of these are zero and requests
+go straight in, as before.
+
+Warm-up (workload.num_warmup > 0, vllm bench serve --num-warmups / aiperf and genai-perf
+--warmup-request-count): the first requests run as a separate phase under the same client, the
+measured requests start only when every warm-up response has been read, and warm-up requests
+are left out of every metric (their steps stay in steps.csv).
+"""
 from __future__ import annotations
 
 import gc
 import math
 import time
 from dataclasses import dataclass, field
-from heapq import heappush
+from heapq import heappop, heappush
 from operator import attrgetter
 from pathlib import Path
 
@@ -15,7 +29,8 @@ from simpy.events import NORMAL, Event
 
 from engine.core import SchedulerConfig
 from engine.core.records import STEP_COLUMNS, RequestRecord
-from sim.metrics import request_table, summarize, write_csv
+from sim.clients import ENGINE_DIRECT, ClientModel
+from sim.metrics import itl_from_token_times, request_table, summarize, write_csv
 from sim.replica import Replica, SimRequest
 
 ROUTERS = ("round_robin", "random", "least_outstanding", "prefix_affinity")
@@ -77,7 +92,8 @@ class Simulation:
     def __init__(self, workload, scheduler_config: SchedulerConfig, cost_model, num_replicas: int = 1,
                  router: str = "round_robin", seed: int = 0, use_steady: bool = True,
                  keep_token_times: bool = False, keep_steps: bool = True, progress: bool = False,
-                 slo: dict | None = None, max_time_s: float | None = None) -> None:
+                 slo: dict | None = None, max_time_s: float | None = None,
+                 client: ClientModel | None = None) -> None:
         if router not in ROUTERS:
             raise ValueError(f"deployment.router={router!r}: expected one of {list(ROUTERS)}")
         if num_replicas < 1:
@@ -85,26 +101,38 @@ class Simulation:
         self.env = simpy.Environment()
         self.workload = workload
         self.closed_loop = getattr(workload, "closed_loop_concurrency", None)
+        self.client = client or getattr(workload, "client", None) or ENGINE_DIRECT
+        self.num_warmup = int(getattr(workload, "num_warmup", 0) or 0)
         # Steady runs are exact when every outside event is known ahead: open-loop arrivals,
         # or a closed loop on one replica (its new arrivals come when its own requests finish,
         # which ends a steady run).
         # A run cut at max_time_s steps one by one: a steady run cannot stop in the middle.
         self.use_steady = (use_steady and (self.closed_loop is None or num_replicas == 1)
                            and max_time_s is None)
-        self.keep_token_times = keep_token_times
+        # With warm-up, ITL comes from the measured requests' own token times.
+        self.keep_token_times = keep_token_times or self.num_warmup > 0
         self.keep_steps = keep_steps
         self.slo = slo
         self.max_time_s = max_time_s
         self.router = router
         self.rng = np.random.default_rng(seed)
-        self.next_arrival_s = math.inf
-        self.records: list[RequestRecord] = []
+        self.records: list[RequestRecord] = []      # measured requests, in send order
+        self.warmup_records: list[RequestRecord] = []
         self.rejections: list[str] = []
         self._rr = 0
         self._done = 0
         self._issued = 0
         self._total = len(workload)
         self._iter = iter(workload)
+        # Client side: pending outside events, the next unsent request, slots in use, phase.
+        self._timers: list[float] = []   # heap: times at which a send or an engine arrival is due
+        self._next = None
+        self._exhausted = False
+        self._pump_at = None
+        self._in_flight = 0
+        self._warm_left = self.num_warmup
+        self._phase_start = 0.0
+        self._frontend_free = 0.0
         self._bar = None
         self._progress = progress
         self.replicas = [Replica(self, i, scheduler_config, cost_model) for i in range(num_replicas)]
@@ -113,20 +141,62 @@ class Simulation:
     def timeout_at(self, at: float) -> Event:
         return TimeoutAt(self.env, at)
 
-    # --------------------------------------------------------------- arrivals
-    def _open_loop(self):
-        env = self.env
-        for spec in self._iter:
-            self.next_arrival_s = spec.arrival_s
-            if spec.arrival_s > env.now:
-                yield self.timeout_at(spec.arrival_s)
-            self._dispatch(spec, spec.arrival_s)
-        self.next_arrival_s = math.inf
+    # ---------------------------------------------------------------- clients
+    @property
+    def next_arrival_s(self) -> float:
+        """The earliest pending outside event (a send or an engine arrival): steady runs stop there."""
+        return self._timers[0] if self._timers else math.inf
 
-    def _dispatch(self, spec, arrival_s: float) -> None:
-        rec = RequestRecord(spec.request_id, arrival_s, spec.prompt_len)
-        self.records.append(rec)
-        self._issued += 1
+    def _at(self, t: float, fn) -> None:
+        """Call fn() at time t, and count t as a pending outside event until then."""
+        heappush(self._timers, t)
+        ev = self.timeout_at(t)
+        ev.callbacks.append(lambda _e: (heappop(self._timers), fn()))
+
+    def _peek(self):
+        if self._next is None and not self._exhausted:
+            self._next = next(self._iter, None)
+            self._exhausted = self._next is None
+        return self._next
+
+    def _pump(self) -> None:
+        """Send every request that is due and has a free slot (in workload order)."""
+        now = self.env.now
+        while self.closed_loop is None or self._in_flight < self.closed_loop:
+            spec = self._peek()
+            if spec is None:
+                return
+            warm = self._issued < self.num_warmup
+            if not warm and self._warm_left > 0:
+                return  # measured requests start when every warm-up response is in
+            t = spec.arrival_s + self._phase_start if self._phase_start else spec.arrival_s
+            if t > now:
+                if self._pump_at != t:
+                    self._pump_at = t
+                    self._at(t, self._pump)
+                return
+            self._next = None
+            self._in_flight += 1
+            self._issued += 1
+            d = spec.client_delay_s
+            if d > 0:
+                self._at(now + d, lambda spec=spec, warm=warm: self._send(spec, warm))
+            else:
+                self._send(spec, warm)
+
+    def _send(self, spec, warm: bool) -> None:
+        now = self.env.now
+        rec = RequestRecord(spec.request_id, now, spec.prompt_len)
+        (self.warmup_records if warm else self.records).append(rec)
+        c = self.client
+        if c.delays_requests:
+            start = max(now + c.http_s, self._frontend_free)
+            self._frontend_free = t_in = start + c.tokenize_s_per_token * spec.prompt_len
+            self._at(t_in, lambda: self._enter(spec, rec))
+        else:
+            self._enter(spec, rec)
+
+    def _enter(self, spec, rec: RequestRecord) -> None:
         replica = self._route(spec)
         rec.replica = replica.index
         replica.submit(SimRequest(spec, rec))
@@ -154,13 +224,23 @@ class Simulation:
             self.rejections.append(f"{sreq.spec.request_id}: {error}")
         if self._bar is not None:
             self._bar.update(1)
-        if self.closed_loop is not None:
-            spec = next(self._iter, None)
-            if spec is not None:
-                self._dispatch(spec, self.env.now)
+        out = self.client.output_s
+        if out > 0:
+            self._at(self.env.now + out, self._response_read)
+        else:
+            self._response_read()
         if self._done >= self._total:
             if not self._all_done.triggered:
                 self._all_done.succeed()
+
+    def _response_read(self) -> None:
+        """The client has read a response to its end: its slot frees (and the warm-up may end)."""
+        self._in_flight -= 1
+        if self._warm_left > 0:
+            self._warm_left -= 1
+            if self._warm_left == 0:
+                self._phase_start = self.env.now
+        self._pump()
 
     # -------------------------------------------------------------------- run
     def run(self) -> SimResult:
@@ -168,14 +248,7 @@ class Simulation:
         if self._progress:
             from tqdm import tqdm
             self._bar = tqdm(total=self._total, unit="req", desc="simulating", mininterval=0.5)
-        if self.closed_loop is None:
-            self.env.process(self._open_loop())
-        else:
-            for _ in range(min(self.closed_loop, self._total)):
-                spec = next(self._iter, None)
-                if spec is None:
-                    break
-                self._dispatch(spec, 0.0)
+        self._pump()
         until = self._all_done if self.max_time_s is None else simpy.AnyOf(
             self.env, [self._all_done, self.env.timeout(self.max_time_s)])
         if self._total:
@@ -192,7 +265,30 @@ class Simulation:
             self._bar.close()
         return self.collect(time.perf_counter() - wall0)
 
+    def _client_times(self) -> None:
+        """Token and finish times as the client reads them: output_s after the engine's."""
+        d = self.client.output_s
+        if d <= 0:
+            return
+        for rec in self.records:
+            if rec.first_token_s is not None:
+                rec.first_token_s += d
+                rec.last_token_s += d
+            if rec.finish_s is not None:
+                rec.finish_s += d
+            if rec.token_times_s:
+                rec.token_times_s = [t + d for t in rec.token_times_s]
+
+    def _client_summary(self, summary: dict) -> None:
+        c = self.client
+        busy = (c.http_s * len(self.records)
+                + c.tokenize_s_per_token * sum(r.num_prompt_tokens for r in self.records)
+                + c.output_s * sum(r.num_output_tokens for r in self.records))
+        summary["client"] = {**c.describe(), "warmup_requests": len(self.warmup_records),
+                             "frontend_busy_fraction": busy / summary["duration_s"]}
+
     def collect(self, wall_s: float) -> SimResult:
+        self._client_times()
         table = request_table(self.records)
         steps = [s for r in self.replicas for s in r.steps]
         # One C-level getter per record, transposed by zip: columns without a loop per cell.
@@ -204,10 +300,13 @@ class Simulation:
             vals.append(v)
             weights.append(w)
         itl = (np.concatenate(vals), np.concatenate(weights))
+        if self.warmup_records:
+            itl = itl_from_token_times(self.records)
         preemptions = sum(r.scheduler.num_preemptions for r in self.replicas)
         cut = self.max_time_s is not None and not self._all_done.triggered
         summary = summarize(table, itl[0], itl[1], self.slo, preemptions,
                             end_s=float(self.env.now) if cut else None)
+        self._client_summary(summary)
         summary["simulated_s"] = float(self.env.now)
         summary["wall_s"] = wall_s
         summary["num_steps"] = int(sum(r.step_idx for r in self.replicas))

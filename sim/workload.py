@@ -42,6 +42,7 @@ from typing import Iterator
 
 import numpy as np
 
+from sim.clients import ENGINE_DIRECT, FIELDS as CLIENT_FIELDS, HTTP_DEFAULTS, ClientModel
 from sim.specmap import MISSING, SpecError, SpecMap
 from sim.traces import FORMATS, MOONCAKE_BLOCK, TraceFormatError, read_trace
 
@@ -63,6 +64,8 @@ class RequestSpec:
     # Position of its first token whose id no other request has (see Workload.unique_from);
     # the scheduler's KV manager then never hashes the blocks past it. None: not known.
     unique_from: int | None = None
+    # The client's turnaround before it sends this request (sim/clients.py); 0: sent when due.
+    client_delay_s: float = 0.0
 
     def token_sequence(self) -> list[int] | range:
         """The prompt as the scheduler needs it: token_ids(), except that from unique_from on
@@ -104,10 +107,19 @@ class Workload:
     def __init__(self, *, arrival_s, prompt_len, output_len, seg_off, seg_keys, seg_lens,
                  priority=None, cancel_after_s=None, cancel_after_tokens=None,
                  closed_loop_concurrency: int | None = None, source: str = "",
-                 request_ids: list[str] | None = None) -> None:
+                 request_ids: list[str] | None = None, client_delay_s=None,
+                 client: ClientModel | None = None, num_warmup: int = 0,
+                 benchmark: dict | None = None) -> None:
         n = len(prompt_len)
         self.num_requests = n
+        # At most this many requests in flight. arrival_s is when each request is due (all 0:
+        # a plain closed loop; otherwise a rate-limited benchmark with a concurrency cap).
         self.closed_loop_concurrency = closed_loop_concurrency
+        self.client = client          # None: the simulator sends straight to the engine
+        self.num_warmup = num_warmup  # the first num_warmup requests are a warm-up phase
+        self.benchmark = benchmark    # the benchmark protocol this workload reproduces, if any
+        self.client_delay_s = (np.zeros(n) if client_delay_s is None
+                               else np.asarray(client_delay_s, dtype=np.float64))
         self.source = source
         self.arrival_s = np.asarray(arrival_s, dtype=np.float64)
         self.prompt_len = np.asarray(prompt_len, dtype=np.int64)
@@ -132,7 +144,7 @@ class Workload:
     def _check(self) -> None:
         n = self.num_requests
         for name in ("arrival_s", "output_len", "priority", "cancel_after_s",
-                     "cancel_after_tokens"):
+                     "cancel_after_tokens", "client_delay_s"):
             assert len(getattr(self, name)) == n, name
         assert self._ids is None or len(self._ids) == n
         assert len(self.seg_off) == n + 1 and self.seg_off[0] == 0
@@ -142,6 +154,7 @@ class Workload:
         assert (csum[self.seg_off[1:]] - csum[self.seg_off[:-1]] == self.prompt_len).all()
         if self.closed_loop_concurrency is None:
             assert (np.diff(self.arrival_s) >= 0).all(), "open-loop arrivals must be sorted"
+        assert 0 <= self.num_warmup <= n
 
     @classmethod
     def from_requests(cls, requests: list[RequestSpec],
@@ -162,7 +175,8 @@ class Workload:
             cancel_after_tokens=[-1 if r.cancel_after_tokens is None else r.cancel_after_tokens
                                  for r in requests],
             closed_loop_concurrency=closed_loop_concurrency, source=source,
-            request_ids=[r.request_id for r in requests])
+            request_ids=[r.request_id for r in requests],
+            client_delay_s=[r.client_delay_s for r in requests])
 
     def __len__(self) -> int:
         return self.num_requests
@@ -199,16 +213,17 @@ class Workload:
 
     def __iter__(self) -> Iterator[RequestSpec]:
         # Plain lists once, then cheap per-request indexing (numpy scalars are slow to unbox).
-        arrival, prompt, output, prio, dl, ct, off, keys, lens = (a.tolist() for a in (
+        arrival, prompt, output, prio, dl, ct, off, keys, lens, delay = (a.tolist() for a in (
             self.arrival_s, self.prompt_len, self.output_len, self.priority, self.cancel_after_s,
-            self.cancel_after_tokens, self.seg_off, self.seg_keys, self.seg_lens))
+            self.cancel_after_tokens, self.seg_off, self.seg_keys, self.seg_lens,
+            self.client_delay_s))
         uniq = self.unique_from().tolist() if self.unique_hints else [-1] * self.num_requests
         for i in range(self.num_requests):
             s, e = off[i], off[i + 1]
             yield RequestSpec(
                 self._id(i), arrival[i], prompt[i], output[i], tuple(zip(keys[s:e], lens[s:e])),
                 prio[i], None if dl[i] != dl[i] else dl[i], None if ct[i] < 0 else ct[i],
-                None if uniq[i] < 0 else uniq[i])
+                None if uniq[i] < 0 else uniq[i], delay[i])
 
     def __getitem__(self, i: int) -> RequestSpec:
         if not -self.num_requests <= i < self.num_requests:
@@ -221,12 +236,17 @@ class Workload:
             int(self.output_len[i]),
             tuple(zip(self.seg_keys[s:e].tolist(), self.seg_lens[s:e].tolist())),
             int(self.priority[i]), None if math.isnan(dl) else dl, None if ct < 0 else ct,
-            int(self.unique_from()[i]) if self.unique_hints and self.unique_from()[i] >= 0 else None)
+            int(self.unique_from()[i]) if self.unique_hints and self.unique_from()[i] >= 0 else None,
+            float(self.client_delay_s[i]))
 
     def describe(self) -> dict:
         n = self.num_requests
         out: dict = {"source": self.source, "num_requests": n,
                      "closed_loop_concurrency": self.closed_loop_concurrency}
+        if self.benchmark is not None:
+            out["benchmark"] = dict(self.benchmark)
+        if self.client is not None:
+            out["client"] = self.client.describe()
         if self.closed_loop_concurrency is None and n:
             span = float(self.arrival_s[-1] - self.arrival_s[0])
             out["duration_s"] = span
@@ -284,10 +304,10 @@ class _Map(SpecMap):
 
 
 _TOP_KEYS = ("num_requests", "arrival", "prompt_len", "output_len", "shared_prefix", "priority",
-             "cancellation", "trace")
+             "cancellation", "trace", "client", "benchmark")
 # One independent random stream per concern (see the module docstring).
 _STREAMS = {"arrival": 1, "prompt_len": 2, "output_len": 3, "shared_prefix": 4, "priority": 5,
-            "cancel": 6}
+            "cancel": 6, "client": 7}
 
 
 def _rng(seed: int, stream: str) -> np.random.Generator:
@@ -312,6 +332,8 @@ def build_workload(spec: dict, seed: int, base_dir: Path | None = None) -> Workl
         raise WorkloadError(f"seed={seed!r}: must be a non-negative integer")
     root = _Map(spec, "workload")
     root.done(allowed=_TOP_KEYS)  # a misspelt key fails first, not after reading a trace
+    if root.has("benchmark"):
+        return _benchmark(root, seed)
     reader = _Reader(base_dir)
     num_requests = root.integer("num_requests", None, ge=1)
     arrival_m = root.sub("arrival")
@@ -363,10 +385,84 @@ def build_workload(spec: dict, seed: int, base_dir: Path | None = None) -> Workl
     priority = _priority(root.sub("priority"), n, _rng(seed, "priority"))
     cancel_s, cancel_tokens = _cancellation(root.sub("cancellation"), output, _rng(seed, "cancel"))
     source = "trace" if trace is not None else "synthetic"
+    client = _client(root.sub("client"), HTTP_DEFAULTS if concurrency is not None else None)
     return Workload(arrival_s=arrival, prompt_len=prompt, output_len=output, seg_off=seg_off,
                     seg_keys=seg_keys, seg_lens=seg_lens, priority=priority,
                     cancel_after_s=cancel_s, cancel_after_tokens=cancel_tokens,
-                    closed_loop_concurrency=concurrency, source=source)
+                    closed_loop_concurrency=concurrency, source=source, client=client,
+                    client_delay_s=_turnarounds(client, n, seed))
+
+
+def _client(m: _Map | None, default: ClientModel | None) -> ClientModel | None:
+    """`workload.client`: overrides of the default client (HTTP_DEFAULTS for closed loops and
+    benchmarks; none, i.e. straight into the engine, for open-loop and trace arrivals)."""
+    if m is None:
+        return default
+    if m.d.get("type") is not None:
+        kind = m.text("type", choices=("http", "engine_direct"))
+        base = HTTP_DEFAULTS if kind == "http" else ENGINE_DIRECT
+    else:
+        base = default or ENGINE_DIRECT
+    vals = {k: m.number(k, getattr(base, k), ge=0) for k in CLIENT_FIELDS}
+    m.done()
+    return ClientModel(**vals)
+
+
+def _turnarounds(client: ClientModel | None, n: int, seed: int) -> np.ndarray:
+    return np.zeros(n) if client is None else client.turnarounds(n, _rng(seed, "client"))
+
+
+_BENCH_KEYS = ("concurrency", "isl", "osl", "num_prompts", "warmup", "request_rate", "burstiness")
+
+
+def _benchmark(root: _Map, seed: int) -> Workload:
+    """`workload.benchmark`: vllm bench serve's random dataset with --random-range-ratio 0 and
+    --ignore-eos: num_prompts requests of exactly isl prompt and osl output tokens (unique random
+    prompts: no prefix-cache hits), sent by a client with at most `concurrency` in flight
+    (--max-concurrency; none: unlimited) at `request_rate` per second (Poisson, or gamma with
+    `burstiness` as vLLM's --burstiness; default inf: all due at once), after `warmup` warm-up
+    requests of the same shape (--num-warmups) that run first and are not measured."""
+    for key in root.d:
+        if key not in ("benchmark", "client"):
+            raise WorkloadError(f"workload.{key}={root.d[key]!r}: not allowed with workload.benchmark "
+                                "(it fixes the requests); give only benchmark and client")
+    m = root.sub("benchmark")
+    conc = m.integer("concurrency", None, ge=1)
+    isl = m.integer("isl", ge=1)
+    osl = m.integer("osl", ge=1)
+    num = m.integer("num_prompts", ge=1)
+    warm = m.integer("warmup", 0, ge=0)
+    rate_v = m.raw("request_rate", "inf")
+    if rate_v in ("inf", float("inf")):
+        rate = math.inf
+    else:
+        rate = m.number("request_rate", gt=0)
+    burst = m.number("burstiness", 1.0, gt=0)
+    m.done()
+    if conc is None and rate == math.inf:
+        raise WorkloadError("workload.benchmark: give concurrency, request_rate or both "
+                            "(with neither every request would be sent at t=0 at once)")
+    client = _client(root.sub("client"), HTTP_DEFAULTS)
+    root.done()
+    n = warm + num
+    # Measured requests are due from the start of their phase (after the warm-up): rate-limited
+    # offsets as vLLM draws them (gamma, shape burstiness, mean gap 1/rate; first at 0).
+    due = np.zeros(n)
+    if rate != math.inf:
+        gaps = _rng(seed, "arrival").gamma(burst, 1.0 / (rate * burst), num)
+        due[warm:] = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+    prompt = np.full(n, isl, np.int64)
+    seg_off = np.arange(n + 1, dtype=np.int64)
+    seg_keys = np.arange(n, dtype=np.int64) * isl
+    ids = [f"warmup-{i}" for i in range(warm)] + [f"req-{i}" for i in range(num)]
+    info = {"concurrency": conc, "isl": isl, "osl": osl, "num_prompts": num, "warmup": warm,
+            "request_rate": rate if rate != math.inf else "inf", "burstiness": burst,
+            "protocol": "vllm bench serve --dataset-name random --random-range-ratio 0 --ignore-eos"}
+    return Workload(arrival_s=due, prompt_len=prompt, output_len=np.full(n, osl, np.int64),
+                    seg_off=seg_off, seg_keys=seg_keys, seg_lens=prompt.copy(),
+                    closed_loop_concurrency=conc, source="benchmark", request_ids=ids,
+                    client=client, num_warmup=warm, benchmark=info,
+                    client_delay_s=_turnarounds(client, n, seed))
 
 
 _EMPTY = np.zeros(0, np.int64)

@@ -1,0 +1,68 @@
+"""The request path outside the engine: the benchmark client and the API server.
+
+A real measurement (vllm bench serve, aiperf, genai-perf) times a request on the client:
+
+    slot free (or arrival due) -> client turnaround (asyncio wake-up, building the POST)
+      -> SEND (the request's arrival_s: the client starts its timer, vllm bench serve's `st`)
+      -> HTTP to the API server, request validation, hand-off to the engine    (http_s)
+      -> tokenization, one request at a time in the one front-end process      (tokenize)
+      -> the engine's waiting queue: scheduled at a step boundary ... a step ends with a token
+      -> engine -> front end -> detokenize -> SSE chunk -> client parses it       (output_s)
+
+so TTFT = queueing + prefill + the CPU work of both ends, and a closed-loop client sends its next
+request a turnaround after it has read the last chunk of the previous one. The turnaround is
+random (gamma, mean think_s, coefficient of variation think_cv, drawn per request from the
+workload's seeded "client" stream), and tokenization is first-come-first-served in one process,
+so waves of equal requests do not stay in lock-step as they would with zero overheads.
+
+`output_s` is the same for every token, so it shifts a request's token times: TTFT and E2E grow
+by it, TPOT and ITL do not change. The batch effect (the front end handles a step's outputs one
+request after another) is not modelled; `summary["client"]["frontend_busy_fraction"]` says how
+loaded the front-end process was (near or above 1 it, not the GPU, limits the run).
+
+Defaults (HTTP_DEFAULTS): vllm bench serve against vllm serve on one host, from public component
+costs, not fitted to any serving benchmark: FastAPI/uvicorn + pydantic request handling and ZMQ
+hand-off ~1 ms; HF fast (Rust) BPE tokenizers run ~0.5-1 M tokens/s on one core, ~1.5 us/token
+on vllm bench serve's random-token text; the output path (msgspec IPC, incremental detokenizer,
+SSE JSON, aiohttp chunk parse) ~0.3-0.5 ms; an asyncio semaphore hand-off plus request build in
+the client ~0.5 ms, exponential. Open-loop and trace workloads default to no client (ENGINE_DIRECT),
+so replaying arrivals straight into the engine (servetwin validate) stays as it was.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ClientModel:
+    think_s: float = 0.0              # client turnaround before each send, mean
+    think_cv: float = 1.0             # its coefficient of variation (gamma; 1 = exponential)
+    http_s: float = 0.0               # send -> the API server hands the request on
+    tokenize_s_per_token: float = 0.0  # API-server tokenization, FIFO in one process
+    output_s: float = 0.0             # per streamed token: engine step end -> client has it
+
+    @property
+    def delays_requests(self) -> bool:
+        return self.http_s > 0 or self.tokenize_s_per_token > 0
+
+    def turnarounds(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """n client turnaround delays (seconds), gamma with mean think_s and CV think_cv."""
+        if self.think_s <= 0 or n == 0:
+            return np.zeros(n)
+        if self.think_cv <= 0:
+            return np.full(n, self.think_s)
+        shape = 1.0 / (self.think_cv * self.think_cv)
+        return rng.gamma(shape, self.think_s / shape, n)
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+ENGINE_DIRECT = ClientModel()
+HTTP_DEFAULTS = ClientModel(think_s=5e-4, think_cv=1.0, http_s=1e-3, tokenize_s_per_token=1.5e-6,
+                            output_s=4e-4)
+FIELDS = tuple(asdict(ENGINE_DIRECT))
+
+__all__ = ["ClientModel", "ENGINE_DIRECT", "HTTP_DEFAULTS", "FIELDS"]

@@ -1,0 +1,125 @@
+"""CPU work around a GPU step, and asynchronous scheduling.
+
+A served engine step is GPU work (the forward and sampling kernels) plus CPU work in the engine
+process: scheduling, input preparation (token ids, positions, slot mapping, block tables),
+launching the (CUDA-graph) forward, and turning the sampled ids into per-request outputs.
+
+    synchronous  (the shared scheduler, engine.core):  period = cpu + gpu
+    asynchronous (vLLM's GPU default, --async-scheduling): step n+1 is scheduled and its inputs
+                 prepared while the GPU runs step n, so   period = max(cpu, gpu)
+
+`WithCpuWork` wraps any cost model whose GPU time it can tell apart (see `gpu_time_fn`) and
+is itself a cost model: the replica's plain steps and the scheduler's steady runs both call its
+`step_time`, so both see the same periods. Async never makes a step slower: max(c, g) <= c + g.
+
+What is not modelled here (it would need a hook in sim/replica.py): with async scheduling a
+request that arrives while step n runs misses step n+1 (already scheduled) and joins n+2.
+
+API-server work (HTTP, tokenization, detokenization + SSE) happens in the front-end process, not
+in the engine step: sim/clients.py adds it to each request's client-visible times.
+
+Default values: vLLM V1 on an H100/H200 host (Sapphire Rapids / Genoa class CPU). They are
+order-of-magnitude figures from public profiles, not fits to any serving benchmark:
+  - vLLM's v0.6.0 performance post (blog.vllm.ai, 2024-09-05) measured CPU work (API server and
+    scheduling) at over half of a Llama-3-8B H100 decode step before V1; V1 (blog, 2025-01-27)
+    moved the API server to its own process and cut scheduling/input preparation to around a
+    millisecond per step with a persistent batch.
+  - async scheduling hides that CPU time: vllm-ascend's async-scheduling PR reports Qwen3-32B
+    TP4, 48 concurrent requests, TPOT 44.2 ms (sync) -> 41.9 ms (async), i.e. ~2.3 ms of CPU per
+    step at 48 requests, the order of step_s + 48 * per_req_s below.
+  - per-request cost: scheduler + input preparation + output processing (update_from_output,
+    output serialisation to the front end) are Python loops over requests, ~10-30 us each.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from engine.core.features import BatchFeatures
+
+
+@dataclass(frozen=True)
+class CpuWork:
+    """Engine-process CPU seconds of one step (schedule + prepare inputs + process outputs)."""
+
+    step_s: float = 1.0e-3         # fixed: scheduler call, persistent-batch update, graph launch
+    per_req_s: float = 2.0e-5      # per scheduled request (schedule, block table, outputs)
+    per_token_s: float = 5.0e-8    # per scheduled token (ids, positions, slot mapping in numpy)
+    # Per sampled token when the API server shares the engine's CPU (a single-process front end,
+    # e.g. vLLM V0 or --api-server-count 0 setups); 0 with V1's separate front-end process.
+    per_output_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
+                raise ValueError(f"scheduler.cpu_work.{f.name}={v!r}: must be a number >= 0 (seconds)")
+
+    def time(self, f: BatchFeatures) -> float:
+        if f.num_reqs == 0:
+            return 0.0
+        tokens = f.num_prefill_tokens + f.num_decode_reqs
+        outputs = f.num_decode_reqs + f.num_prefill_reqs  # upper bound: last chunks sample
+        return (self.step_s + self.per_req_s * f.num_reqs + self.per_token_s * tokens
+                + self.per_output_s * outputs)
+
+
+def gpu_time_fn(model):
+    """The GPU-only step time of a cost model, or ValueError when its times include CPU work
+    that cannot be told apart.
+
+    - a model with `gpu_time(features)` (e.g. kernel tables): that;
+    - a model marked `gpu_only = True`: its step_time;
+    - the analytic roofline: its step_time less its per-step and per-request overheads (the
+      CPU-work stand-ins of sim.cost_model.Efficiency), which this model replaces;
+    - a fitted profile measured on the engine: its periods already hold the engine's
+      (synchronous) CPU work, so neither CPU work nor async scheduling can be added to it.
+    """
+    if hasattr(model, "gpu_time"):
+        return model.gpu_time
+    if getattr(model, "gpu_only", False):
+        return model.step_time
+    if getattr(model, "kind", None) == "analytic" and hasattr(model, "eff"):
+        eff = model.eff
+
+        def gpu(f: BatchFeatures) -> float:
+            t = model.step_time(f)
+            if t == 0.0:
+                return 0.0
+            return max(0.0, t - eff.step_overhead_s - eff.per_req_overhead_s * f.num_reqs)
+        return gpu
+    raise ValueError(
+        f"cost model {getattr(model, 'kind', type(model).__name__)!r} times whole engine steps "
+        "(its CPU work is inside them): scheduler.cpu_work / scheduler.async_scheduling need a "
+        "cost model with a GPU-only time (analytic, or kernel tables)")
+
+
+class WithCpuWork:
+    """A cost model: the wrapped model's GPU time combined with explicit CPU work."""
+
+    kind = "cpu+gpu"
+
+    def __init__(self, base, cpu: CpuWork | None = None, async_scheduling: bool = True) -> None:
+        self.base = base
+        self.cpu = cpu or CpuWork()
+        self.async_scheduling = bool(async_scheduling)
+        self._gpu = gpu_time_fn(base)
+        self.metadata = dict(getattr(base, "metadata", {}))
+
+    @property
+    def residual_quantiles(self) -> dict:
+        return getattr(self.base, "residual_quantiles", {})
+
+    def gpu_time(self, f: BatchFeatures) -> float:
+        return self._gpu(f)
+
+    def step_time(self, f: BatchFeatures) -> float:
+        g = self._gpu(f)
+        c = self.cpu.time(f)
+        return (c if c > g else g) if self.async_scheduling else c + g
+
+    def describe(self) -> dict:
+        return {**self.base.describe(), "cpu_work": asdict(self.cpu),
+                "async_scheduling": self.async_scheduling}
+
+
+__all__ = ["CpuWork", "WithCpuWork", "gpu_time_fn"]
