@@ -8,7 +8,8 @@
     scheduler:  {max_num_batched_tokens, max_num_seqs, max_model_len, block_size,
                  enable_chunked_prefill, long_prefill_token_threshold, enable_prefix_caching,
                  policy, reserve_full_prompt, unhashed_blocks_first, watermark,
-                 uncache_unscheduled_victims}
+                 uncache_unscheduled_victims, async_scheduling,
+                 cpu_work: {step_s, per_req_s, per_token_s, per_output_s}}  # sim/cpu_work.py
     cost_model: {type: fitted, profile: NAME|PATH} | {type: analytic, efficiency: {...}}
     workload:   see sim/workload.py
     slo:        {ttft_s, tpot_s, e2e_s, queue_s}
@@ -30,6 +31,7 @@ import yaml
 from engine.core import SchedulerConfig
 from engine.core.policy import POLICIES
 from sim.cost_model import PROFILES_DIR, AnalyticCostModel, CostModel, FittedCostModel, load_profile
+from sim.cpu_work import with_cpu_work
 from sim.simulation import ROUTERS, SimResult, Simulation
 from sim.specmap import SpecError, SpecMap
 from sim.specs import DEVICES, MODELS, get_device, get_model, kv_cache_blocks
@@ -231,6 +233,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
         if isinstance(e, SpecError):
             raise
         raise ScenarioError(str(e).replace("SchedulerConfig.", "scheduler.")) from None
+    cost = with_cpu_work(sc, cost)  # CPU work and async scheduling around the GPU time
     sc.done()
 
     wl = root.raw("workload")

@@ -94,15 +94,26 @@ def gpu_time_fn(model):
 
 
 class WithCpuWork:
-    """A cost model: the wrapped model's GPU time combined with explicit CPU work."""
+    """A cost model: the wrapped model's GPU time combined with CPU work.
+
+    The CPU work is `cpu` when given, else the wrapped model's own `cpu_time(features)` if it
+    has one (kernel tables carry their per-step overheads), else CpuWork()'s defaults."""
 
     kind = "cpu+gpu"
 
     def __init__(self, base, cpu: CpuWork | None = None, async_scheduling: bool = True) -> None:
         self.base = base
-        self.cpu = cpu or CpuWork()
+        self.cpu = cpu
         self.async_scheduling = bool(async_scheduling)
         self._gpu = gpu_time_fn(base)
+        if cpu is not None:
+            self._cpu = cpu.time
+        elif hasattr(base, "cpu_time"):
+            self._cpu = base.cpu_time
+        else:
+            self.cpu = CpuWork()
+            self._cpu = self.cpu.time
+        self.kind = getattr(base, "kind", "base")
         self.metadata = dict(getattr(base, "metadata", {}))
 
     @property
@@ -112,14 +123,46 @@ class WithCpuWork:
     def gpu_time(self, f: BatchFeatures) -> float:
         return self._gpu(f)
 
+    def cpu_time(self, f: BatchFeatures) -> float:
+        return self._cpu(f)
+
     def step_time(self, f: BatchFeatures) -> float:
+        if f.num_reqs == 0:
+            return 0.0
         g = self._gpu(f)
-        c = self.cpu.time(f)
+        c = self._cpu(f)
         return (c if c > g else g) if self.async_scheduling else c + g
 
     def describe(self) -> dict:
-        return {**self.base.describe(), "cpu_work": asdict(self.cpu),
-                "async_scheduling": self.async_scheduling}
+        cpu = asdict(self.cpu) if self.cpu is not None else "the cost model's own cpu_time"
+        return {**self.base.describe(), "cpu_work": cpu, "async_scheduling": self.async_scheduling}
 
 
 __all__ = ["CpuWork", "WithCpuWork", "gpu_time_fn"]
+
+
+def with_cpu_work(sc, cost):
+    """`scheduler.async_scheduling` / `scheduler.cpu_work` of a scenario (sc: its SpecMap) applied
+    to its cost model.
+
+    async_scheduling defaults to vLLM's GPU default (true) for a cost model with a GPU-only time
+    (`gpu_time`, e.g. kernel tables); other models keep their own step times unless asked
+    (the analytic roofline then trades its overhead terms for this CPU work; a fitted profile
+    measured on the engine cannot separate them and is refused). cpu_work: {step_s, per_req_s,
+    per_token_s, per_output_s} (seconds; CpuWork's defaults for keys not given; when absent, a
+    model's own cpu_time is used if it has one)."""
+    given = sc.has("async_scheduling")
+    async_ = sc.boolean("async_scheduling") if given else True
+    cm = sc.sub("cpu_work")
+    cpu = None
+    if cm is not None:
+        cpu = CpuWork(**{f.name: cm.number(f.name, getattr(CpuWork, f.name), ge=0)
+                         for f in fields(CpuWork)})
+        cm.done()
+    if not (given or cm is not None or hasattr(cost, "gpu_time")):
+        return cost
+    try:
+        return WithCpuWork(cost, cpu, async_)
+    except ValueError as e:
+        key = "async_scheduling" if given else "cpu_work"
+        raise sc.error(f"scheduler.{key}: {e}") from None

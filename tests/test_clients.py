@@ -1,0 +1,156 @@
+"""Benchmark clients: overheads that break lock-step waves, the benchmark protocol, warm-up."""
+import numpy as np
+import pytest
+
+from engine.core import SchedulerConfig
+from scenarios.schema import parse_scenario
+from sim.clients import ENGINE_DIRECT, HTTP_DEFAULTS, ClientModel
+from sim.cost_model import AnalyticCostModel
+from sim.simulation import Simulation
+from sim.workload import WorkloadError, build_workload
+
+CFG = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=4096,
+                      block_size=16, num_gpu_blocks=20000)
+COST = AnalyticCostModel("llama-3.1-8b", "h100-sxm")
+
+
+def run(spec, seed=0, **kw):
+    return Simulation(build_workload(spec, seed=seed), CFG, COST, **kw).run()
+
+
+def closed(c, n, client=None):
+    spec = {"num_requests": n, "arrival": {"type": "concurrency", "concurrency": c},
+            "prompt_len": {"type": "fixed", "value": 1024}, "output_len": {"type": "fixed", "value": 128}}
+    if client is not None:
+        spec["client"] = client
+    return spec
+
+
+def test_zero_overhead_closed_loop_is_lock_step_and_overheads_break_it():
+    # The defect of issue 9: with no client or server time, c=8 sends 64 requests at 8 instants
+    # and every wave prefills in one step.
+    direct = run(closed(8, 64, {"type": "engine_direct"}))
+    assert len(np.unique(direct.request_table["arrival_s"])) == 8
+    prefill = direct.step_table["num_prefill_reqs"]
+    assert (prefill[prefill > 0] == 8).all()
+    # With the HTTP client (the default for closed loops) every send has its own instant, the
+    # sends of a wave are spread out, and waves no longer prefill as one step.
+    real = run(closed(8, 64))
+    a = real.request_table["arrival_s"]
+    assert len(np.unique(a)) == 64
+    waves = np.sort(a)[8:].reshape(-1, 8)  # sends after the first wave, in groups of c
+    assert (np.ptp(waves, axis=1) > 1e-4).all()
+    p = real.step_table["num_prefill_reqs"]
+    assert (p[p > 0] < 8).any()
+    assert real.summary["requests"]["completed"] == 64
+
+
+def test_benchmark_gives_exact_requests_and_tool_metrics():
+    res = run({"benchmark": {"concurrency": 4, "isl": 300, "osl": 50, "num_prompts": 40, "warmup": 4}},
+              keep_token_times=True)
+    t = res.request_table
+    assert len(t["request_id"]) == 40 and all(r.startswith("req-") for r in t["request_id"])
+    assert (t["num_prompt_tokens"] == 300).all() and (t["num_output_tokens"] == 50).all()
+    assert res.summary["requests"]["completed"] == 40
+    # vllm bench serve's TPOT: (e2e - ttft) / (osl - 1), the first token excluded.
+    assert np.allclose(t["tpot_s"], (t["e2e_s"] - t["ttft_s"]) / 49)
+    # ITL: every gap of the measured requests' token times (the warm-up's are not in it).
+    assert res.summary["itl_s"]["count"] == 40 * 49
+    # Throughput over the measured phase: first send to last response.
+    dur = np.nanmax(t["finish_s"]) - t["arrival_s"].min()
+    assert res.summary["throughput"]["output_tokens_per_s"] == pytest.approx(40 * 50 / dur)
+    assert res.summary["client"]["warmup_requests"] == 4
+
+
+def test_warmup_finishes_before_the_measured_phase():
+    sim = Simulation(build_workload({"benchmark": {"concurrency": 3, "isl": 64, "osl": 20,
+                                                   "num_prompts": 9, "warmup": 5}}, 0), CFG, COST)
+    res = sim.run()
+    warm_end = max(r.finish_s for r in sim.warmup_records) + HTTP_DEFAULTS.output_s
+    assert len(sim.warmup_records) == 5
+    assert res.request_table["arrival_s"].min() >= warm_end
+
+
+def test_concurrency_cap_and_request_rate():
+    res = run({"benchmark": {"concurrency": 5, "isl": 128, "osl": 64, "num_prompts": 60,
+                             "request_rate": 20.0}})
+    t = res.request_table
+    start, end = t["arrival_s"], t["finish_s"]
+    in_flight = [(start <= x).sum() - (end <= x).sum() for x in start]
+    assert max(in_flight) <= 5
+    # A rate of 20/s over 60 requests: sends span at least the drawn gaps (~3 s).
+    assert np.ptp(start) > 1.5
+
+
+def test_output_delay_shifts_ttft_and_e2e_not_tpot():
+    spec = {"num_requests": 30, "arrival": {"type": "poisson", "rate": 4.0},
+            "prompt_len": {"type": "uniform", "min": 100, "max": 800},
+            "output_len": {"type": "uniform", "min": 10, "max": 60}}
+    base = run(spec)
+    d = 0.003
+    shifted = run({**spec, "client": {"output_s": d}})
+    a, b = base.request_table, shifted.request_table
+    assert np.allclose(b["ttft_s"], a["ttft_s"] + d)
+    assert np.allclose(b["e2e_s"], a["e2e_s"] + d)
+    assert np.allclose(b["tpot_s"], a["tpot_s"], equal_nan=True)
+
+
+def test_frontend_tokenizes_one_request_at_a_time():
+    # Ten prompts sent at once: the engine sees them tokenize_s_per_token * 1000 apart.
+    client = ClientModel(http_s=0.001, tokenize_s_per_token=1e-5)
+    sim = Simulation(build_workload(closed(10, 10, {"think_s": 0.0, "http_s": 0.001,
+                                                    "tokenize_s_per_token": 1e-5, "output_s": 0.0}), 0),
+                     CFG, COST, keep_steps=True)
+    assert sim.client == client
+    sim.run()
+    # queue_s = first scheduled - send: at least http + its place in the tokenizer's queue.
+    q = np.sort(sim.collect(0.0).request_table["queue_s"])
+    assert q[0] >= 0.001 + 0.01 - 1e-12
+    assert q[-1] >= 0.001 + 0.1 - 1e-12
+
+
+@pytest.mark.parametrize("spec", [closed(6, 40), {"benchmark": {"concurrency": 6, "isl": 200, "osl": 40,
+                                                                  "num_prompts": 40, "request_rate": 30.0}}])
+def test_steady_decoding_exact_with_client_delays(spec):
+    slow = run(spec, use_steady=False, keep_token_times=True)
+    fast = run(spec, use_steady=True, keep_token_times=True)
+    cols = ["arrival_s", "first_scheduled_s", "first_token_s", "last_token_s", "finish_s"]
+    for c in cols:
+        assert np.array_equal(slow.request_table[c], fast.request_table[c]), c
+    assert len(fast.steps) < len(slow.steps)
+
+
+def test_client_jitter_is_seeded():
+    a = run(closed(4, 20), seed=3).request_table["arrival_s"]
+    b = run(closed(4, 20), seed=3).request_table["arrival_s"]
+    c = run(closed(4, 20), seed=4).request_table["arrival_s"]
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def test_open_loop_default_is_engine_direct():
+    w = build_workload({"num_requests": 5, "arrival": {"type": "poisson", "rate": 1.0},
+                        "prompt_len": {"type": "fixed", "value": 10},
+                        "output_len": {"type": "fixed", "value": 5}}, 0)
+    assert w.client is None and not w.client_delay_s.any()
+    assert Simulation(w, CFG, COST).client == ENGINE_DIRECT
+
+
+@pytest.mark.parametrize("bad, where", [
+    ({"benchmark": {"concurrency": 4, "isl": 10, "osl": 5, "num_prompts": 8}, "num_requests": 3}, "workload.num_requests"),
+    ({"benchmark": {"isl": 10, "osl": 5, "num_prompts": 8}}, "workload.benchmark"),
+    ({"benchmark": {"concurrency": 4, "isl": 10, "osl": 5}}, "workload.benchmark.num_prompts"),
+    ({"benchmark": {"concurrency": 4, "isl": 10, "osl": 5, "num_prompts": 8, "warmpu": 1}}, "workload.benchmark.warmpu"),
+    ({"benchmark": {"concurrency": 4, "isl": 10, "osl": 5, "num_prompts": 8}, "client": {"http_s": -1}}, "workload.client.http_s"),
+])
+def test_benchmark_spec_errors_name_the_key(bad, where):
+    with pytest.raises(WorkloadError, match=where.replace(".", r"\.")):
+        build_workload(bad, 0)
+
+
+def test_scenario_benchmark_round_trip():
+    sc = parse_scenario({"deployment": {"model": "llama-3.1-8b", "device": "h100-sxm", "num_gpu_blocks": 20000},
+                         "cost_model": {"type": "analytic"},
+                         "workload": {"benchmark": {"concurrency": 8, "isl": 512, "osl": 64, "num_prompts": 24}}})
+    assert sc.workload.benchmark["concurrency"] == 8 and len(sc.workload) == 24
+    with pytest.raises(WorkloadError, match="workload.benchmark.concurrency=0"):
+        parse_scenario({"workload": {"benchmark": {"concurrency": 0, "isl": 1, "osl": 1, "num_prompts": 1}}})
