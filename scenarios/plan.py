@@ -59,7 +59,7 @@ from scenarios.schema import ScenarioError, parse_scenario
 from sim.simulation import ROUTERS
 from sim.specmap import SpecMap
 from sim.specmap import SpecError
-from sim.specs import DEVICES, GiB, DeviceSpec, ModelSpec, get_device, get_model
+from sim.specs import DEVICES, DeviceSpec, ModelSpec, get_device, get_model, memory_breakdown
 from sim.workload import build_workload
 
 # USD per GPU-hour: rough on-demand list prices of GPU clouds in 2025 (single GPUs in 8-GPU
@@ -280,22 +280,10 @@ def label(cand: dict) -> str:
 # ------------------------------------------------------------------------------ memory
 def memory_report(model: ModelSpec, device: DeviceSpec, tp: int = 1, gpu_memory_utilization: float = 0.9,
                   block_size: int = 16, activation_reserve_bytes: int | None = None) -> dict:
-    """Per-GPU memory of one replica, the accounting sim.specs.kv_cache_blocks sizes pools with:
-    memory x utilisation - weights / tp - activation reserve = KV bytes; KV per token per GPU is
-    that GPU's share of the KV heads."""
-    if activation_reserve_bytes is None:
-        activation_reserve_bytes = int(1.5 * GiB) if device.memory_bytes > 16 * GiB else GiB // 2
-    usable = device.memory_bytes * gpu_memory_utilization
-    weights = model.weight_bytes / tp
-    kv = usable - weights - activation_reserve_bytes
-    kv_per_token_gpu = 2 * model.num_layers * max(1, model.num_kv_heads // tp) * model.head_dim * model.dtype_bytes
-    blocks = int(kv // (kv_per_token_gpu * block_size)) if kv > 0 else 0
-    return {"model": model.name, "device": device.name, "tp": tp,
-            "gpu_memory_bytes": device.memory_bytes, "usable_bytes": usable,
-            "weight_bytes_per_gpu": weights, "reserve_bytes": activation_reserve_bytes,
-            "kv_bytes_per_gpu": max(kv, 0.0), "kv_bytes_per_token": model.kv_bytes_per_token,
-            "kv_bytes_per_token_per_gpu": kv_per_token_gpu, "kv_blocks": blocks,
-            "kv_tokens": blocks * block_size, "fits": blocks >= 2}
+    """Per-GPU memory of one replica: the accounting sim.specs.kv_cache_blocks sizes pools with
+    (sim.specs.memory_breakdown: memory x utilisation - weight shard - vLLM's profiled reserve =
+    KV bytes; KV per token per GPU is that GPU's share of the KV heads, replicated past TP > KV heads)."""
+    return memory_breakdown(model, device, tp, gpu_memory_utilization, block_size, activation_reserve_bytes)
 
 
 def prune_reason(data: dict, cand: dict, longest: int, base_dir=None) -> str | None:

@@ -2,7 +2,8 @@
 
     name: quickstart            # used for the default output directory
     seed: 0
-    deployment: {model, device, tp, replicas, router, gpu_memory_utilization, num_gpu_blocks,
+    deployment: {model, model_config, weight_dtype (or the old `dtype`: weights only), kv_dtype,
+                 device, tp, replicas, router, gpu_memory_utilization, num_gpu_blocks,
                  pd: {prefill_replicas, decode_replicas, prefill_tp, decode_tp,
                       link_bandwidth_gb_s, link_latency_s}}     # disaggregated pools (sim/disagg.py)
     scheduler:  {max_num_batched_tokens, max_num_seqs, max_model_len, block_size,
@@ -10,7 +11,10 @@
                  policy, reserve_full_prompt, unhashed_blocks_first, watermark,
                  uncache_unscheduled_victims, async_scheduling,
                  cpu_work: {step_s, per_req_s, per_token_s, per_output_s}}  # sim/cpu_work.py
-    cost_model: {type: fitted, profile: NAME|PATH} | {type: analytic, efficiency: {...}}
+    cost_model: {type: fitted, profile: NAME|PATH} | {type: kernels, overheads: {...}}
+                | {type: analytic, efficiency: {...}}
+                default: the shipped profile for the deployment if any, else measured kernel tables
+                (H100/H200/B200), else the analytic roofline
     workload:   see sim/workload.py
     slo:        {ttft_s, tpot_s, e2e_s, queue_s}
     output:     {record_token_times, plots}
@@ -30,7 +34,9 @@ import yaml
 
 from engine.core import SchedulerConfig
 from engine.core.policy import POLICIES
-from sim.cost_model import PROFILES_DIR, AnalyticCostModel, CostModel, FittedCostModel, load_profile
+from sim.cost_model import (PROFILES_DIR, AnalyticCostModel, CostModel, FittedCostModel,
+                             cost_model_from_profile, load_profile)
+from sim.kernel_model import KernelCostModel
 from sim.cpu_work import with_cpu_work
 from sim.simulation import ROUTERS, SimResult, Simulation
 from sim.specmap import SpecError, SpecMap
@@ -118,8 +124,16 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     dep = root.sub("deployment") or _M({}, "deployment")
     model_v = dep.raw("model", "llama-3.1-8b")
     device_v = dep.raw("device", "h100-sxm")
+    model_cfg = dep.text("model_config", None)
     try:
-        model, device = get_model(model_v), get_device(device_v)
+        model = get_model(model_cfg if model_cfg is not None else model_v, base_dir=base_dir)
+        if model_cfg is not None and dep.has("model") and isinstance(model_v, str):
+            model = replace(model, name=model_v)
+        device = get_device(device_v)
+        # Weights: `weight_dtype`, or the old `dtype` key (weights only). KV: `kv_dtype`, bf16
+        # unless fp8 is asked for, as vLLM's --kv-cache-dtype auto keeps it with fp8 weights.
+        wd = dep.text("weight_dtype", None) or dep.text("dtype", None)
+        model = model.with_dtypes(weight_dtype=wd, kv_dtype=dep.text("kv_dtype", None))
     except ValueError as e:
         raise ScenarioError(str(e)) from None
     tp = dep.integer("tp", 1, ge=1)
@@ -155,21 +169,31 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     explicit_cm = cm is not None
     if cm is None:
         cm = _M({}, "cost_model")
-    kind = cm.text("type", "fitted", choices=("fitted", "analytic")) if explicit_cm else None
+    kind = cm.text("type", "fitted", choices=("fitted", "kernels", "analytic")) if explicit_cm else None
     prof_name = cm.text("profile", None) if kind == "fitted" else None
     eff = cm.raw("efficiency", None) if kind == "analytic" else None
+    ovh = cm.raw("overheads", None) if kind == "kernels" else None
     cm.done()
 
     def cost_for(t: int) -> tuple[CostModel, dict]:
-        default_profile = f"{device.name}-{model.name}" if t == 1 else f"{device.name}-tp{t}-{model.name}"
+        # Shipped profiles are named device-[tpN-]model[-fp8][-kvfp8] (sim/profiles/README.md).
+        default_profile = (f"{device.name}-" + (f"tp{t}-" if t > 1 else "") + model.name
+                           + ("-fp8" if model.weight_dtype == "fp8" else "")
+                           + ("-kvfp8" if model.kv_dtype == "fp8" else ""))
         k = kind
-        if k is None:
-            k = "fitted" if (PROFILES_DIR / f"{default_profile}.json").exists() else "analytic"
+        if k is None:  # a shipped profile, else measured kernel tables, else the roofline
+            k = ("fitted" if (PROFILES_DIR / f"{default_profile}.json").exists()
+                 else "kernels" if device.kernel_tables else "analytic")
         if k == "analytic":
             try:
                 return AnalyticCostModel(model, device, t, eff), {}
             except (TypeError, ValueError) as e:
                 raise ScenarioError(f"cost_model.efficiency={eff!r}: {e}") from None
+        if k == "kernels":
+            try:
+                return KernelCostModel(model, device, t, ovh), {}
+            except (TypeError, ValueError) as e:
+                raise ScenarioError(f"cost_model (kernels, overheads={ovh!r}): {e}") from None
         name = prof_name or default_profile
         prof_ref: str | Path = name
         if name.endswith(".json") and not Path(name).is_absolute() and base_dir is not None:
@@ -179,13 +203,14 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
         except ValueError as e:
             raise ScenarioError(str(e)) from None
         meta = prof.get("metadata", {})
-        for key, mine in (("model", model.name), ("device", device.name), ("tp", t)):
+        for key, mine in (("model", model.name), ("device", device.name), ("tp", t),
+                          ("weight_dtype", model.weight_dtype), ("kv_dtype", model.kv_dtype)):
             theirs = meta.get(key)
             if theirs is not None and theirs != mine:
                 raise ScenarioError(
                     f"cost_model.profile={name!r} was made for {key}={theirs!r} but "
-                    f"deployment.{key}={mine!r}; use a matching profile or cost_model.type: analytic")
-        return FittedCostModel.from_profile(prof), meta
+                    f"deployment.{key}={mine!r}; use a matching profile or cost_model.type: kernels/analytic")
+        return cost_model_from_profile(prof), meta
 
     cost, profile_meta = cost_for(tp)
 
@@ -275,6 +300,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
                     record_token_times=record_times, plots=plots, steady_decode=steady,
                     max_time_s=max_time, pd=pd, warnings=warnings,
                     deployment={"model": model.name, "device": device.name, "tp": tp,
+                                "weight_dtype": model.weight_dtype, "kv_dtype": model.kv_dtype,
                                 "replicas": replicas, "router": router, "num_gpu_blocks": blocks,
                                 "gpu_memory_utilization": util,
                                 **({"pd": {k: v for k, v in pd.items() if k not in ("prefill", "decode")}}

@@ -23,7 +23,7 @@ from sim.specs import DeviceSpec, ModelSpec, get_device, get_model
 
 PROFILE_FORMAT = "servetwin-profile/1"
 PROFILES_DIR = Path(__file__).parent / "profiles"
-DEFAULT_PROFILE = "h100-sxm-llama-3.1-8b"
+DEFAULT_PROFILE = "h100-sxm-llama-3.1-8b"  # kernel-table profile (sim/profiles/README.md)
 
 
 class CostModel:
@@ -110,21 +110,26 @@ class AnalyticCostModel(CostModel):
         e = efficiency if isinstance(efficiency, Efficiency) else Efficiency(**(efficiency or {}))
         self.eff = e
         m, d = self.model, self.device
-        emb = m.vocab_size * m.hidden_size
-        self._w_time = m.weight_bytes / tp / (d.mem_bandwidth * e.bandwidth)
-        # Dense FLOPs per token (embedding lookup is free; the LM head runs per token here, an
-        # upper bound since only sampling rows need it).
-        lin_params = m.num_params - (emb if not m.tie_word_embeddings else 0)
-        self._flop_time_per_token = 2 * lin_params / tp / (d.flops * e.flops)
+        # Weights streamed once per step: not the input embedding (a gather of a few rows).
+        self._w_time = m.weight_read_bytes_per_gpu(tp) / (d.mem_bandwidth * e.bandwidth)
+        # Dense FLOPs per token: linear layers at the weight dtype's peak (fp8 tensor cores for
+        # fp8 weights), the LM head at the activation dtype's (an upper bound: it runs per token
+        # here, though only sampling rows need it).
+        lin = m.num_layers * sum(n * k for n, k in m.gemm_shapes(tp).values())
+        head = -(-m.vocab_size // tp) * m.hidden_size
+        self._flop_time_per_token = (2 * lin / (d.peak_flops(m.weight_dtype) * e.flops)
+                                     + 2 * head / (d.peak_flops(m.act_dtype) * e.flops))
         self._attn_time_per_pair = 4 * m.num_layers * m.num_heads * m.head_dim / tp / (d.flops * e.attention_flops)
-        self._kv_time_per_token = m.kv_bytes_per_token / tp / (d.mem_bandwidth * e.bandwidth)
+        # KV bytes of this GPU's KV heads (replicated, not divided, when TP > KV heads).
+        self._kv_time_per_token = m.kv_bytes_per_token_per_gpu(tp) / (d.mem_bandwidth * e.bandwidth)
         if tp > 1:
             ring = 2 * (tp - 1) / tp
             self._comm_fixed = 2 * m.num_layers * d.interconnect_latency_s
-            self._comm_per_token = 2 * m.num_layers * ring * m.hidden_size * m.dtype_bytes / d.interconnect_bandwidth
+            self._comm_per_token = 2 * m.num_layers * ring * m.hidden_size * m.act_dtype_bytes / d.interconnect_bandwidth
         else:
             self._comm_fixed = self._comm_per_token = 0.0
-        self.metadata = {"model": m.name, "device": d.name, "tp": tp, "dtype": m.dtype,
+        self.metadata = {"model": m.name, "device": d.name, "tp": tp, "dtype": m.weight_dtype,
+                         "weight_dtype": m.weight_dtype, "kv_dtype": m.kv_dtype, "act_dtype": m.act_dtype,
                          "efficiency": asdict(e), "source": "analytic roofline"}
 
     def _time(self, num_reqs, num_tokens, num_prefill_reqs, prefill_pairs, prefill_ctx, decode_ctx):
@@ -165,8 +170,16 @@ def check_profile(prof, where: str) -> None:
         bad("(top level)", type(prof).__name__, "a profile is a JSON object")
     if prof.get("format") != PROFILE_FORMAT:
         bad("format", prof.get("format"), f"expected {PROFILE_FORMAT!r}")
-    if prof.get("kind") != "fitted":
-        bad("kind", prof.get("kind"), "expected 'fitted'")
+    if prof.get("kind") not in ("fitted", "kernels"):
+        bad("kind", prof.get("kind"), "expected 'fitted' or 'kernels'")
+    if prof["kind"] == "kernels":
+        for key in ("metadata", "reduced_tables"):
+            if not isinstance(prof.get(key), dict):
+                bad(key, prof.get(key), "missing, or not an object")
+        for key in ("model_spec", "device_spec", "tp"):
+            if key not in prof["metadata"]:
+                bad(f"metadata.{key}", None, "required in a kernels profile")
+        return
     for key in ("metadata", "coefficients"):
         if not isinstance(prof.get(key), dict):
             bad(key, prof.get(key), "missing, or not an object")
@@ -200,7 +213,19 @@ def make_cost_model(spec: dict | None, model=None, device=None, tp: int = 1) -> 
     if kind == "analytic":
         return AnalyticCostModel(spec.get("model", model), spec.get("device", device),
                                  spec.get("tp", tp), spec.get("efficiency"))
-    raise ValueError(f"cost_model.type={kind!r}: expected 'fitted' or 'analytic'")
+    if kind == "kernels":
+        from sim.kernel_model import KernelCostModel
+        return KernelCostModel(spec.get("model", model), spec.get("device", device), spec.get("tp", tp),
+                               spec.get("overheads"))
+    raise ValueError(f"cost_model.type={kind!r}: expected 'fitted', 'kernels' or 'analytic'")
+
+
+def cost_model_from_profile(prof: dict) -> CostModel:
+    """The cost model a profile file holds: fitted coefficients, or reduced kernel tables."""
+    if prof.get("kind") == "kernels":
+        from sim.kernel_model import KernelCostModel
+        return KernelCostModel.from_profile(prof)
+    return FittedCostModel.from_profile(prof)
 
 
 def today() -> str:

@@ -1,0 +1,170 @@
+"""ServeTwin against published serving measurements (AIConfigurator's silicon_sample.csv).
+
+    nice -n 19 .venv/bin/python bench/silicon_check.py [--csv PATH] [--max-rows N] [--out FILE]
+
+For each allowed row (a dense model we know, aggregated serving, TP only) it simulates the
+benchmark the row reports: `vllm bench serve`-style closed loop at the row's concurrency, fixed
+ISL/OSL (workload.benchmark), on the row's GPU and TP, with the scenario defaults (kernel-table
+cost model, async scheduling, benchmark clients), and compares mean TTFT and TPOT. Prints JSON:
+median |error| and signed bias (median of (sim - silicon) / silicon), overall and by backend,
+system, model, TP and concurrency.
+
+HELD OUT: rows of the `vllm` backend on h100_sxm and h200_sxm are dropped as the file is read,
+before anything looks at them; they are kept for independent checks and never used here.
+The rows used are other frameworks on H100/H200 (TensorRT-LLM, SGLang: faster or slower engines
+than vLLM, so a bias there is expected) and vLLM on B200.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import math
+import sys
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scenarios.schema import parse_scenario, run_scenario  # noqa: E402
+
+HELD_OUT_BACKEND = "vllm"
+HELD_OUT_SYSTEMS = {"h100_sxm", "h200_sxm"}
+MODELS = {"meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b", "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
+          "meta-llama/Llama-3.1-70B": "llama-3.1-70b", "meta-llama/Llama-3.1-70B-Instruct": "llama-3.1-70b",
+          "Qwen/Qwen3-32B": "qwen3-32b"}
+DEVICES = {"h100_sxm": "h100-sxm", "h200_sxm": "h200", "b200_sxm": "b200"}
+QUANT = {"": "bfloat16", "fp8": "fp8", "fp8_block": "fp8"}
+
+
+def default_csv() -> str | None:
+    hits = glob.glob("/work/aisim-venv/lib/python3*/site-packages/aisimulate_core/systems/silicon_sample.csv")
+    return hits[0] if hits else None
+
+
+def allowed_rows(path: str) -> list[dict]:
+    """Rows we may use: the held-out rows are dropped while reading, before any other use."""
+    out = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            if r["backend"].strip().lower() == HELD_OUT_BACKEND and r["system"].strip() in HELD_OUT_SYSTEMS:
+                continue
+            out.append(r)
+    return out
+
+
+def usable(r: dict) -> dict | None:
+    """The simulator's case for a row, or None (MoE, disaggregated, PP/DP, fp4/int4, unknown)."""
+    if r["mode"] != "agg" or r["model_path"] not in MODELS or r["system"] not in DEVICES:
+        return None
+    q = r["gemm_quant_mode"].strip()
+    if q not in QUANT:
+        return None
+    if any(float(r[k] or 1) != 1 for k in ("pp_size", "attention_dp_size")):
+        return None
+    try:
+        conc, tp = int(float(r["batch_size"])), int(float(r["tp_size"]))
+        ttft, tpot = float(r["silicon_ttft_ms"]), float(r["silicon_tpot_ms"])
+    except ValueError:
+        return None
+    if not (ttft > 0 and tpot > 0):
+        return None
+    return {"backend": r["backend"], "system": r["system"], "model": MODELS[r["model_path"]],
+            "weight_dtype": QUANT[q], "tp": tp, "concurrency": conc, "isl": int(r["isl"]),
+            "osl": int(r["osl"]), "ttft_ms": ttft, "tpot_ms": tpot}
+
+
+def simulate(case: dict, prompts_per_slot: int = 4, cost_model: dict | None = None) -> dict:
+    c = case["concurrency"]
+    num = max(prompts_per_slot * c, 16)
+    data = {"name": "silicon-check", "seed": 0,
+            "deployment": {"model": case["model"], "device": DEVICES[case["system"]], "tp": case["tp"],
+                           "weight_dtype": case["weight_dtype"]},
+            "workload": {"benchmark": {"concurrency": c, "isl": case["isl"], "osl": case["osl"],
+                                       "num_prompts": num, "warmup": min(c, 8)}}}
+    if cost_model:
+        data["cost_model"] = cost_model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sc = parse_scenario(data)
+        res = run_scenario(sc)
+    s = res.summary
+    return {"ttft_ms": s["ttft_s"]["mean"] * 1e3, "tpot_ms": s["tpot_s"]["mean"] * 1e3,
+            "preemptions": s.get("preemptions", 0)}
+
+
+def summarize_errors(rows: list[dict], keys: tuple[str, ...]) -> dict:
+    groups = defaultdict(list)
+    for r in rows:
+        groups[" ".join(f"{k}={r[k]}" for k in keys) if keys else "all"].append(r)
+    out = {}
+    for g, rs in sorted(groups.items()):
+        e = {m: np.array([r[f"err_{m}"] for r in rs]) for m in ("ttft", "tpot")}
+        out[g] = {"n": len(rs), **{f"{m}_median_abs_err": round(float(np.median(np.abs(v))), 3)
+                                   for m, v in e.items()},
+                  **{f"{m}_bias": round(float(np.median(v)), 3) for m, v in e.items()}}
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--csv", default=default_csv())
+    ap.add_argument("--max-rows", type=int, default=0, help="every k-th usable row to stay under N (0: all)")
+    ap.add_argument("--backend", action="append", help="only these backends (repeatable)")
+    ap.add_argument("--system", action="append", help="only these systems (repeatable)")
+    ap.add_argument("--max-osl", type=int, default=0, help="skip rows with a longer OSL (speed)")
+    ap.add_argument("--prompts-per-slot", type=int, default=4)
+    ap.add_argument("--out", help="also write the per-row results (JSON)")
+    a = ap.parse_args(argv)
+    if not a.csv or not Path(a.csv).exists():
+        sys.exit("silicon_check: no silicon_sample.csv (install the aisimulate wheel or give --csv)")
+    cases = [c for c in map(usable, allowed_rows(a.csv)) if c is not None]
+    if a.backend:
+        cases = [c for c in cases if c["backend"] in a.backend]
+    if a.system:
+        cases = [c for c in cases if c["system"] in a.system]
+    if a.max_osl:
+        cases = [c for c in cases if c["osl"] <= a.max_osl]
+    cases.sort(key=lambda c: (c["backend"], c["system"], c["model"], c["weight_dtype"], c["tp"],
+                              c["concurrency"], c["isl"], c["osl"]))
+    if a.max_rows and len(cases) > a.max_rows:
+        step = len(cases) / a.max_rows
+        cases = [cases[int(i * step)] for i in range(a.max_rows)]
+    rows, skipped = [], []
+    t0 = time.perf_counter()
+    for c in cases:
+        try:
+            sim = simulate(c, a.prompts_per_slot)
+        except Exception as e:  # a deployment that does not fit, say: report, do not hide
+            skipped.append({**c, "error": str(e)[:200]})
+            continue
+        r = {**c, "sim_ttft_ms": round(sim["ttft_ms"], 2), "sim_tpot_ms": round(sim["tpot_ms"], 3),
+             "preemptions": sim["preemptions"]}
+        r["err_ttft"] = (sim["ttft_ms"] - c["ttft_ms"]) / c["ttft_ms"]
+        r["err_tpot"] = (sim["tpot_ms"] - c["tpot_ms"]) / c["tpot_ms"]
+        rows.append(r)
+    report = {
+        "source": a.csv, "held_out": f"backend={HELD_OUT_BACKEND} on {sorted(HELD_OUT_SYSTEMS)} (dropped unread)",
+        "rows": len(rows), "skipped": len(skipped), "wall_s": round(time.perf_counter() - t0, 1),
+        "error_definition": "(sim - silicon) / silicon of the mean TTFT / TPOT; bias = median signed error",
+        "overall": summarize_errors(rows, ()),
+        "by_backend_system": summarize_errors(rows, ("backend", "system")),
+        "by_model": summarize_errors(rows, ("backend", "system", "model", "weight_dtype")),
+        "by_tp": summarize_errors(rows, ("backend", "system", "tp")),
+        "by_concurrency": summarize_errors(rows, ("backend", "concurrency")),
+    }
+    if skipped:
+        report["skipped_examples"] = skipped[:5]
+    print(json.dumps(report, indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"report": report, "rows": rows, "skipped": skipped}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Convert NVIDIA AIConfigurator's measured kernel tables (the parquet files shipped in the
+`aisimulate` wheel) into the small JSON files under calibration/kernels/ that
+sim/kernel_model.py reads. Run once, with a Python that has pandas + pyarrow and the wheel
+(the simulator itself never imports aisimulate):
+
+    /work/aisim-venv/bin/python calibration/convert_kernel_tables.py \
+        [--site /work/aisim-venv/lib/python3.11/site-packages] [--out calibration/kernels]
+
+Kept (vLLM backend only, the kernels vLLM itself runs):
+  gemm:        bf16 (torch linear) and fp8 per-tensor (CutlassFP8ScaledMM) on the regular
+               (m, n, k) grid (points it lacks are null), n and k >= 256 (dense models of 1B+ at TP 1-8).
+  attention:   context (prefill, batch x isl, causal, no prefix) and generation (decode,
+               batch x KV length) for head_dim 64/128, no sliding window, KV bf16 and fp8,
+               one kernel per GPU (FA3 on Hopper, FlashInfer TRT-LLM kernels on Blackwell).
+  all-reduce:  vLLM custom all-reduce under CUDA graphs, bf16, by element count.
+Latencies are converted from ms to microseconds and rounded to 4 significant digits.
+Nothing else is read: in particular not silicon_sample.csv.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+
+SYSTEMS = {
+    # system: (gemm version, attention version, comm version, attention kernel)
+    "h100_sxm": ("0.31.0", "0.25.0", "0.31.0", "vllm_flash_attn_fa3"),
+    "h200_sxm": ("0.31.0", "0.25.0", "0.31.0", "vllm_flash_attn_fa3"),
+    "b200_sxm": ("0.27.1", "0.25.0", "0.24.0", None),  # per table, below
+}
+B200_ATTN = {"context": "vllm_flashinfer_trtllmprefill",
+             "generation": "vllm_flashinfer_flashinfertrtllmapidecode"}
+GEMM_DTYPES = {"bf16": ("bfloat16", "torch.nn.functional.linear"),
+               "fp8": ("fp8", "CutlassFP8ScaledMMLinearKernel")}
+KV_DTYPES = {"bf16": "bfloat16", "fp8": "fp8"}
+
+
+def sig(x: float, digits: int = 4):
+    if x is None or not math.isfinite(x):
+        return None
+    if x == 0:
+        return 0.0
+    return round(x, digits - 1 - int(math.floor(math.log10(abs(x)))))
+
+
+def grid(df: pd.DataFrame, axes: list[str]) -> dict:
+    """A dense N-d grid over the axes' distinct values; missing points are null."""
+    values = [sorted(int(v) for v in df[a].unique()) for a in axes]
+    s = df.groupby(axes)["latency"].median()  # duplicates (re-runs) -> median
+    def build(prefix, depth):
+        if depth == len(axes):
+            v = s.get(tuple(prefix) if len(prefix) > 1 else prefix[0])
+            return sig(float(v) * 1000.0) if v is not None else None
+        return [build(prefix + [x], depth + 1) for x in values[depth]]
+    return {"axes": axes, "values": values, "us": build([], 0)}
+
+
+def convert(site: Path, out: Path) -> None:
+    root = site / "aisimulate_core" / "systems" / "data"
+    out.mkdir(parents=True, exist_ok=True)
+    for system, (gv, av, cv, attn_kernel) in SYSTEMS.items():
+        doc = {"system": system, "backend": "vllm", "unit": "us", "sources": {}}
+        # GEMM -------------------------------------------------------------------------
+        p = root / system / "gemm" / "vllm" / gv / "gemm_perf.parquet"
+        g = pd.read_parquet(p)
+        doc["sources"]["gemm"] = str(p.relative_to(site))
+        doc["device_name"] = str(g.device.iloc[0])
+        doc["gemm"] = {}
+        for name, (dt, kern) in GEMM_DTYPES.items():
+            x = g[(g.gemm_dtype == dt) & (g.kernel_source == kern) & (g.n >= 256) & (g.k >= 256)]
+            # the regular grid only (off-grid widths measured at a single k are dropped);
+            # (m, n, k) points missing from it stay null and are filled at load time
+            ns = sorted(n for n, c in x.groupby("n").k.nunique().items() if c >= 5)
+            ks = sorted(k for k, c in x.groupby("k").n.nunique().items() if c >= 5)
+            x = x[x.n.isin(ns) & x.k.isin(ks)]
+            doc["gemm"][name] = {"kernel": kern, **grid(x, ["m", "n", "k"])}
+        # attention --------------------------------------------------------------------
+        for phase, axis in (("context", "isl"), ("generation", "step")):
+            p = root / system / "attention" / "vllm" / av / f"{phase}_attention_perf.parquet"
+            a = pd.read_parquet(p)
+            doc["sources"][f"{phase}_attention"] = str(p.relative_to(site))
+            kern = attn_kernel or B200_ATTN[phase]
+            a = a[(a.kernel_source == kern) & (a.window_size == 0) & (a.head_dim.isin([64, 128]))
+                  & (a.attn_dtype == "bfloat16")]
+            if phase == "generation":
+                a = a.assign(kv_len=a.isl + a.step)  # KV tokens read per sequence
+                axis = "kv_len"
+            tables = {}
+            for kv_name, kv_dt in KV_DTYPES.items():
+                for (h, kvh, d), sub in a[a.kv_cache_dtype == kv_dt].groupby(
+                        ["num_heads", "num_key_value_heads", "head_dim"]):
+                    tables[f"{kv_name}/{h}/{kvh}/{d}"] = grid(sub, ["batch_size", axis])
+            doc[f"{phase}_attention"] = {"kernel": kern, "key": "kv_dtype/q_heads/kv_heads/head_dim",
+                                         "tables": tables}
+        # all-reduce -------------------------------------------------------------------
+        p = root / system / "comm" / "vllm" / cv / "custom_allreduce_perf.parquet"
+        c = pd.read_parquet(p)
+        doc["sources"]["allreduce"] = str(p.relative_to(site))
+        c = c[(c.kernel_source == "vLLM_custom_graph") & (c.allreduce_dtype == "bfloat16")]
+        doc["allreduce"] = {"kernel": "vLLM_custom_graph", "dtype": "bf16", "size_unit": "elements",
+                            "tables": {str(n): grid(sub, ["message_size"]) for n, sub in c.groupby("num_gpus")}}
+        with open(out / f"{system}.json", "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        print(f"{system}: {(out / f'{system}.json').stat().st_size / 1e6:.2f} MB")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sites = glob.glob("/work/aisim-venv/lib/python3*/site-packages")
+    ap.add_argument("--site", type=Path, default=Path(sites[0]) if sites else None)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "kernels")
+    args = ap.parse_args()
+    convert(args.site, args.out)
+
+
+if __name__ == "__main__":
+    main()

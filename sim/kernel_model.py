@@ -1,0 +1,447 @@
+"""Step times from kernel times measured on real GPUs (NVIDIA AIConfigurator's vLLM tables,
+converted by calibration/convert_kernel_tables.py into calibration/kernels/<gpu>.json).
+
+One step of a dense decoder on one GPU of a TP group is, per layer:
+    qkv, o_proj, gate_up, down GEMMs      M = tokens in the step, (N, K) from shape and TP
+    attention                              prefill chunks (batch x length with the same
+                                           query-key pairs) + decodes (batch x mean KV length)
+    elementwise kernels                    2 RMSNorm(+residual), RoPE, KV write, SiLU*mul (+ q/k
+                                           norms for Qwen3): max(launch latency, bytes / bandwidth)
+    2 all-reduces when TP > 1              message = tokens x hidden (bf16), by TP size
+and once per step: the embedding gather and its all-reduce, the LM head GEMM and sampling over
+the rows that sample, and the CPU work around the step (a simple hook; see `cpu_time`).
+
+Each measured term is interpolated in log-log space between measured points. Points the table
+lacks (holes, or queries beyond its edges) take the roofline of that kernel scaled to the
+nearest measured point; such lookups are counted in `fallbacks` (and warned about once), never
+silent. A model whose heads or dtype have no table at all uses the roofline for that term (also
+counted). The model is reduced at construction to small per-deployment tables (GEMMs of one
+layer vs M, attention vs batch and length, all-reduce vs tokens), which a profile file stores.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import warnings
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from engine.core.features import BatchFeatures
+from sim.cost_model import PROFILE_FORMAT, CostModel
+from sim.specs import DeviceSpec, ModelSpec, get_device, get_model
+
+KERNELS_DIR = Path(__file__).resolve().parent.parent / "calibration" / "kernels"
+KV_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8"}
+GEMM_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8"}
+
+
+@lru_cache(maxsize=8)
+def load_tables(name: str) -> dict:
+    p = KERNELS_DIR / f"{name}.json"
+    if not p.exists():
+        raise ValueError(f"cost_model: no kernel tables {p.name} in {KERNELS_DIR}")
+    with open(p) as f:
+        return json.load(f)
+
+
+class Grid:
+    """A measured table over log-spaced axes: multilinear interpolation of log(time) in
+    log(axes). Holes are filled once, from the nearest measured point scaled by the roofline;
+    queries past an edge take the edge value scaled by the roofline. Either is a fallback."""
+
+    def __init__(self, values: list[list[float]], us, roofline: Callable[..., float] | None,
+                 measured=None) -> None:
+        self.values = [list(map(float, v)) for v in values]
+        self.logs = [[math.log(x) for x in v] for v in self.values]
+        t = np.array(us, dtype=float)
+        have = np.isfinite(t) & (t > 0)
+        ok = have if measured is None else np.asarray(measured, dtype=bool) & have
+        if not have.any():
+            raise ValueError("kernel table without a value")
+        self.roofline = roofline
+        if not have.all():
+            if roofline is None:
+                raise ValueError("kernel table with holes needs a roofline to fill them")
+            pts = np.argwhere(have)
+            logpos = [np.array(lg) for lg in self.logs]
+            coords = np.stack([logpos[d][pts[:, d]] for d in range(len(self.logs))], axis=1)
+            for idx in np.argwhere(~have):
+                q = np.array([logpos[d][i] for d, i in enumerate(idx)])
+                j = int(np.argmin(((coords - q) ** 2).sum(axis=1)))
+                src = tuple(pts[j])
+                qv = [self.values[d][i] for d, i in enumerate(idx)]
+                sv = [self.values[d][i] for d, i in enumerate(src)]
+                t[tuple(idx)] = t[src] * roofline(*qv) / roofline(*sv)
+        self.us = t
+        self.logt = np.log(t)
+        self.measured = ok
+
+    def __call__(self, *q: float) -> tuple[float, bool]:
+        """(microseconds, exact): exact when every point used was measured and q is inside."""
+        exact = True
+        clamped = []
+        lo_idx, fr = [], []
+        for x, v, lg in zip(q, self.values, self.logs):
+            xc = min(max(x, v[0]), v[-1])
+            if xc != x:
+                exact = False
+            clamped.append(xc)
+            if len(v) == 1:
+                lo_idx.append(0)
+                fr.append(0.0)
+                continue
+            i = min(max(bisect.bisect_right(v, xc) - 1, 0), len(v) - 2)
+            lo_idx.append(i)
+            fr.append((math.log(xc) - lg[i]) / (lg[i + 1] - lg[i]))
+        acc = 0.0
+        nd = len(q)
+        for corner in range(1 << nd):
+            w = 1.0
+            idx = []
+            for d in range(nd):
+                up = (corner >> d) & 1
+                f = fr[d]
+                if up and (len(self.values[d]) == 1):
+                    w = 0.0
+                    break
+                w *= f if up else 1.0 - f
+                idx.append(lo_idx[d] + up)
+            if w == 0.0:
+                continue
+            idx = tuple(idx)
+            acc += w * self.logt[idx]
+            if not self.measured[idx]:
+                exact = False
+        t = math.exp(acc)
+        if clamped != list(q) and self.roofline is not None:
+            t *= self.roofline(*q) / self.roofline(*clamped)
+        return t, exact
+
+    def to_json(self) -> dict:
+        return {"values": self.values, "us": [float(f"{x:.4g}") for x in self.us.ravel()],
+                "shape": list(self.us.shape), "measured": [int(x) for x in self.measured.ravel()]}
+
+    @classmethod
+    def from_json(cls, d: dict, roofline=None) -> "Grid":
+        shape = d["shape"]
+        return cls(d["values"], np.array(d["us"], dtype=float).reshape(shape), roofline,
+                   np.array(d["measured"], dtype=bool).reshape(shape))
+
+
+@dataclass
+class Overheads:
+    """Terms the kernel tables do not measure (seconds). Defaults: see calibration/kernels/README.md."""
+
+    elementwise_latency_s: float = 2.5e-6   # one small elementwise kernel inside a CUDA graph
+    sampler_s: float = 6.0e-5               # sampling kernels + logits copy, per step with samples
+    step_overhead_s: float = 1.2e-3         # CPU per step: schedule, prepare inputs, outputs (sync)
+    per_req_overhead_s: float = 8e-6        # CPU per scheduled request
+    per_prefill_token_overhead_s: float = 0.0
+
+
+def _log_grid(lo: int, hi: int, per_octave: int = 4) -> list[int]:
+    out, x = [], float(lo)
+    while x < hi * 1.0001:
+        v = int(round(x))
+        if not out or v > out[-1]:
+            out.append(v)
+        x *= 2 ** (1 / per_octave)
+    return out
+
+
+class KernelCostModel(CostModel):
+    """Per-step seconds from measured kernel tables for one deployment (model x device x TP)."""
+
+    kind = "kernels"
+
+    def __init__(self, model: ModelSpec | str | dict, device: DeviceSpec | str | dict, tp: int = 1,
+                 overheads: Overheads | dict | None = None, tables: dict | str | None = None,
+                 reduced: dict | None = None) -> None:
+        self.model = m = get_model(model)
+        self.device = d = get_device(device)
+        if tp < 1 or m.num_heads % tp:
+            raise ValueError(f"deployment.tp={tp}: must be >= 1 and divide num_heads={m.num_heads}")
+        self.tp = tp
+        self.ovh = overheads if isinstance(overheads, Overheads) else Overheads(**(overheads or {}))
+        self.fallbacks: dict[str, int] = {}
+        self.lookups = 0
+        self._warned: set[str] = set()
+        self.cpu_model: Callable[[BatchFeatures], float] | None = None  # replaces cpu_time if set
+        self.kv_heads = m.kv_heads_per_gpu(tp)
+        self.q_heads = m.num_heads // tp
+        if reduced is not None:
+            self._from_reduced(reduced)
+        else:
+            if tables is None:
+                tables = d.kernel_tables
+            if isinstance(tables, str):
+                tables = load_tables(tables)
+            self.source = tables.get("sources", {}) if tables else {}
+            self._build(tables)
+        self.metadata = {"model": m.name, "device": d.name, "tp": tp, "weight_dtype": m.weight_dtype,
+                         "kv_dtype": m.kv_dtype, "act_dtype": m.act_dtype, "kv_heads_per_gpu": self.kv_heads,
+                         "source": "measured kernel tables (AIConfigurator, vLLM kernels); roofline outside them",
+                         "tables": self.source, "table_coverage": self.coverage,
+                         "overheads": self.ovh.__dict__.copy()}
+
+    # ------------------------------------------------------------------ rooflines
+    def _gemm_roof(self, dtype: str) -> Callable[..., float]:
+        d, m = self.device, self.model
+        peak = d.peak_flops(dtype)
+        wb = 1 if dtype == "fp8" else 2
+        a = m.act_dtype_bytes
+
+        def roof(M, N, K):
+            return max(2 * M * N * K / peak, (M * K * a + N * K * wb + M * N * a) / d.mem_bandwidth) + 2e-6
+        return roof
+
+    def _ctx_roof(self, b, s):
+        m, d = self.model, self.device
+        flops = 2 * b * s * s * self.q_heads * m.head_dim  # causal: half of 4*s^2*h*d
+        by = b * s * (self.q_heads + 2 * self.kv_heads) * m.head_dim * m.act_dtype_bytes * 2
+        return max(flops / d.flops, by / d.mem_bandwidth) + 5e-6
+
+    def _gen_roof(self, b, s):
+        m, d = self.model, self.device
+        by = b * s * 2 * self.kv_heads * m.head_dim * m.kv_dtype_bytes
+        flops = 4 * b * s * self.q_heads * m.head_dim
+        return max(flops / d.flops, by / d.mem_bandwidth) + 5e-6
+
+    def _ar_roof(self, n):
+        d, tp = self.device, self.tp
+        return 2 * (tp - 1) / tp * n * self.model.act_dtype_bytes / d.interconnect_bandwidth + d.interconnect_latency_s
+
+    # ------------------------------------------------------------------ building
+    def _build(self, tables: dict | None) -> None:
+        m, tp = self.model, self.tp
+        cov = {}
+        # GEMMs of one layer and the LM head, as functions of M.
+        gname = GEMM_NAMES.get(m.weight_dtype)
+        g = (tables or {}).get("gemm", {}).get(gname) if gname else None
+        roof_w = self._gemm_roof(m.weight_dtype)
+        roof_a = self._gemm_roof(m.act_dtype)
+        ms = sorted(set(g["values"][0]) | set(_log_grid(32768, 262144))) if g else _log_grid(1, 262144)
+        shapes = list(m.gemm_shapes(tp).values())
+        vocab = -(-m.vocab_size // tp)
+        layer, head, ok_l, ok_h = [], [], [], []
+        grid_w = Grid(g["values"], g["us"], roof_w) if g else None
+        ga = (tables or {}).get("gemm", {}).get(GEMM_NAMES.get(m.act_dtype, ""), None)
+        grid_a = Grid(ga["values"], ga["us"], roof_a) if ga else None
+        def gemm(grid, roof, M, n, k):
+            if grid is None:
+                return roof(M, n, k) * 1e6, False
+            # Wider than the table (a 128k-vocabulary LM head): equal column slices, each measured.
+            parts = -(-n // int(grid.values[1][-1]))
+            t, e = grid(M, n / parts, k)
+            return parts * t, e
+
+        for M in ms:
+            tot, ok = 0.0, True
+            for n, k in shapes:
+                t, e = gemm(grid_w, roof_w, M, n, k)
+                tot += t
+                ok &= e
+            layer.append(tot)
+            ok_l.append(ok)
+            t, e = gemm(grid_a, roof_a, M, vocab, m.hidden_size)
+            head.append(t)
+            ok_h.append(e)
+        self.g_layer = Grid([ms], layer, None, ok_l)
+        self.g_head = Grid([ms], head, None, ok_h)
+        cov["gemm"] = bool(grid_w)
+        cov["lm_head_gemm"] = bool(grid_a)
+        # Attention for this GPU's heads.
+        kvn = KV_NAMES.get(m.kv_dtype, "bf16")
+        key = f"{kvn}/{self.q_heads}/{self.kv_heads}/{m.head_dim}"
+        for phase, roof, attr in (("context", self._ctx_roof, "g_ctx"), ("generation", self._gen_roof, "g_gen")):
+            tab = (tables or {}).get(f"{phase}_attention", {}).get("tables", {}).get(key)
+            if tab is not None:
+                setattr(self, attr, Grid(tab["values"], tab["us"], lambda b, s, r=roof: r(b, s)))
+            else:
+                bs, ss = _log_grid(1, 4096, 1), _log_grid(1, 262144, 1)
+                us = [[roof(b, s) * 1e6 for s in ss] for b in bs]
+                setattr(self, attr, Grid([bs, ss], us, lambda b, s, r=roof: r(b, s),
+                                         np.zeros((len(bs), len(ss)), dtype=bool)))
+            cov[f"{phase}_attention"] = key if tab is not None else None
+        # All-reduce by message elements.
+        self.g_ar = None
+        if tp > 1:
+            tab = (tables or {}).get("allreduce", {}).get("tables", {}).get(str(tp))
+            if tab is not None:
+                self.g_ar = Grid(tab["values"], tab["us"], self._ar_roof)
+            else:
+                ns = _log_grid(128, 1 << 30, 1)
+                self.g_ar = Grid([ns], [self._ar_roof(n) * 1e6 for n in ns], self._ar_roof,
+                                 np.zeros(len(ns), dtype=bool))
+            cov["allreduce"] = tab is not None
+        self.coverage = cov
+
+    def to_reduced(self) -> dict:
+        r = {"g_layer": self.g_layer.to_json(), "g_head": self.g_head.to_json(),
+             "g_ctx": self.g_ctx.to_json(), "g_gen": self.g_gen.to_json(),
+             "coverage": self.coverage, "sources": self.source}
+        if self.g_ar is not None:
+            r["g_ar"] = self.g_ar.to_json()
+        return r
+
+    def _from_reduced(self, r: dict) -> None:
+        self.g_layer = Grid.from_json(r["g_layer"], self._layer_roof)
+        self.g_head = Grid.from_json(r["g_head"], self._head_roof)
+        self.g_ctx = Grid.from_json(r["g_ctx"], self._ctx_roof)
+        self.g_gen = Grid.from_json(r["g_gen"], self._gen_roof)
+        self.g_ar = Grid.from_json(r["g_ar"], self._ar_roof) if "g_ar" in r else None
+        self.coverage = r.get("coverage", {})
+        self.source = r.get("sources", {})
+
+    def _layer_roof(self, M):
+        roof = self._gemm_roof(self.model.weight_dtype)
+        return sum(roof(M, n, k) for n, k in self.model.gemm_shapes(self.tp).values())
+
+    def _head_roof(self, M):
+        return self._gemm_roof(self.model.act_dtype)(M, -(-self.model.vocab_size // self.tp), self.model.hidden_size)
+
+    # ------------------------------------------------------------------ lookups
+    def _look(self, term: str, grid: Grid, *q) -> float:
+        t, exact = grid(*q)
+        self.lookups += 1
+        if not exact:
+            self.fallbacks[term] = self.fallbacks.get(term, 0) + 1
+            if term not in self._warned:
+                self._warned.add(term)
+                warnings.warn(f"kernel cost model ({self.model.name} on {self.device.name}, tp={self.tp}): "
+                              f"{term} at {tuple(round(x, 1) for x in q)} is outside the measured kernel "
+                              "table; using the roofline scaled to the nearest measured point "
+                              "(counted in fallbacks)", stacklevel=3)
+        return t * 1e-6
+
+    def _elementwise(self, T: int) -> float:
+        """Small memory-bound kernels of one layer (each at least a launch inside a graph)."""
+        m, tp = self.model, self.tp
+        a, lat, bw = m.act_dtype_bytes, self.ovh.elementwise_latency_s, self.device.mem_bandwidth
+        h = m.hidden_size
+        qk = (self.q_heads + self.kv_heads) * m.head_dim
+        kernels = [3 * T * h * a, 3 * T * h * a,                 # fused add + RMSNorm (x2)
+                   2 * T * qk * a,                               # RoPE on q and k
+                   T * 2 * self.kv_heads * m.head_dim * (a + m.kv_dtype_bytes),  # KV write
+                   3 * T * m.intermediate_size // tp * a]        # SiLU * mul
+        if m.qk_norm:
+            kernels += [2 * T * qk * a]
+        return sum(max(lat, b / bw) for b in kernels)
+
+    def gpu_time(self, f: BatchFeatures) -> float:
+        return sum(self.breakdown(f).values())
+
+    def breakdown(self, f: BatchFeatures) -> dict[str, float]:
+        """Seconds of each GPU term of the step (their sum is gpu_time)."""
+        T = f.num_prefill_tokens + f.num_decode_reqs
+        if T == 0:
+            return {}
+        m, L = self.model, self.model.num_layers
+        out = {"gemm": L * self._look("gemm", self.g_layer, T), "attention": 0.0}
+        if f.num_prefill_reqs:
+            b = f.num_prefill_reqs
+            s = math.sqrt(2.0 * f.prefill_attn_pairs / b)
+            out["attention"] += L * self._look("context_attention", self.g_ctx, b, max(s, 1.0))
+        if f.num_decode_reqs:
+            b = f.num_decode_reqs
+            out["attention"] += L * self._look("generation_attention", self.g_gen, b,
+                                               max(f.decode_context_tokens / b, 1.0))
+        out["elementwise"] = L * self._elementwise(T) + max(
+            self.ovh.elementwise_latency_s, T * m.hidden_size * m.act_dtype_bytes * 2 / self.device.mem_bandwidth)
+        out["allreduce"] = 0.0
+        if self.g_ar is not None:
+            out["allreduce"] = (2 * L + 1) * self._look("allreduce", self.g_ar, T * m.hidden_size)
+        # Rows that sample: every decode, and (an upper bound) every prefill chunk.
+        S = f.num_decode_reqs + f.num_prefill_reqs
+        out["lm_head"] = out["sampler"] = 0.0
+        if S:
+            out["lm_head"] = self._look("lm_head", self.g_head, S)
+            out["sampler"] = self.ovh.sampler_s
+            if self.g_ar is not None:  # logits gathered across the TP group
+                out["allreduce"] += self._look("allreduce", self.g_ar, S * -(-m.vocab_size // self.tp))
+        return out
+
+    def cpu_time(self, f: BatchFeatures) -> float:
+        """CPU work around the step, added to the GPU time (synchronous scheduling). A richer
+        model (async scheduling overlaps it) is plugged in through `cpu_model`."""
+        if self.cpu_model is not None:
+            return self.cpu_model(f)
+        o = self.ovh
+        return o.step_overhead_s + o.per_req_overhead_s * f.num_reqs + o.per_prefill_token_overhead_s * f.num_prefill_tokens
+
+    def _time(self, num_reqs, num_tokens, num_prefill_reqs, prefill_pairs, prefill_ctx, decode_ctx):
+        f = BatchFeatures(num_reqs=num_reqs, num_prefill_reqs=num_prefill_reqs,
+                          num_decode_reqs=num_reqs - num_prefill_reqs, prefill_context_tokens=prefill_ctx,
+                          prefill_attn_pairs=prefill_pairs, decode_context_tokens=decode_ctx)
+        f.num_prefill_tokens = num_tokens - f.num_decode_reqs
+        return self.step_time(f)
+
+    def step_time(self, f: BatchFeatures) -> float:
+        if f.num_prefill_tokens + f.num_decode_reqs == 0:
+            return 0.0
+        return self.gpu_time(f) + self.cpu_time(f)
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, **self.metadata, "lookups": self.lookups, "fallbacks": dict(self.fallbacks)}
+
+    # ------------------------------------------------------------------ profiles
+    def to_profile(self, extra_metadata: dict | None = None) -> dict:
+        meta = {**self.metadata, **(extra_metadata or {})}
+        meta["model_spec"] = {k: getattr(self.model, k) for k in self.model.__slots__}
+        meta["device_spec"] = {k: getattr(self.device, k) for k in self.device.__slots__}
+        return {"format": PROFILE_FORMAT, "kind": "kernels", "metadata": meta,
+                "overheads": self.ovh.__dict__.copy(), "reduced_tables": self.to_reduced()}
+
+    @classmethod
+    def from_profile(cls, prof: dict) -> "KernelCostModel":
+        meta = prof["metadata"]
+        return cls(meta["model_spec"], meta["device_spec"], meta["tp"], prof.get("overheads"),
+                   reduced=prof["reduced_tables"])
+
+
+# ---------------------------------------------------------------------- shipped profiles
+SHIPPED = [  # (device, model, tp): each in bf16 and fp8 weights (KV bf16, as vLLM's default)
+    ("h100-sxm", "llama-3.1-8b", 1), ("h100-sxm", "llama-3.1-70b", 4), ("h100-sxm", "qwen3-32b", 2),
+    ("h200", "llama-3.1-8b", 1), ("h200", "llama-3.1-70b", 4), ("h200", "qwen3-32b", 2),
+]
+
+
+def profile_name(device: str, model: ModelSpec, tp: int) -> str:
+    """device-[tpN-]model[-fp8][-kvfp8], the name the scenario loader looks for by default."""
+    return (f"{device}-" + (f"tp{tp}-" if tp > 1 else "") + model.name
+            + ("-fp8" if model.weight_dtype == "fp8" else "") + ("-kvfp8" if model.kv_dtype == "fp8" else ""))
+
+
+def write_profiles(out_dir: Path | None = None) -> list[Path]:
+    """The shipped kernel-table profiles (sim/profiles/), from calibration/kernels/."""
+    import datetime
+    out_dir = Path(out_dir or Path(__file__).parent / "profiles")
+    prov = (KERNELS_DIR / "PROVENANCE.md").name
+    written = []
+    for dev, name, tp in SHIPPED:
+        for wd in ("bfloat16", "fp8"):
+            model = get_model(name).with_dtypes(weight_dtype=wd)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                k = KernelCostModel(model, dev, tp)
+            prof = k.to_profile({
+                "made": datetime.date.today().isoformat(), "synthetic": False,
+                "provenance": f"calibration/kernels/{prov}: NVIDIA AIConfigurator perf database "
+                              "(aisimulate 0.13.0.dev202610270000000085, Apache-2.0), vLLM kernels "
+                              "measured on this GPU; reduced to this deployment by sim/kernel_model.py",
+                "error_is": "not fitted to any serving result; see bench/silicon_check.py for end-to-end checks"})
+            p = out_dir / f"{profile_name(dev, model, tp)}.json"
+            with open(p, "w") as f:
+                json.dump(prof, f, separators=(",", ":"))
+            written.append(p)
+    return written
+
+
+if __name__ == "__main__":  # python -m sim.kernel_model: rewrite the shipped profiles
+    for p in write_profiles():
+        print(p, f"{p.stat().st_size / 1e3:.0f} kB")

@@ -1,0 +1,113 @@
+"""The kernel-table cost model: measured points are returned as measured, points between them are
+interpolated (log-log), points outside them fall back to the roofline and say so."""
+import math
+import warnings
+
+import pytest
+
+from engine.core.features import BatchFeatures
+from sim.cost_model import cost_model_from_profile, load_profile
+from sim.kernel_model import Grid, KernelCostModel, load_tables
+from sim.specs import get_model
+
+
+def decode_step(b: int, ctx: int) -> BatchFeatures:
+    f = BatchFeatures(num_reqs=b)
+    for _ in range(b):
+        f.add(1, ctx)
+    return f
+
+
+def prefill_step(n: int, c: int = 0) -> BatchFeatures:
+    f = BatchFeatures(num_reqs=1)
+    f.add(n, c)
+    return f
+
+
+def test_grid_interpolates_between_measured_points_in_log_space():
+    g = Grid([[1, 4, 16]], [10.0, 40.0, 50.0], roofline=lambda m: m)
+    assert g(4) == (pytest.approx(40.0), True)                    # a measured point, as measured
+    t, exact = g(2)                                               # t ~ m between 1 and 4: 10 * 2
+    assert exact and t == pytest.approx(20.0)
+    t, exact = g(8)                                               # geometric mean of 40 and 50
+    assert exact and t == pytest.approx(math.sqrt(40 * 50))
+
+
+def test_grid_falls_back_to_the_roofline_outside_and_says_so():
+    g = Grid([[1, 4, 16]], [10.0, 40.0, 50.0], roofline=lambda m: 3.0 * m)
+    t, exact = g(64)                                              # edge value x roofline(64)/roofline(16)
+    assert not exact and t == pytest.approx(50.0 * 4)
+    t, exact = g(0.5)
+    assert not exact and t == pytest.approx(10.0 * 0.5)
+
+
+def test_grid_fills_holes_from_the_nearest_measured_point_and_flags_them():
+    # 2-D (batch, length): the (4, 8) corner was not measured.
+    g = Grid([[1, 4], [2, 8]], [[1.0, 2.0], [3.0, None]], roofline=lambda b, s: b * s)
+    t, exact = g(4, 8)
+    assert not exact
+    assert t in (pytest.approx(3.0 * 32 / 8), pytest.approx(2.0 * 32 / 8))  # from (4, 2) or (1, 8)
+    t, exact = g(1, 2)
+    assert exact and t == pytest.approx(1.0)
+    _, exact = g(2, 4)                                            # uses the hole as a corner
+    assert not exact
+
+
+def test_shipped_h100_gemm_table_is_read_as_measured():
+    tab = load_tables("h100_sxm")["gemm"]["bf16"]
+    ms, ns, ks = tab["values"]
+    i, j, k = ms.index(64), ns.index(4096), ks.index(4096)
+    g = Grid(tab["values"], tab["us"], roofline=lambda m, n, k: m * n * k)
+    t, exact = g(64, 4096, 4096)
+    assert exact and t == pytest.approx(tab["us"][i][j][k])
+    # Between two measured widths the time lies between theirs.
+    lo, hi = tab["us"][i][ns.index(3584)][k], tab["us"][i][ns.index(5120)][k]
+    t, exact = g(64, 4600, 4096)
+    assert exact and min(lo, hi) <= t <= max(lo, hi)
+
+
+def test_kernel_model_counts_fallbacks_and_warns_once():
+    k = KernelCostModel(get_model("llama-3.1-8b"), "h100-sxm", 2)
+    k.step_time(decode_step(32, 1000))
+    k.step_time(prefill_step(2048))
+    assert k.fallbacks == {} and k.lookups > 0                   # inside the measured tables
+    with pytest.warns(UserWarning, match="outside the measured kernel table"):
+        k.step_time(prefill_step(100_000))                       # M past the GEMM table's 32768
+    assert k.fallbacks.get("gemm", 0) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                           # the second time: counted, not warned
+        k.step_time(prefill_step(100_000))
+    assert k.fallbacks["gemm"] == 2
+    assert k.describe()["fallbacks"]["gemm"] == 2
+
+
+def test_kernel_model_without_a_table_uses_the_roofline_and_says_so():
+    # qwen2.5-7b at tp=4: 7 query heads per GPU, a head count the attention tables do not hold.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        k = KernelCostModel(get_model("qwen2.5-7b"), "h100-sxm", 4)
+        assert k.coverage["generation_attention"] is None
+        k.step_time(decode_step(8, 500))
+    assert k.fallbacks.get("generation_attention") == 1
+
+
+def test_decode_step_shape_grows_with_batch_context_and_shrinks_with_tp():
+    k1 = KernelCostModel(get_model("llama-3.1-70b"), "h100-sxm", 4)
+    k8 = KernelCostModel(get_model("llama-3.1-70b"), "h100-sxm", 8)
+    assert k1.gpu_time(decode_step(64, 2000)) > k1.gpu_time(decode_step(8, 2000)) > k1.gpu_time(decode_step(8, 100))
+    assert k8.gpu_time(decode_step(8, 1000)) < k1.gpu_time(decode_step(8, 1000))
+    # All-reduce is a measured term at TP > 1: 2 per layer + embedding + logits gather.
+    assert k8.breakdown(decode_step(8, 1000))["allreduce"] > 0
+    # fp8 weights: decode (weight-bound) GEMMs faster than bf16.
+    kf = KernelCostModel(get_model("llama-3.1-70b").with_dtypes(weight_dtype="fp8"), "h100-sxm", 4)
+    assert kf.breakdown(decode_step(8, 1000))["gemm"] < 0.75 * k1.breakdown(decode_step(8, 1000))["gemm"]
+
+
+def test_shipped_profile_reproduces_the_tables():
+    prof = load_profile("h200-tp4-llama-3.1-70b-fp8")
+    assert prof["kind"] == "kernels" and prof["metadata"]["synthetic"] is False
+    assert "AIConfigurator" in prof["metadata"]["provenance"]
+    from_file = cost_model_from_profile(prof)
+    fresh = KernelCostModel(get_model("llama-3.1-70b").with_dtypes(weight_dtype="fp8"), "h200", 4)
+    for f in (decode_step(16, 3000), prefill_step(1500, 700)):
+        assert from_file.step_time(f) == pytest.approx(fresh.step_time(f), rel=1e-3)

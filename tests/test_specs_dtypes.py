@@ -1,0 +1,126 @@
+"""Model/device specs: separate weight, KV and activation dtypes; KV heads per GPU computed once
+and used by memory accounting and the cost models alike; forgiving names; HF config.json."""
+import json
+
+import pytest
+
+from sim.cost_model import AnalyticCostModel
+from sim.kernel_model import KernelCostModel
+from sim.specs import GiB, get_device, get_model, kv_cache_blocks, memory_breakdown
+from scenarios.schema import ScenarioError, parse_scenario
+
+L8 = dict(layers=32, h=4096, inter=14336, vocab=128256)
+WORKLOAD = {"num_requests": 4, "arrival": {"type": "poisson", "rate": 1},
+            "prompt_len": {"type": "fixed", "value": 64}, "output_len": {"type": "fixed", "value": 8}}
+
+
+def test_fp8_weights_halve_linear_bytes_but_not_kv_embeddings_or_head():
+    bf16 = get_model("llama-3.1-8b")
+    fp8 = bf16.with_dtypes(weight_dtype="fp8")
+    h, layers = L8["h"], L8["layers"]
+    linear = layers * (h * (4096 + 2 * 1024) + 4096 * h + 3 * h * L8["inter"])
+    dense = 2 * L8["vocab"] * h + (2 * layers + 1) * h              # embeddings, LM head, norms
+    assert bf16.weight_bytes == 2 * linear + 2 * dense
+    assert fp8.weight_bytes == linear + 2 * dense                     # only the linear layers halve
+    assert fp8.kv_bytes_per_token == bf16.kv_bytes_per_token == 2 * layers * 8 * 128 * 2
+    assert fp8.kv_dtype == "bfloat16" and fp8.act_dtype == "bfloat16"
+    kv8 = fp8.with_dtypes(kv_dtype="fp8")
+    assert kv8.kv_bytes_per_token == bf16.kv_bytes_per_token // 2     # only when asked for
+    # More room for KV on the same GPU with fp8 weights, twice the tokens per byte with fp8 KV.
+    dev = get_device("h100-sxm")
+    assert kv_cache_blocks(fp8, dev) > kv_cache_blocks(bf16, dev)
+    assert kv_cache_blocks(kv8, dev) == pytest.approx(2 * kv_cache_blocks(fp8, dev), abs=2)
+
+
+def test_scenario_dtype_key_sets_weights_only_and_kv_dtype_is_separate():
+    base = {"workload": WORKLOAD, "cost_model": {"type": "analytic"}}
+    old = parse_scenario({**base, "deployment": {"model": "llama-3.1-8b", "dtype": "fp8"}})
+    new = parse_scenario({**base, "deployment": {"model": "llama-3.1-8b", "weight_dtype": "fp8"}})
+    plain = parse_scenario({**base, "deployment": {"model": "llama-3.1-8b"}})
+    kv = parse_scenario({**base, "deployment": {"model": "llama-3.1-8b", "weight_dtype": "fp8", "kv_dtype": "fp8"}})
+    for sc in (old, new):
+        assert sc.deployment["weight_dtype"] == "fp8" and sc.deployment["kv_dtype"] == "bfloat16"
+    assert old.scheduler_config.num_gpu_blocks == new.scheduler_config.num_gpu_blocks
+    assert plain.scheduler_config.num_gpu_blocks < new.scheduler_config.num_gpu_blocks
+    assert kv.scheduler_config.num_gpu_blocks > 1.9 * new.scheduler_config.num_gpu_blocks
+    with pytest.raises(ScenarioError, match="kv_dtype"):
+        parse_scenario({**base, "deployment": {"model": "llama-3.1-8b", "kv_dtype": "int3"}})
+
+
+def test_fp8_peak_is_twice_bf16_and_used_for_fp8_gemms():
+    for name in ("h100-sxm", "h200", "b200"):
+        d = get_device(name)
+        assert d.peak_flops("fp8") == pytest.approx(2 * d.peak_flops("bf16"), rel=0.01)
+    bf16 = AnalyticCostModel("llama-3.1-70b", "h100-sxm", 4)
+    fp8 = AnalyticCostModel(get_model("llama-3.1-70b").with_dtypes(weight_dtype="fp8"), "h100-sxm", 4)
+    assert fp8._flop_time_per_token < 0.6 * bf16._flop_time_per_token
+    assert fp8._comm_per_token == bf16._comm_per_token                # all-reduce stays bf16
+    assert fp8._kv_time_per_token == bf16._kv_time_per_token          # KV stays bf16
+
+
+def test_kv_heads_replicated_past_tp_in_memory_and_cost_alike():
+    m = get_model("llama-3.1-70b")                                    # 8 KV heads
+    assert [m.kv_heads_per_gpu(t) for t in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+    assert m.kv_bytes_per_token_per_gpu(16) == m.kv_bytes_per_token_per_gpu(8) == 2 * 80 * 128 * 2
+    dev = get_device("h100-sxm")
+    assert memory_breakdown(m, dev, 16)["kv_bytes_per_token_per_gpu"] == m.kv_bytes_per_token_per_gpu(8)
+    c8, c16 = AnalyticCostModel(m, dev, 8), AnalyticCostModel(m, dev, 16)
+    assert c16._kv_time_per_token == c8._kv_time_per_token           # not halved again
+    k8, k16 = KernelCostModel(m, dev, 8), KernelCostModel(m, dev, 16)
+    assert k8.kv_heads == k16.kv_heads == 1
+    # and the replicated head's k/v projection is in every GPU's weights
+    assert m.gemm_shapes(16)["qkv"][0] == (64 // 16 + 2) * 128
+
+
+def test_input_embedding_is_not_a_weight_read():
+    m = get_model("llama-3.1-8b")
+    emb = L8["vocab"] * L8["h"] * 2
+    assert m.weight_read_bytes_per_gpu(1) == m.weight_bytes - emb
+    tied = get_model("llama-3.2-1b")                                  # tied: the head reads the table
+    assert tied.weight_read_bytes_per_gpu(1) == tied.weight_bytes
+    a = AnalyticCostModel(m, "h100-sxm", 1)
+    assert a._w_time == pytest.approx((m.weight_bytes - emb) / (3.35e12 * 0.75))
+
+
+@pytest.mark.parametrize("name,expect,fp8", [
+    ("llama-3.1-8b", "llama-3.1-8b", False), ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b", False),
+    ("Llama-3.1-70B", "llama-3.1-70b", False), ("meta-llama/Llama-3.3-70B-Instruct", "llama-3.1-70b", False),
+    ("RedHatAI/Meta-Llama-3.1-70B-Instruct-FP8", "llama-3.1-70b", True), ("Qwen/Qwen3-32B", "qwen3-32b", False),
+    ("Qwen3-32B-FP8", "qwen3-32b", True)])
+def test_model_names_are_forgiving(name, expect, fp8):
+    m = get_model(name)
+    assert m.name == expect and (m.weight_dtype == "fp8") == fp8
+
+
+@pytest.mark.parametrize("name,expect", [("h100-sxm", "h100-sxm"), ("h100_sxm", "h100-sxm"), ("H100", "h100-sxm"),
+                                         ("h200", "h200"), ("h200_sxm", "h200"), ("b200", "b200"),
+                                         ("B200_SXM", "b200")])
+def test_device_names_are_forgiving(name, expect):
+    assert get_device(name).name == expect
+
+
+def test_model_from_a_local_hf_config(tmp_path):
+    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 4,
+           "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+           "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
+           "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}
+    d = tmp_path / "tiny-qwen3"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    base = {"workload": WORKLOAD, "cost_model": {"type": "analytic"}}
+    a = parse_scenario({**base, "deployment": {"model": "tiny-qwen3/config.json", "device": "h100"}}, base_dir=tmp_path)
+    b = parse_scenario({**base, "deployment": {"model": "mine", "model_config": str(d), "device": "h100"}})
+    for sc in (a, b):
+        m = sc.cost_model.model
+        assert (m.num_layers, m.head_dim, m.num_kv_heads, m.qk_norm, m.tie_word_embeddings) == (4, 128, 8, True, True)
+    assert b.deployment["model"] == "mine"
+    with pytest.raises(ScenarioError, match="no such config.json"):
+        parse_scenario({**base, "deployment": {"model": str(tmp_path / "nope" / "config.json")}})
+
+
+def test_memory_reserve_is_vllm_like_and_grows_with_the_batch_budget():
+    m, dev = get_model("llama-3.1-8b"), get_device("h100-sxm")
+    small = memory_breakdown(m, dev, 1, max_num_batched_tokens=2048, max_num_seqs=256)
+    big = memory_breakdown(m, dev, 1, max_num_batched_tokens=16384, max_num_seqs=1024)
+    assert 1 * GiB < small["reserve_bytes"] < big["reserve_bytes"] < 6 * GiB
+    assert small["kv_blocks"] > big["kv_blocks"]
