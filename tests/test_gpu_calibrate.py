@@ -1,0 +1,58 @@
+"""calibration/gpu_calibrate.sh: the GPU pipeline, run on the CPU with tiny sizes (--dry-run)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from calibration.gpu_calibrate import GPU, LLAMA_31_8B, random_weights  # noqa: E402
+from sim.cost_model import check_profile  # noqa: E402
+from sim.specs import get_model  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "calibration" / "gpu_calibrate.sh"
+
+
+def test_dry_run_writes_every_output(tmp_path):
+    out = tmp_path / "cal"
+    proc = subprocess.run([str(SCRIPT), str(out), "--dry-run"], cwd=REPO, env={"PYTHON": sys.executable,
+                          "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["environment"]["dry_run"] is True
+    st = s["stages"]
+    assert st["checks"]["attention"]["ok"] and st["checks"]["greedy"]["ok"]
+    for name in ("smollm2-135m", "tiny-llama-random"):
+        prof = json.loads((out / "profiles" / f"{name}.json").read_text())
+        check_profile(prof, name)  # a loadable fitted profile
+        assert prof["metadata"]["num_samples"] >= 8 and (out / "profiles" / f"{name}.steps.csv").exists()
+        val = json.loads((out / f"validate-{name}" / "validation.json").read_text())
+        assert val["summary"]["rows"] > 0
+        assert st[name]["validation"]["rows"] == val["summary"]["rows"]
+    assert json.loads((out / "profiles" / "tiny-llama-random.json").read_text())["metadata"]["model"] == "tiny-llama"
+    for f in ("run.log", "tests.log", "checks.json"):
+        assert (out / f).stat().st_size > 0
+
+
+def test_bad_arguments_exit_2(tmp_path):
+    for args in ([], ["--bogus", str(tmp_path)], [str(tmp_path), str(tmp_path)]):
+        proc = subprocess.run([str(SCRIPT), *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+def test_random_8b_shape_is_the_catalogs_and_loads_without_files():
+    spec = get_model("llama-3.1-8b")
+    c = LLAMA_31_8B
+    assert (c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"],
+            c["head_dim"], c["intermediate_size"], c["vocab_size"]) == (
+        spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+        spec.intermediate_size, spec.vocab_size)
+    assert "random:llama-3.1-8b" in GPU.models and "default" in GPU.models
+    import engine.llm_engine as le
+    with random_weights():
+        net, tok, cfg = le.load_model("random:tiny-llama", "cpu")
+        assert tok is None and net.config.num_layers == 2
+    assert le.load_model.__name__ == "load_model"  # restored
