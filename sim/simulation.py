@@ -103,6 +103,7 @@ class Simulation:
         self.closed_loop = getattr(workload, "closed_loop_concurrency", None)
         self.client = client or getattr(workload, "client", None) or ENGINE_DIRECT
         self.num_warmup = int(getattr(workload, "num_warmup", 0) or 0)
+        self._think = self.client.think_s > 0  # else the workload's turnarounds are not used
         # Steady runs are exact when every outside event is known ahead: open-loop arrivals,
         # or a closed loop on one replica (its new arrivals come when its own requests finish,
         # which ends a steady run).
@@ -178,7 +179,7 @@ class Simulation:
             self._next = None
             self._in_flight += 1
             self._issued += 1
-            d = spec.client_delay_s
+            d = spec.client_delay_s if self._think else 0.0
             if d > 0:
                 self._at(now + d, lambda spec=spec, warm=warm: self._send(spec, warm))
             else:
