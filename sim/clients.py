@@ -60,9 +60,39 @@ class ClientModel:
         return asdict(self)
 
 
+def vllm_bench_result(table: dict, itl: np.ndarray, itl_weights, summary: dict) -> dict:
+    """The metrics under the keys `vllm bench serve --save-result` writes (ms; percentiles numpy
+    'linear'; std is numpy's population std as vLLM computes it), for side-by-side comparison."""
+    from sim.metrics import weighted_percentiles
+
+    done = np.asarray([fr in ("stop", "length") for fr in table["finish_reason"]])
+    th = summary["throughput"]
+    out = {"completed": int(done.sum()), "duration": summary["duration_s"],
+           "total_input_tokens": int(np.asarray(table["num_prompt_tokens"])[done].sum()),
+           "total_output_tokens": int(np.asarray(table["num_output_tokens"])[done].sum()),
+           "request_throughput": th["requests_per_s"], "output_throughput": th["output_tokens_per_s"],
+           "total_token_throughput": th["total_tokens_per_s"]}
+    w = None if itl_weights is None else np.asarray(itl_weights)
+    for key, col in (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("itl", None), ("e2el", "e2e_s")):
+        if col is None:
+            v = np.asarray(itl, dtype=float)
+        else:
+            v = np.asarray(table[col], dtype=float)[done]
+            v = v[~np.isnan(v)]
+        ww = w if col is None else None
+        if v.size == 0:
+            continue
+        mean = float(np.average(v, weights=ww)) * 1e3
+        std = float(np.sqrt(np.average((v * 1e3 - mean) ** 2, weights=ww)))
+        p50, p90, p99 = weighted_percentiles(v, ww, (50, 90, 99))
+        out.update({f"mean_{key}_ms": mean, f"median_{key}_ms": p50 * 1e3, f"std_{key}_ms": std,
+                    f"p90_{key}_ms": p90 * 1e3, f"p99_{key}_ms": p99 * 1e3})
+    return out
+
+
 ENGINE_DIRECT = ClientModel()
 HTTP_DEFAULTS = ClientModel(think_s=5e-4, think_cv=1.0, http_s=1e-3, tokenize_s_per_token=1.5e-6,
                             output_s=4e-4)
 FIELDS = tuple(asdict(ENGINE_DIRECT))
 
-__all__ = ["ClientModel", "ENGINE_DIRECT", "HTTP_DEFAULTS", "FIELDS"]
+__all__ = ["ClientModel", "ENGINE_DIRECT", "HTTP_DEFAULTS", "FIELDS", "vllm_bench_result"]

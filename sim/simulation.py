@@ -29,7 +29,7 @@ from simpy.events import NORMAL, Event
 
 from engine.core import SchedulerConfig
 from engine.core.records import STEP_COLUMNS, RequestRecord
-from sim.clients import ENGINE_DIRECT, ClientModel
+from sim.clients import ENGINE_DIRECT, ClientModel, vllm_bench_result
 from sim.metrics import itl_from_token_times, request_table, summarize, write_csv
 from sim.replica import Replica, SimRequest
 
@@ -308,6 +308,8 @@ class Simulation:
         summary = summarize(table, itl[0], itl[1], self.slo, preemptions,
                             end_s=float(self.env.now) if cut else None)
         self._client_summary(summary)
+        if getattr(self.workload, "benchmark", None) is not None:
+            summary["vllm_bench"] = vllm_bench_result(table, itl[0], itl[1], summary)
         summary["simulated_s"] = float(self.env.now)
         summary["wall_s"] = wall_s
         summary["num_steps"] = int(sum(r.step_idx for r in self.replicas))

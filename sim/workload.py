@@ -412,16 +412,14 @@ def _turnarounds(client: ClientModel | None, n: int, seed: int) -> np.ndarray:
     return np.zeros(n) if client is None else client.turnarounds(n, _rng(seed, "client"))
 
 
-_BENCH_KEYS = ("concurrency", "isl", "osl", "num_prompts", "warmup", "request_rate", "burstiness")
-
-
 def _benchmark(root: _Map, seed: int) -> Workload:
     """`workload.benchmark`: vllm bench serve's random dataset with --random-range-ratio 0 and
     --ignore-eos: num_prompts requests of exactly isl prompt and osl output tokens (unique random
     prompts: no prefix-cache hits), sent by a client with at most `concurrency` in flight
     (--max-concurrency; none: unlimited) at `request_rate` per second (Poisson, or gamma with
     `burstiness` as vLLM's --burstiness; default inf: all due at once), after `warmup` warm-up
-    requests of the same shape (--num-warmups) that run first and are not measured."""
+    requests of the same shape (--num-warmups) that run first and are not measured. `prefix_len`
+    (--random-prefix-len) puts one shared prefix of that many tokens before every prompt."""
     for key in root.d:
         if key not in ("benchmark", "client"):
             raise WorkloadError(f"workload.{key}={root.d[key]!r}: not allowed with workload.benchmark "
@@ -438,6 +436,7 @@ def _benchmark(root: _Map, seed: int) -> Workload:
     else:
         rate = m.number("request_rate", gt=0)
     burst = m.number("burstiness", 1.0, gt=0)
+    prefix = m.integer("prefix_len", 0, ge=0)
     m.done()
     if conc is None and rate == math.inf:
         raise WorkloadError("workload.benchmark: give concurrency, request_rate or both "
@@ -451,15 +450,23 @@ def _benchmark(root: _Map, seed: int) -> Workload:
     if rate != math.inf:
         gaps = _rng(seed, "arrival").gamma(burst, 1.0 / (rate * burst), num)
         due[warm:] = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
-    prompt = np.full(n, isl, np.int64)
-    seg_off = np.arange(n + 1, dtype=np.int64)
-    seg_keys = np.arange(n, dtype=np.int64) * isl
+    prompt = np.full(n, prefix + isl, np.int64)
+    if prefix:  # key 0 is the shared prefix; each request's own isl tokens follow
+        seg_off = np.arange(0, 2 * n + 1, 2, dtype=np.int64)
+        seg_keys = np.empty(2 * n, np.int64)
+        seg_keys[0::2], seg_keys[1::2] = 0, prefix + np.arange(n, dtype=np.int64) * isl
+        seg_lens = np.tile(np.array([prefix, isl], np.int64), n)
+    else:
+        seg_off = np.arange(n + 1, dtype=np.int64)
+        seg_keys = np.arange(n, dtype=np.int64) * isl
+        seg_lens = prompt.copy()
     ids = [f"warmup-{i}" for i in range(warm)] + [f"req-{i}" for i in range(num)]
     info = {"concurrency": conc, "isl": isl, "osl": osl, "num_prompts": num, "warmup": warm,
             "request_rate": rate if rate != math.inf else "inf", "burstiness": burst,
+            "prefix_len": prefix,
             "protocol": "vllm bench serve --dataset-name random --random-range-ratio 0 --ignore-eos"}
     return Workload(arrival_s=due, prompt_len=prompt, output_len=np.full(n, osl, np.int64),
-                    seg_off=seg_off, seg_keys=seg_keys, seg_lens=prompt.copy(),
+                    seg_off=seg_off, seg_keys=seg_keys, seg_lens=seg_lens,
                     closed_loop_concurrency=conc, source="benchmark", request_ids=ids,
                     client=client, num_warmup=warm, benchmark=info,
                     client_delay_s=_turnarounds(client, n, seed))

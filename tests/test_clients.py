@@ -154,3 +154,14 @@ def test_scenario_benchmark_round_trip():
     assert sc.workload.benchmark["concurrency"] == 8 and len(sc.workload) == 24
     with pytest.raises(WorkloadError, match="workload.benchmark.concurrency=0"):
         parse_scenario({"workload": {"benchmark": {"concurrency": 0, "isl": 1, "osl": 1, "num_prompts": 1}}})
+
+
+def test_vllm_bench_keys_and_shared_prefix():
+    res = run({"benchmark": {"concurrency": 4, "isl": 200, "osl": 30, "num_prompts": 16, "prefix_len": 64}})
+    s, v = res.summary, res.summary["vllm_bench"]
+    assert v["completed"] == 16 and v["total_input_tokens"] == 16 * 264 and v["total_output_tokens"] == 16 * 30
+    assert v["median_ttft_ms"] == pytest.approx(1e3 * s["ttft_s"]["p50"])
+    assert v["p99_tpot_ms"] == pytest.approx(1e3 * s["tpot_s"]["p99"])
+    assert v["output_throughput"] == pytest.approx(s["throughput"]["output_tokens_per_s"])
+    # Every prompt after the first finds the 64-token prefix (4 full blocks) in the cache.
+    assert s["requests"]["prefix_cached_tokens"] == 15 * 64
