@@ -18,8 +18,9 @@ downloaded, and the step times of a random-weight model are those of the real on
 same kernels; sampling is greedy over random logits with ignore_eos).
 
 --dry-run: the same pipeline on the CPU with tiny sizes (a 2-layer Llama shape, a few requests),
-so tests can run it in under a minute. GPU sizes are chosen so the whole script ends in about
-6 minutes on one H100/H200 (tests ~1 min, 2 x (load + calibrate + validate) ~2.5 min each).
+so tests can run it in under a minute. GPU sizes are planned for under 8 minutes on one
+H100/H200 (engine tests ~1-2 min; per model: load, ~1,700 calibration steps, 3 validation runs of
+10 s of arrivals plus a capacity burst); not yet timed on a GPU: summary.json records each stage.
 
 Loading `random:NAME` needs LLMEngine to accept a model object or a config; until it does, this
 script swaps engine.llm_engine.load_model for the duration of the run (`random_weights`).
@@ -81,7 +82,7 @@ GPU = Plan(
     concurrency=(1, 4, 16, 64), bands={"short": (16, 64), "medium": (64, 256), "long": (256, 768),
                                        "xlong": (768, 2048)},
     requests_per_slot=1.5, min_requests=6, output_len=None,
-    loads=(0.3, 0.6, 0.9), seeds=1, duration_s=12.0, validate_requests=12,
+    loads=(0.3, 0.6, 0.9), seeds=1, duration_s=10.0, validate_requests=12,
     workload={"prompt_len": {"type": "uniform", "min": 32, "max": 1024},
               "output_len": {"type": "uniform", "min": 16, "max": 128},
               "shared_prefix": {"num_prefixes": 2, "length": 64, "fraction": 0.5}})
@@ -158,7 +159,9 @@ def check_attention(device: str) -> dict:
             raise AssertionError(f"KV write differs on {device} ({backend.name}) for {seqs}")
         out = backend.attention(case["query"].to(device), cache, dev_md, case["scale"]).cpu()
         ref = reference.paged_attention(case["query"], ref_cache, md, case["scale"])
-        torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+        # CUDA: Triton's fp32 dots run in TF32 (10-bit mantissa); a real defect is O(1) off.
+        tol = 1e-2 if device == "cuda" else 1e-4
+        torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
         worst = max(worst, float((out - ref).abs().max()))
     return {"backend": backend.name, "device": device, "max_abs_diff": worst, "ok": True}
 
@@ -243,7 +246,7 @@ def compare_kernels(steps_csv: Path, device: str, dest: Path) -> dict:
     try:
         from engine.core.features import BatchFeatures
         from sim.kernel_model import KernelCostModel
-        km = KernelCostModel("llama-3.1-8b", device if device != "h200" else "h200-sxm")
+        km = KernelCostModel("llama-3.1-8b", device)
     except Exception as e:  # no tables for this device, or the module is not there
         res = {"skipped": f"{type(e).__name__}: {e}"}
         dest.write_text(json.dumps(res, indent=1))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-command calibration on one H100/H200 (about 6 minutes; every output under OUT_DIR):
+# One-command calibration on one H100/H200 (planned for under 8 minutes; every output in OUT_DIR):
 #
 #   calibration/gpu_calibrate.sh OUT_DIR            # on the GPU machine
 #   calibration/gpu_calibrate.sh OUT_DIR --dry-run  # the same pipeline on a CPU, tiny sizes (tests)

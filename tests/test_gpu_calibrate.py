@@ -56,3 +56,19 @@ def test_random_8b_shape_is_the_catalogs_and_loads_without_files():
         net, tok, cfg = le.load_model("random:tiny-llama", "cpu")
         assert tok is None and net.config.num_layers == 2
     assert le.load_model.__name__ == "load_model"  # restored
+
+
+def test_kernel_comparison_reads_calibrate_steps(tmp_path):
+    from calibration.gpu_calibrate import compare_kernels
+    from calibration.fit import FEATURES
+    rows = [dict(num_reqs=8, num_tokens=8, num_prefill_reqs=0, prefill_attn_pairs=0, prefill_context_tokens=0,
+                 decode_context_tokens=8 * 700),
+            dict(num_reqs=3, num_tokens=1026, num_prefill_reqs=1, prefill_attn_pairs=1024 * 1025 // 2,
+                 prefill_context_tokens=0, decode_context_tokens=2 * 300)]
+    csv = tmp_path / "s.steps.csv"
+    csv.write_text("group," + ",".join(FEATURES) + ",period_s,step_s,forward_s\n" + "".join(
+        "g," + ",".join(str(r[k]) for k in FEATURES) + ",0.02,0.02,0.015\n" for r in rows))
+    res = compare_kernels(csv, "h100-sxm", tmp_path / "cmp.json")
+    assert res["steps"] == 2 and res["decode_only_median_rel_error"] is not None
+    assert json.loads((tmp_path / "cmp.json").read_text()) == res
+    assert "skipped" in compare_kernels(csv, "no-such-gpu", tmp_path / "none.json")
