@@ -36,6 +36,7 @@ import torch
 from engine.attention import kv_cache_bytes_per_block
 from engine.core import RequestStatus, SamplingParams, Scheduler, SchedulerConfig, batch_features
 from engine.core.admission import admit
+from engine.core.bookkeeping import Book, Entry
 from engine.core.records import RequestRecord, StepRecord
 from engine.core.request import Request
 from engine.detokenizer import IncrementalDetokenizer
@@ -97,6 +98,7 @@ class _Live:
     params: SamplingParams
     detok: IncrementalDetokenizer
     record: RequestRecord
+    entry: Entry
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprob] | None = None
 
@@ -220,6 +222,7 @@ class LLMEngine:
 
         self.step_log: list[StepRecord] = []
         self.request_records: dict[str, RequestRecord] = {}
+        self.book = Book(keep_token_times=True)  # records, token times, ITL (engine.core.bookkeeping)
         self._live: dict[str, _Live] = {}
         self._t0 = time.perf_counter()
         self._step_index = 0
@@ -342,9 +345,10 @@ class LLMEngine:
         req = Request(request_id, ids, sp, arrival_time=arrival, priority=priority,
                       eos_token_id=self.eos_token_id)
         self.scheduler.add_request(req)  # may raise (e.g. pool too small): nothing is kept then
-        record = RequestRecord(request_id, arrival, len(ids), token_times_s=[])
+        record = self.book.open(RequestRecord(request_id, arrival, len(ids)), sp.max_tokens)
         self.request_records[request_id] = record
         self._live[request_id] = _Live(text, ids, sp, IncrementalDetokenizer(self.tokenizer, ids, sp), record,
+                                       Entry(record),
                                        logprobs=[] if sp.logprobs is not None else None)
 
     def abort_request(self, request_ids: str | Sequence[str], reason: str = "abort") -> None:
@@ -357,8 +361,7 @@ class LLMEngine:
         for rid in ids:
             live = self._live.pop(rid, None)
             if live is not None:
-                live.record.finish_reason = reason
-                live.record.finish_s = t
+                self.book.finish(live.record, reason, t)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash (vLLM's /reset_prefix_cache). Refused (False) while
@@ -417,15 +420,14 @@ class LLMEngine:
         start_s = t_start - self._t0
         feats = batch_features(out, sched.requests) if scheduled else None
         records = self.request_records
+        book = self.book
         hit_tokens = 0
         for d in out.scheduled_new_reqs:
-            rec = records[d.req_id]
-            rec.first_scheduled_s = start_s
-            rec.num_cached_tokens = d.num_computed_tokens
+            book.scheduled(records[d.req_id], start_s, d.num_computed_tokens)
             hit_tokens += d.num_computed_tokens
         resumed_hits = sum(d.num_computed_tokens for d in out.scheduled_resumed_reqs)
         for rid in out.preempted_req_ids:
-            records[rid].num_preemptions += 1
+            book.preempted(records[rid])
 
         sampled = self.runner.execute(out)
         t_exec = perf()
@@ -433,8 +435,8 @@ class LLMEngine:
         t_update = perf()
 
         outputs: list[RequestOutput] = []
-        got_tokens: list[tuple[RequestRecord, int]] = []
-        finished_ids: list[str] = []
+        got_tokens: list[tuple[Entry, int]] = []
+        finished: list[RequestRecord] = []
         live_map = self._live
         step_logprobs = self.runner.logprobs
         for co in core_outputs:
@@ -458,10 +460,10 @@ class LLMEngine:
                 if finish is None:
                     sched.finish_requests([co.request_id], RequestStatus.FINISHED_STOPPED)
                 finish, stop_reason = "stop", stop_str
-            got_tokens.append((live.record, len(toks)))
+            got_tokens.append((live.entry, len(toks)))
             if finish is not None:
                 live.record.finish_reason = finish
-                finished_ids.append(co.request_id)
+                finished.append(live.record)
                 del live_map[co.request_id]
             outputs.append(RequestOutput(
                 co.request_id, live.prompt, live.prompt_token_ids,
@@ -470,15 +472,13 @@ class LLMEngine:
                 finish is not None, live.record, live.record.num_cached_tokens))
         t_end = perf()
         end_s = t_end - self._t0
-        for rec, n in got_tokens:
-            if rec.first_token_s is None:
-                rec.first_token_s = end_s
-            rec.last_token_s = end_s
-            rec.num_output_tokens += n
-            rec.token_times_s.extend([end_s] * n)
-        for rid in finished_ids:
-            records[rid].finish_s = end_s
+        step = book.num_steps
+        for entry, n in got_tokens:
+            book.token(entry, step, end_s, n)
+        for rec in finished:
+            book.finish(rec, rec.finish_reason, end_s)
         if scheduled:
+            book.end_step(end_s)
             times = self.runner.times
             f = feats
             self.step_log.append(StepRecord(

@@ -7,6 +7,8 @@ Definitions (times in seconds; a token's time is the end of the step that produc
   E2E    = finish_s - arrival_s                              (completed requests)
   queue  = first_scheduled_s - arrival_s                     (requests that were scheduled)
   completed = finish_reason "stop" or "length"; aborted = "abort"; rejected = "rejected"
+  truncated = completed with "length" after fewer tokens than requested (prompt + max_tokens
+              exceeded max_model_len: engine.core.admission)
   duration_s = last finish (or token) - first arrival, or the cut-off of a truncated run (the
                span the throughputs are averaged over)
   throughput.requests_per_s      = completed / duration_s
@@ -106,6 +108,13 @@ def _completed(t) -> np.ndarray:
     return (fr == "stop") | (fr == "length")
 
 
+def truncated(t) -> np.ndarray:
+    """Requests that finished by length before the output length they asked for."""
+    fr = np.asarray(t["finish_reason"], dtype=object)
+    req = _col(t, "num_requested_output_tokens")
+    return (fr == "length") & (req > 0) & (_col(t, "num_output_tokens") < req)
+
+
 def _col(t, c) -> np.ndarray:
     return np.asarray(t[c])
 
@@ -168,6 +177,7 @@ def summarize(t, itl_values, itl_weights=None, slo: dict | None = None,
             "completed": int(completed.sum()),
             "aborted": int((fr == "abort").sum()),
             "rejected": int((fr == "rejected").sum()),
+            "truncated": int(truncated(t).sum()),
             "unfinished": int(sum(1 for x in fr if x is None or x != x)),
             "preemptions": int(_col(t, "num_preemptions").sum() if preemptions is None else preemptions),
             "prefix_cached_tokens": int(_col(t, "num_cached_tokens").sum()),
@@ -208,7 +218,8 @@ def read_request_log(path):
     DataFrame, with the latency columns derived by the definitions above."""
     import pandas as pd
     raw = pd.read_csv(path)
-    cols = list(RequestRecord.COLUMNS)
+    optional = ("num_requested_output_tokens",)  # logs written before it existed
+    cols = [c for c in RequestRecord.COLUMNS if c in raw.columns or c not in optional]
     missing = [c for c in cols if c not in raw.columns]
     if missing:
         raise ValueError(f"{path}: not a request log, missing columns {missing}")

@@ -23,6 +23,7 @@ import heapq
 from typing import TYPE_CHECKING
 
 from engine.core import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from engine.core.bookkeeping import Book, Entry
 from engine.core.records import RequestRecord, StepRecord
 
 if TYPE_CHECKING:
@@ -33,17 +34,14 @@ _TOKENS = [TOKEN]  # shared, never mutated
 _SHARED_SP = SamplingParams(max_tokens=None, ignore_eos=True)
 
 
-class SimRequest:
-    """Simulator-side state of one request: its record and ITL bookkeeping."""
+class SimRequest(Entry):
+    """Simulator-side state of one request: its workload spec and its bookkeeping entry."""
 
-    __slots__ = ("spec", "record", "last_step", "cancel_tokens", "steady_from")
+    __slots__ = ("spec",)
 
     def __init__(self, spec, record: RequestRecord) -> None:
+        super().__init__(record)
         self.spec = spec
-        self.record = record
-        self.last_step = -2         # step index of its latest token
-        self.cancel_tokens = None   # the client disconnects after this many output tokens
-        self.steady_from = -1       # first step it decodes lazily in the scheduler's fast mode; -1: not lazy
 
 
 def _disconnect_point(r: Request) -> int | None:
@@ -60,7 +58,7 @@ class Replica:
         self.scheduler = Scheduler(config)
         self.cost = cost_model
         self.use_steady = sim.use_steady
-        self.keep_token_times = sim.keep_token_times
+        self.book = Book(sim.keep_token_times)
         self.inbox: list[SimRequest] = []
         self.aborts: list[str] = []
         self.deadlines: list[tuple[float, str]] = []  # heap of (abandon time, request id)
@@ -68,15 +66,14 @@ class Replica:
         self._wake = None
         self._plain_next = False
         self._late: list[SimRequest] | None = None  # went lazy after a step without a token
-        self.step_idx = 0
         self.steps: list[StepRecord] = []
-        # ITL bookkeeping: a token whose predecessor came in the previous step has gap
-        # step_ends[s] - step_ends[s - 1]; count those per step, keep other gaps explicitly.
-        self.step_ends: list[float] = []
-        self.step_cont: list[int] = []
-        self.other_gaps: list[float] = []
         self.outstanding = 0  # requests routed here and not finished (router load signal)
         self.process = self.env.process(self.run())
+
+    @property
+    def step_idx(self) -> int:
+        """Steps taken so far."""
+        return self.book.num_steps
 
     # ------------------------------------------------------------ from outside
     def submit(self, sreq: SimRequest) -> None:
@@ -91,8 +88,10 @@ class Replica:
     # --------------------------------------------------------- step boundary
     def _admit_arrivals(self, now: float) -> None:
         sched = self.scheduler
+        book = self.book
         for sreq in self.inbox:
             spec, rec = sreq.spec, sreq.record
+            book.open(rec, spec.output_len)
             req = Request(spec.request_id, spec.token_sequence(), _SHARED_SP, arrival_time=rec.arrival_s,
                           priority=spec.priority)
             req.max_tokens = spec.output_len
@@ -104,8 +103,7 @@ class Replica:
             try:
                 sched.add_request(req)
             except ValueError as e:
-                rec.finish_reason = "rejected"
-                rec.finish_s = now
+                book.finish(rec, "rejected", now)
                 self.sim.on_finish(self, sreq, str(e))
                 continue
             self.live[spec.request_id] = sreq
@@ -133,8 +131,7 @@ class Replica:
         self._sync_lazy_records(reqs)  # those decoding lazily: their tokens through the last step
         for rid in ids:
             sreq = self.live.pop(rid)
-            sreq.record.finish_reason = "abort"
-            sreq.record.finish_s = now
+            self.book.finish(sreq.record, "abort", now)
             self.sim.on_finish(self, sreq, None)
 
     # ------------------------------------------------------------------ loop
@@ -170,49 +167,28 @@ class Replica:
     def _plain_step(self, now: float):
         sched = self.scheduler
         live = self.live
+        book = self.book
         out = sched.schedule()
         f = out.features
-        step = self.step_idx
+        step = book.num_steps
         for d in out.scheduled_new_reqs:
-            rec = live[d.req_id].record
-            rec.first_scheduled_s = now
-            rec.num_cached_tokens = d.num_computed_tokens
+            book.scheduled(live[d.req_id].record, now, d.num_computed_tokens)
         yield self.env.timeout(self.cost.step_time(f))
         end = self.env.now
         for rid in out.preempted_req_ids:
-            live[rid].record.num_preemptions += 1
+            book.preempted(live[rid].record)
         outputs = sched.update_from_output(out, dict.fromkeys(out.sampling_req_ids, _TOKENS))
-        cont = 0
-        gaps = self.other_gaps
-        keep = self.keep_token_times
         finished = []
         for o in outputs:
             sreq = live[o.request_id]
-            rec = sreq.record
-            if rec.first_token_s is None:
-                rec.first_token_s = end
-                if keep:
-                    rec.token_times_s = [end]
-            else:
-                if sreq.last_step == step - 1:
-                    cont += 1
-                else:
-                    gaps.append(end - rec.last_token_s)
-                if keep:
-                    rec.token_times_s.append(end)
-            sreq.last_step = step
-            rec.last_token_s = end
-            rec.num_output_tokens += 1
+            hangs_up = book.token(sreq, step, end)
             if o.finish_reason is not None:
-                rec.finish_reason = o.finish_reason
-                rec.finish_s = end
+                book.finish(sreq.record, o.finish_reason, end)
                 del live[o.request_id]
                 finished.append(sreq)
-            elif sreq.cancel_tokens is not None and rec.num_output_tokens >= sreq.cancel_tokens:
+            elif hangs_up:
                 self.aborts.append(o.request_id)
-        self.step_ends.append(end)
-        self.step_cont.append(cont)
-        self.step_idx = step + 1
+        book.end_step(end)
         self._record_step(step, now, end, 1, f)
         for sreq in finished:
             self.sim.on_finish(self, sreq, None)
@@ -220,91 +196,43 @@ class Replica:
     # ---------------------------------------------------------------- fast
     def _sync_lazy_records(self, reqs) -> None:
         """Requests the scheduler wrote back from fast mode: bring the records of those that
-        decoded lazily up to date (one token per step from steady_from through the last step)."""
-        last = self.step_idx - 1
-        keep = self.keep_token_times
+        decoded lazily up to date (one token per step from lazy_from through the last step)."""
+        book = self.book
+        last = book.num_steps - 1
         for r in reqs:
-            sreq = r.driver_state
-            if sreq.steady_from < 0:
-                continue
-            if sreq.steady_from <= last:
-                rec = sreq.record
-                if keep:
-                    rec.token_times_s.extend(self.step_ends[sreq.steady_from:last + 1])
-                rec.num_output_tokens = len(r.output_token_ids)
-                rec.last_token_s = self.step_ends[last]
-                sreq.last_step = last
-            sreq.steady_from = -1
+            book.lazy_sync(r.driver_state, last, len(r.output_token_ids))
 
     def _fast_steps(self, now: float, adv):
         """Bookkeeping of the steps one scheduler.advance() took, then wait for their end."""
         live = self.live
-        ends, cont, gaps = self.step_ends, self.step_cont, self.other_gaps
-        keep = self.keep_token_times
-        step0 = self.step_idx
+        book = self.book
+        step0 = book.num_steps
         if adv.entered:
-            for r in adv.entered:
-                r.driver_state.steady_from = step0
             # ITL: a request left out of the previous step has an explicit gap at its first lazy token.
-            self._late = [r.driver_state for r in adv.entered if r.driver_state.last_step != step0 - 1]
+            self._late = book.lazy_enter([r.driver_state for r in adv.entered], step0)
         k = len(adv.ends)
-        ends.extend(adv.ends)
-        cont.extend(adv.num_decodes)
+        book.lazy_steps(adv.ends, adv.num_decodes)
         if k and self._late is not None:
-            late = [sreq for sreq in self._late if sreq.steady_from == step0]
+            book.lazy_late([e for e in self._late if e.lazy_from == step0], step0)
             self._late = None
-            end = adv.ends[0]
-            for sreq in late:
-                rec = sreq.record
-                if rec.first_token_s is None:
-                    # A prompt whose last chunk was one token: this is its first token
-                    # (its time joins token_times_s through the lazy slice).
-                    rec.first_token_s = end
-                    if keep:
-                        rec.token_times_s = []
-                else:
-                    gaps.append(end - rec.last_token_s)
-            cont[step0] -= len(late)
         finished: list[SimRequest] = []
         for ev in adv.events:
             step = step0 + ev.index
             end = adv.ends[ev.index]
             for r, num_hit, _n, was_new in ev.admitted:
                 if was_new:
-                    rec = r.driver_state.record
-                    rec.first_scheduled_s = adv.ends[ev.index - 1] if ev.index else adv.start
-                    rec.num_cached_tokens = num_hit
+                    book.scheduled(r.driver_state.record, adv.ends[ev.index - 1] if ev.index else adv.start,
+                                   num_hit)
             for r in ev.first_tokens:
-                sreq = r.driver_state
-                rec = sreq.record
-                if rec.first_token_s is None:
-                    rec.first_token_s = end
-                    if keep:
-                        rec.token_times_s = [end]
-                else:  # a resumed request: its first token after a preemption
-                    gaps.append(end - rec.last_token_s)
-                    if keep:
-                        rec.token_times_s.append(end)
-                rec.last_token_s = end
-                rec.num_output_tokens = len(r.output_token_ids)
-                sreq.last_step = step
-                sreq.steady_from = step + 1
+                book.lazy_first_token(r.driver_state, step, len(r.output_token_ids))
             for r in ev.watched:  # its client hangs up now: aborted at the boundary
                 self.aborts.append(r.request_id)
             for r, reason in ev.finished:
                 sreq = r.driver_state
-                rec = sreq.record
-                if keep:
-                    rec.token_times_s.extend(ends[sreq.steady_from:step + 1])
-                sreq.steady_from = -1
-                rec.num_output_tokens = len(r.output_token_ids)
-                rec.last_token_s = end
-                sreq.last_step = step
-                rec.finish_reason = reason
-                rec.finish_s = end
+                book.lazy_sync(sreq, step, len(r.output_token_ids))
+                book.finish(sreq.record, reason, end)
                 del live[r.request_id]
                 finished.append(sreq)
-        self.step_idx = step0 + k
         t = adv.ends[-1] if k else now
         if k:
             self._record_step(step0, now, t, k, adv.features)
@@ -338,11 +266,4 @@ class Replica:
     # ------------------------------------------------------------------ ITL
     def itl_sample(self):
         """(values, weights) of every inter-token gap on this replica."""
-        import numpy as np
-        ends = np.asarray(self.step_ends)
-        w = np.asarray(self.step_cont[1:], dtype=np.int64)
-        vals = np.diff(ends) if len(ends) > 1 else np.empty(0)
-        keep = w > 0
-        other = np.asarray(self.other_gaps)
-        return (np.concatenate([vals[keep], other]),
-                np.concatenate([w[keep], np.ones(len(other), dtype=np.int64)]))
+        return self.book.itl_sample()

@@ -231,3 +231,36 @@ def test_abort_asked_twice_at_one_boundary():
         assert df.loc["a", "finish_s"] == pytest.approx(0.10)
         kvm = sim.replicas[0].scheduler.kv_cache_manager
         assert kvm.num_free_blocks == kvm.num_usable_blocks
+
+
+def test_truncated_requests_keep_requested_and_generated_lengths():
+    # max_model_len 256: a 200-token prompt asking for 100 tokens gets 56 (the engine core's rule,
+    # engine.core.admission), finishes with "length", and is counted as truncated.
+    specs = [RequestSpec("fits", 0.0, 100, 50, ((0, 100),)), RequestSpec("cut", 0.0, 200, 100, ((1000, 200),))]
+    cfg = SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=8, max_model_len=256,
+                          block_size=16, num_gpu_blocks=400)
+    for steady in (False, True):
+        res = sim_run(Workload.from_requests(specs), cfg, use_steady=steady)
+        t = res.requests
+        rows = {rid: (req, out, fr) for rid, req, out, fr in zip(
+            t["request_id"], t["num_requested_output_tokens"], t["num_output_tokens"], t["finish_reason"])}
+        assert rows == {"fits": (50, 50, "length"), "cut": (100, 56, "length")}
+        assert res.summary["requests"]["truncated"] == 1 and res.summary["requests"]["completed"] == 2
+
+
+def test_book_itl_sample_equals_gaps_of_token_times():
+    # The replica's compressed ITL (per-step continuation counts + explicit gaps) against the
+    # plain definition: every gap between consecutive token times of every request.
+    wl = build_workload({"num_requests": 120, "arrival": {"type": "poisson", "rate": 40},
+                         "prompt_len": {"type": "uniform", "min": 16, "max": 900},
+                         "output_len": {"type": "uniform", "min": 1, "max": 200}}, seed=3)
+    small = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16, max_model_len=4096,
+                            block_size=16, num_gpu_blocks=300)  # preemptions: gaps across steps
+    for steady in (False, True):
+        sim = Simulation(wl, small, fixed_cost(0.01, 1e-5), keep_token_times=True, use_steady=steady)
+        res = sim.run()
+        assert res.summary["requests"]["preemptions"] > 0
+        v, w = sim.replicas[0].itl_sample()
+        expanded = np.sort(np.repeat(v, w))
+        gaps, _ = itl_from_token_times(sim.records)
+        np.testing.assert_allclose(expanded, np.sort(gaps), rtol=0, atol=1e-12)

@@ -15,6 +15,10 @@ class RequestRecord:
     request_id: str
     arrival_s: float
     num_prompt_tokens: int
+    # max_tokens as the client asked (-1: not given, "as many as fit"); the engine core runs a
+    # request whose prompt + max_tokens exceeds max_model_len with fewer (engine.core.admission),
+    # so num_output_tokens < this with finish_reason "length" marks a truncated request.
+    num_requested_output_tokens: int = -1
     first_scheduled_s: float | None = None   # start of the first step that scheduled it
     first_token_s: float | None = None
     last_token_s: float | None = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from engine.core.admission import AdmissionError, admit
 from engine.core.config import SchedulerConfig
 from engine.core.features import BatchFeatures
 from engine.core.kv_cache_manager import KVCacheManager
@@ -92,15 +93,12 @@ class Scheduler:
         """Queue a request. Raises ValueError for requests that could never run."""
         rid = request.request_id
         n = request.num_prompt_tokens
-        if n == 0:
-            raise ValueError(f"request {rid!r}: prompt_token_ids is empty")
-        if n > self.max_model_len:
-            raise ValueError(f"request {rid!r}: prompt of {n} tokens is longer than "
-                             f"max_model_len={self.max_model_len}")
         if rid in self.requests:
-            raise ValueError(f"request {rid!r}: request_id is already in use")
-        if request.max_tokens is None:
-            request.max_tokens = max(1, self.max_model_len - n)
+            raise AdmissionError("request_id", f"request {rid!r}: request_id is already in use")
+        try:  # the one admission rule (engine.core.admission): the engine core truncates
+            request.max_tokens = admit(n, request.max_tokens, self.max_model_len, refuse_overflow=False)
+        except AdmissionError as e:
+            raise AdmissionError(e.field, f"request {rid!r}: {e}") from None
         problem = self.fit_problem(n, request.max_tokens)
         if problem is not None:
             raise ValueError(f"request {rid!r}: {problem}")

@@ -44,6 +44,11 @@ class RequestFailed(RuntimeError):
     """The engine failed while running this request (not the client's fault)."""
 
 
+def _put_all(items) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
 @dataclass(slots=True)
 class Child:
     """One engine request of an HTTP request."""
@@ -156,13 +161,26 @@ class AsyncEngine:
         return await fut
 
     # ------------------------------------------------------------ engine side
-    def _deliver(self, rid: str, out) -> None:
+    def _deliver(self, rid: str, out, batch: dict | None = None) -> None:
+        """Hand an output to its group's consumer; with `batch` ({loop: [(group, item)]}), only
+        collect it, for _flush to hand over all of a step's outputs in one event-loop wake-up."""
         g = self._groups.get(rid)
         if g is None:
             return
         if out.finished:
             del self._groups[rid]
-        g.put((g.index[rid], out))
+        if batch is None:
+            g.put((g.index[rid], out))
+        else:
+            batch.setdefault(g.loop, []).append((g.queue, (g.index[rid], out)))
+
+    @staticmethod
+    def _flush(batch: dict) -> None:
+        for loop, items in batch.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the event loop is closed
+                pass
 
     def _fail(self, rid: str, exc: BaseException) -> None:
         g = self._groups.pop(rid, None)
@@ -254,10 +272,12 @@ class AsyncEngine:
                 self._fail(rid, err)
             return
         self.num_failed_steps = 0
+        batch: dict = {}
         for o in outputs:  # clients before metrics (the log row first: a client may read it next)
             if o.finished:
                 self._finish_record(o.request_id)
-            self._deliver(o.request_id, o)
+            self._deliver(o.request_id, o, batch)
+        self._flush(batch)  # one wake-up of the event loop per step, not one per stream
         if self.metrics is not None:
             self.metrics.on_step(eng, outputs, eng.scheduler.num_preemptions - before)
         if len(eng.step_log) > 2 * self.keep_step_log:
