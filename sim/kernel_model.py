@@ -135,13 +135,13 @@ class Grid:
 
 @dataclass
 class Overheads:
-    """Terms the kernel tables do not measure (seconds). Defaults: see calibration/kernels/README.md."""
+    """GPU terms the kernel tables do not measure (seconds): order-of-magnitude figures for
+    kernels inside vLLM's CUDA graphs (a tiny kernel ~2-3 us from launch to end; greedy sampling,
+    logits to fp32 and the input/output copies of a step ~50-100 us), not fitted to any serving
+    result. CPU work is not here: see `cpu_time`."""
 
     elementwise_latency_s: float = 2.5e-6   # one small elementwise kernel inside a CUDA graph
-    sampler_s: float = 6.0e-5               # sampling kernels + logits copy, per step with samples
-    step_overhead_s: float = 1.2e-3         # CPU per step: schedule, prepare inputs, outputs (sync)
-    per_req_overhead_s: float = 8e-6        # CPU per scheduled request
-    per_prefill_token_overhead_s: float = 0.0
+    sampler_s: float = 6.0e-5               # sampling kernels + logits/input copies, per step with samples
 
 
 def _log_grid(lo: int, hi: int, per_octave: int = 4) -> list[int]:
@@ -367,12 +367,14 @@ class KernelCostModel(CostModel):
         return out
 
     def cpu_time(self, f: BatchFeatures) -> float:
-        """CPU work around the step, added to the GPU time (synchronous scheduling). A richer
-        model (async scheduling overlaps it) is plugged in through `cpu_model`."""
+        """CPU work around the step: `cpu_model` if set (a hook: features -> seconds), else
+        sim.cpu_work.CpuWork's defaults, the one place CPU work is modelled. `step_time` adds it
+        to the GPU time (synchronous); scenarios wrap this model in sim.cpu_work.WithCpuWork,
+        which takes gpu_time and this and overlaps them under async scheduling."""
         if self.cpu_model is not None:
             return self.cpu_model(f)
-        o = self.ovh
-        return o.step_overhead_s + o.per_req_overhead_s * f.num_reqs + o.per_prefill_token_overhead_s * f.num_prefill_tokens
+        from sim.cpu_work import CpuWork
+        return CpuWork().time(f)
 
     def _time(self, num_reqs, num_tokens, num_prefill_reqs, prefill_pairs, prefill_ctx, decode_ctx):
         f = BatchFeatures(num_reqs=num_reqs, num_prefill_reqs=num_prefill_reqs,
