@@ -144,6 +144,9 @@ class Overheads:
     sampler_s: float = 6.0e-5               # sampling kernels + logits/input copies, per step with samples
 
 
+_BUILT: dict = {}
+
+
 def _log_grid(lo: int, hi: int, per_octave: int = 4) -> list[int]:
     out, x = [], float(lo)
     while x < hi * 1.0001:
@@ -176,12 +179,23 @@ class KernelCostModel(CostModel):
         self.q_heads = m.num_heads // tp
         if reduced is not None:
             self._from_reduced(reduced)
+        elif tables is None or isinstance(tables, str):
+            # Grids are read-only once built: deployments seen before (a plan's candidates at
+            # many rates and seeds) share them.
+            key = (m, d, tp, tables or d.kernel_tables)
+            if key not in _BUILT:
+                name = tables or d.kernel_tables
+                t = load_tables(name) if name else None
+                self.source = t.get("sources", {}) if t else {}
+                self._build(t)
+                if len(_BUILT) > 64:
+                    _BUILT.clear()
+                _BUILT[key] = (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar,
+                               self.coverage, self.source)
+            (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar,
+             self.coverage, self.source) = _BUILT[key]
         else:
-            if tables is None:
-                tables = d.kernel_tables
-            if isinstance(tables, str):
-                tables = load_tables(tables)
-            self.source = tables.get("sources", {}) if tables else {}
+            self.source = tables.get("sources", {})
             self._build(tables)
         self.metadata = {"model": m.name, "device": d.name, "tp": tp, "weight_dtype": m.weight_dtype,
                          "kv_dtype": m.kv_dtype, "act_dtype": m.act_dtype, "kv_heads_per_gpu": self.kv_heads,
