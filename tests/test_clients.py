@@ -165,3 +165,14 @@ def test_vllm_bench_keys_and_shared_prefix():
     assert v["output_throughput"] == pytest.approx(s["throughput"]["output_tokens_per_s"])
     # Every prompt after the first finds the 64-token prefix (4 full blocks) in the cache.
     assert s["requests"]["prefix_cached_tokens"] == 15 * 64
+
+
+def test_example_benchmark_scenario_runs():
+    from pathlib import Path
+
+    from scenarios.schema import load_scenario, run_scenario
+    sc = load_scenario(Path(__file__).resolve().parents[1] / "scenarios" / "benchmark-h100.yaml")
+    assert sc.cost_model.describe()["async_scheduling"] is True
+    s = run_scenario(sc).summary
+    assert s["vllm_bench"]["completed"] == 320 and s["client"]["warmup_requests"] == 32
+    assert s["requests"]["preemptions"] == 0
