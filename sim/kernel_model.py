@@ -246,6 +246,7 @@ class KernelCostModel(CostModel):
         grid_w = Grid(g["values"], g["us"], roof_w) if g else None
         ga = (tables or {}).get("gemm", {}).get(GEMM_NAMES.get(m.act_dtype, ""), None)
         grid_a = Grid(ga["values"], ga["us"], roof_a) if ga else None
+
         def gemm(grid, roof, M, n, k):
             if grid is None:
                 return roof(M, n, k) * 1e6, False
@@ -265,8 +266,8 @@ class KernelCostModel(CostModel):
             t, e = gemm(grid_a, roof_a, M, vocab, m.hidden_size)
             head.append(t)
             ok_h.append(e)
-        self.g_layer = Grid([ms], layer, None, ok_l)
-        self.g_head = Grid([ms], head, None, ok_h)
+        self.g_layer = Grid([ms], layer, self._layer_roof, ok_l)
+        self.g_head = Grid([ms], head, self._head_roof, ok_h)
         cov["gemm"] = bool(grid_w)
         cov["lm_head_gemm"] = bool(grid_a)
         # Attention for this GPU's heads.

@@ -111,3 +111,11 @@ def test_shipped_profile_reproduces_the_tables():
     fresh = KernelCostModel(get_model("llama-3.1-70b").with_dtypes(weight_dtype="fp8"), "h200", 4)
     for f in (decode_step(16, 3000), prefill_step(1500, 700)):
         assert from_file.step_time(f) == pytest.approx(fresh.step_time(f), rel=1e-3)
+
+
+def test_steps_past_the_largest_reduced_grid_keep_growing():
+    k = KernelCostModel(get_model("llama-3.1-8b"), "h100-sxm", 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = k.breakdown(prefill_step(300_000))["gemm"], k.breakdown(prefill_step(600_000))["gemm"]
+    assert b == pytest.approx(2 * a, rel=0.05)                   # compute-bound: linear in tokens
