@@ -39,7 +39,7 @@ MODELS = {"meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b", "meta-llama/Llama-
           "meta-llama/Llama-3.1-70B": "llama-3.1-70b", "meta-llama/Llama-3.1-70B-Instruct": "llama-3.1-70b",
           "Qwen/Qwen3-32B": "qwen3-32b"}
 DEVICES = {"h100_sxm": "h100-sxm", "h200_sxm": "h200", "b200_sxm": "b200"}
-QUANT = {"": "bfloat16", "fp8": "fp8", "fp8_block": "fp8"}
+QUANT = {"": "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block"}
 
 
 def default_csv() -> str | None:
@@ -153,6 +153,12 @@ def main(argv=None) -> None:
         "rows": len(rows), "skipped": len(skipped), "wall_s": round(time.perf_counter() - t0, 1),
         "error_definition": "(sim - silicon) / silicon of the mean TTFT / TPOT; bias = median signed error",
         "overall": summarize_errors(rows, ()),
+        # the setting of the held-out check: concurrency 4-144, ISL 1k-8k, OSL 100-8k
+        "in_check_range": summarize_errors([r for r in rows if 4 <= r["concurrency"] <= 144 and
+                                            1000 <= r["isl"] <= 8192 and 100 <= r["osl"] <= 8192], ()),
+        "in_check_range_by_backend_system": summarize_errors(
+            [r for r in rows if 4 <= r["concurrency"] <= 144 and 1000 <= r["isl"] <= 8192
+             and 100 <= r["osl"] <= 8192], ("backend", "system")),
         "by_backend_system": summarize_errors(rows, ("backend", "system")),
         "by_model": summarize_errors(rows, ("backend", "system", "model", "weight_dtype")),
         "by_tp": summarize_errors(rows, ("backend", "system", "tp")),

@@ -7,8 +7,9 @@ sim/kernel_model.py reads. Run once, with a Python that has pandas + pyarrow and
         [--site /work/aisim-venv/lib/python3.11/site-packages] [--out calibration/kernels]
 
 Kept (vLLM backend only, the kernels vLLM itself runs):
-  gemm:        bf16 (torch linear) and fp8 per-tensor (CutlassFP8ScaledMM) on the regular
-               (m, n, k) grid (points it lacks are null), n and k >= 256 (dense models of 1B+ at TP 1-8).
+  gemm:        bf16 (torch linear), fp8 per-tensor (CutlassFP8ScaledMM) and fp8 128x128 blocks
+               (DeepGEMM, else CUTLASS block-scaled) on the regular (m, n, k) grid (points it
+               lacks are null), n and k >= 256 (dense models of 1B+ at TP 1-8).
   attention:   context (prefill, batch x isl, causal, no prefix) and generation (decode,
                batch x KV length) for head_dim 64/128, no sliding window, KV bf16 and fp8,
                one kernel per GPU (FA3 on Hopper, FlashInfer TRT-LLM kernels on Blackwell).
@@ -34,8 +35,12 @@ SYSTEMS = {
 }
 B200_ATTN = {"context": "vllm_flashinfer_trtllmprefill",
              "generation": "vllm_flashinfer_flashinfertrtllmapidecode"}
-GEMM_DTYPES = {"bf16": ("bfloat16", "torch.nn.functional.linear"),
-               "fp8": ("fp8", "CutlassFP8ScaledMMLinearKernel")}
+GEMM_DTYPES = {"bf16": ("bfloat16", ["torch.nn.functional.linear"]),
+               "fp8": ("fp8", ["CutlassFP8ScaledMMLinearKernel"]),
+               # 128x128 block-scaled fp8 (e.g. Qwen's own -FP8 checkpoints): DeepGEMM where measured
+               # (M >= 32; vLLM's default on Hopper/Blackwell when deep_gemm is installed), else
+               # CUTLASS's block-scaled kernel.
+               "fp8_block": ("fp8_block", ["DeepGemmFp8BlockScaledMMKernel", "CutlassFp8BlockScaledMMKernel"])}
 KV_DTYPES = {"bf16": "bfloat16", "fp8": "fp8"}
 
 
@@ -70,14 +75,19 @@ def convert(site: Path, out: Path) -> None:
         doc["sources"]["gemm"] = str(p.relative_to(site))
         doc["device_name"] = str(g.device.iloc[0])
         doc["gemm"] = {}
-        for name, (dt, kern) in GEMM_DTYPES.items():
-            x = g[(g.gemm_dtype == dt) & (g.kernel_source == kern) & (g.n >= 256) & (g.k >= 256)]
+        for name, (dt, kerns) in GEMM_DTYPES.items():
+            x = g[(g.gemm_dtype == dt) & (g.kernel_source.isin(kerns)) & (g.n >= 256) & (g.k >= 256)]
+            if x.empty:
+                continue
+            rank = {k: i for i, k in enumerate(kerns)}  # first kernel in the list wins a point
+            x = (x.assign(_r=x.kernel_source.map(rank)).sort_values("_r")
+                 .drop_duplicates(["m", "n", "k"], keep="first"))
             # the regular grid only (off-grid widths measured at a single k are dropped);
             # (m, n, k) points missing from it stay null and are filled at load time
             ns = sorted(n for n, c in x.groupby("n").k.nunique().items() if c >= 5)
             ks = sorted(k for k, c in x.groupby("k").n.nunique().items() if c >= 5)
             x = x[x.n.isin(ns) & x.k.isin(ks)]
-            doc["gemm"][name] = {"kernel": kern, **grid(x, ["m", "n", "k"])}
+            doc["gemm"][name] = {"kernel": " > ".join(kerns), **grid(x, ["m", "n", "k"])}
         # attention --------------------------------------------------------------------
         for phase, axis in (("context", "isl"), ("generation", "step")):
             p = root / system / "attention" / "vllm" / av / f"{phase}_attention_perf.parquet"

@@ -176,9 +176,9 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     cm.done()
 
     def cost_for(t: int) -> tuple[CostModel, dict]:
-        # Shipped profiles are named device-[tpN-]model[-fp8][-kvfp8] (sim/profiles/README.md).
+        # Shipped profiles are named device-[tpN-]model[-fp8|-fp8block][-kvfp8] (sim/profiles/README.md).
         default_profile = (f"{device.name}-" + (f"tp{t}-" if t > 1 else "") + model.name
-                           + ("-fp8" if model.weight_dtype == "fp8" else "")
+                           + {"fp8": "-fp8", "fp8_block": "-fp8block"}.get(model.weight_dtype, "")
                            + ("-kvfp8" if model.kv_dtype == "fp8" else ""))
         k = kind
         if k is None:  # a shipped profile, else measured kernel tables, else the roofline

@@ -37,7 +37,7 @@ from sim.specs import DeviceSpec, ModelSpec, get_device, get_model
 
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "calibration" / "kernels"
 KV_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8"}
-GEMM_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8"}
+GEMM_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8", "fp8_block": "fp8_block"}
 
 
 @lru_cache(maxsize=8)
@@ -207,7 +207,7 @@ class KernelCostModel(CostModel):
     def _gemm_roof(self, dtype: str) -> Callable[..., float]:
         d, m = self.device, self.model
         peak = d.peak_flops(dtype)
-        wb = 1 if dtype == "fp8" else 2
+        wb = 1 if dtype in ("fp8", "fp8_block") else 2
         a = m.act_dtype_bytes
 
         def roof(M, N, K):
@@ -239,12 +239,13 @@ class KernelCostModel(CostModel):
         g = (tables or {}).get("gemm", {}).get(gname) if gname else None
         roof_w = self._gemm_roof(m.weight_dtype)
         roof_a = self._gemm_roof(m.act_dtype)
-        ms = sorted(set(g["values"][0]) | set(_log_grid(32768, 262144))) if g else _log_grid(1, 262144)
+        ga = (tables or {}).get("gemm", {}).get(GEMM_NAMES.get(m.act_dtype, ""), None)
+        measured_ms = set(g["values"][0] if g else []) | set(ga["values"][0] if ga else [])
+        ms = sorted(measured_ms | set(_log_grid(32768, 262144))) if measured_ms else _log_grid(1, 262144)
         shapes = list(m.gemm_shapes(tp).values())
         vocab = -(-m.vocab_size // tp)
         layer, head, ok_l, ok_h = [], [], [], []
         grid_w = Grid(g["values"], g["us"], roof_w) if g else None
-        ga = (tables or {}).get("gemm", {}).get(GEMM_NAMES.get(m.act_dtype, ""), None)
         grid_a = Grid(ga["values"], ga["us"], roof_a) if ga else None
 
         def gemm(grid, roof, M, n, k):
@@ -431,7 +432,8 @@ SHIPPED = [  # (device, model, tp): each in bf16 and fp8 weights (KV bf16, as vL
 def profile_name(device: str, model: ModelSpec, tp: int) -> str:
     """device-[tpN-]model[-fp8][-kvfp8], the name the scenario loader looks for by default."""
     return (f"{device}-" + (f"tp{tp}-" if tp > 1 else "") + model.name
-            + ("-fp8" if model.weight_dtype == "fp8" else "") + ("-kvfp8" if model.kv_dtype == "fp8" else ""))
+            + {"fp8": "-fp8", "fp8_block": "-fp8block"}.get(model.weight_dtype, "")
+            + ("-kvfp8" if model.kv_dtype == "fp8" else ""))
 
 
 def write_profiles(out_dir: Path | None = None) -> list[Path]:

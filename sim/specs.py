@@ -19,7 +19,8 @@ import re
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_block": 1}
+FP8 = ("fp8", "fp8_block")  # fp8_block: weights in 128x128 blocks with their own scales (Qwen's -FP8)
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16", "float8": "fp8", "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8",
                   "e4m3": "fp8", "fp8_e5m2": "fp8", "auto": "bfloat16"}
@@ -31,7 +32,7 @@ def canonical_dtype(name: str, what: str = "dtype") -> str:
     d = str(name).lower().replace("torch.", "")
     d = _DTYPE_ALIASES.get(d, d)
     if d not in DTYPE_BYTES:
-        raise ValueError(f"{what}={name!r}: unknown dtype; known: bf16, fp16, fp32, fp8")
+        raise ValueError(f"{what}={name!r}: unknown dtype; known: bf16, fp16, fp32, fp8, fp8_block")
     return d
 
 
@@ -55,6 +56,8 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for key in ("weight_dtype", "kv_dtype", "act_dtype"):
             object.__setattr__(self, key, canonical_dtype(getattr(self, key), key))
+        if self.kv_dtype == "fp8_block" or self.act_dtype in FP8:
+            raise ValueError(f"kv_dtype={self.kv_dtype!r}, act_dtype={self.act_dtype!r}: fp8_block is a weight format")
 
     # ------------------------------------------------------------ dtypes
     @property
@@ -82,7 +85,7 @@ class ModelSpec:
     @property
     def dense_dtype_bytes(self) -> int:
         """Embeddings, LM head and norms: unquantized (act dtype) when the linear layers are fp8."""
-        return self.act_dtype_bytes if self.weight_dtype == "fp8" else self.weight_dtype_bytes
+        return self.act_dtype_bytes if self.weight_dtype in FP8 else self.weight_dtype_bytes
 
     # ------------------------------------------------------------ shapes
     def kv_heads_per_gpu(self, tp: int = 1) -> int:
@@ -159,9 +162,10 @@ class ModelSpec:
         if dtype is None:
             q = cfg.get("quantization_config") or {}
             fp8 = "fp8" in json.dumps(q).lower() or "float8" in json.dumps(q).lower()
-            dtype = "fp8" if fp8 else cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+            block = fp8 and bool(q.get("weight_block_size"))
+            dtype = ("fp8_block" if block else "fp8") if fp8 else cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
         act = cfg.get("torch_dtype") or "bfloat16"
-        act = "bfloat16" if canonical_dtype(act) == "fp8" else act
+        act = "bfloat16" if canonical_dtype(act) in FP8 else act
         arch = " ".join(cfg.get("architectures") or []) + " " + str(cfg.get("model_type", ""))
         return cls(
             name=name, num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
@@ -186,7 +190,7 @@ class DeviceSpec:
 
     def peak_flops(self, dtype: str) -> float:
         dtype = canonical_dtype(dtype)
-        if dtype == "fp8":
+        if dtype in FP8:
             return self.fp8_flops or self.flops
         if dtype == "float32":
             return self.flops / 2  # TF32 tensor cores

@@ -124,3 +124,17 @@ def test_memory_reserve_is_vllm_like_and_grows_with_the_batch_budget():
     big = memory_breakdown(m, dev, 1, max_num_batched_tokens=16384, max_num_seqs=1024)
     assert 1 * GiB < small["reserve_bytes"] < big["reserve_bytes"] < 6 * GiB
     assert small["kv_blocks"] > big["kv_blocks"]
+
+
+def test_block_fp8_checkpoint_is_its_own_weight_format():
+    cfg = {"num_hidden_layers": 2, "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8,
+           "intermediate_size": 1024, "vocab_size": 1000, "torch_dtype": "bfloat16",
+           "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    from sim.specs import ModelSpec
+    blk = ModelSpec.from_hf_config(cfg)
+    del cfg["quantization_config"]["weight_block_size"]
+    per_tensor = ModelSpec.from_hf_config(cfg)
+    assert (blk.weight_dtype, per_tensor.weight_dtype) == ("fp8_block", "fp8")
+    assert blk.weight_bytes == per_tensor.weight_bytes and blk.kv_dtype == "bfloat16"
+    k = KernelCostModel(get_model("qwen3-32b").with_dtypes(weight_dtype="fp8_block"), "h200", 2)
+    assert k.describe()["table_coverage"]["gemm"] is True
