@@ -27,6 +27,9 @@ def add_serve_args(sub) -> None:
     p.add_argument("--request-log", default=None, help="CSV of finished requests (simulator record format)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get a 413")
     p.add_argument("--served-model-name", action="append", default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for the engine (CPU only; default: one per core but one, "
+                        "which is left to the HTTP side: event loop, tokenizer workers, SSE)")
     p.set_defaults(func=run_serve)
 
 
@@ -37,6 +40,14 @@ def build_app(a):
     from engine.server.app import create_app
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        # torch's CPU threads spin while they wait for each other: with a thread on every core,
+        # the event loop (HTTP receipt, SSE writes) and the tokenizer workers wait behind a
+        # forward pass, and clients see TTFT the server never logged.
+        import os
+        threads = a.threads or max(1, (os.cpu_count() or 1) - 1)
+        torch.set_num_threads(threads)
+        logging.getLogger(__name__).info("engine: %d torch CPU thread(s)", threads)
     engine = LLMEngine(model=a.model, device=device, dtype=a.dtype,
                        max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                        max_model_len=a.max_model_len, block_size=a.block_size,
