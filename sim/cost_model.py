@@ -10,6 +10,9 @@ steps see the same times).
 - AnalyticCostModel: a roofline over a model spec and a device spec (weights and KV bytes over
   bandwidth, FLOPs over peak), plus tensor-parallel all-reduce and per-step overheads; its
   efficiency factors can be fitted from a profile so it extrapolates to unprofiled devices/TP.
+- KernelCostModel (sim/kernel_model.py): GEMM, attention and all-reduce times measured on real
+  GPUs with vLLM's kernels, per layer, interpolated; the default on H100/H200/B200. A profile of
+  kind "kernels" holds it reduced to one deployment (cost_model_from_profile reads either kind).
 """
 from __future__ import annotations
 
