@@ -292,7 +292,10 @@ def prune_reason(data: dict, cand: dict, longest: int, base_dir=None) -> str | N
     dep = data.get("deployment") or {}
     sch = data.get("scheduler") or {}
     try:
-        model = get_model(dep.get("model", "llama-3.1-8b"))
+        model = get_model(dep.get("model_config") or dep.get("model", "llama-3.1-8b"), base_dir=base_dir)
+        # the deployment's dtypes, as the scenario reads them (fp8 weights, KV dtype)
+        model = model.with_dtypes(weight_dtype=dep.get("weight_dtype") or dep.get("dtype"),
+                                  kv_dtype=dep.get("kv_dtype"))
         device = get_device(cand["device"])
     except ValueError as e:
         return str(e)
