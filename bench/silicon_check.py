@@ -79,14 +79,16 @@ def usable(r: dict) -> dict | None:
             "osl": int(r["osl"]), "ttft_ms": ttft, "tpot_ms": tpot}
 
 
-def simulate(case: dict, prompts_per_slot: int = 4, cost_model: dict | None = None) -> dict:
+def simulate(case: dict, prompts_per_slot: int = 4, cost_model: dict | None = None,
+             range_ratio: float = 0.0) -> dict:
     c = case["concurrency"]
     num = max(prompts_per_slot * c, 16)
     data = {"name": "silicon-check", "seed": 0,
             "deployment": {"model": case["model"], "device": DEVICES[case["system"]], "tp": case["tp"],
                            "weight_dtype": case["weight_dtype"]},
             "workload": {"benchmark": {"concurrency": c, "isl": case["isl"], "osl": case["osl"],
-                                       "num_prompts": num, "warmup": min(c, 8)}}}
+                                       "num_prompts": num, "warmup": min(c, 8),
+                                       "range_ratio": range_ratio}}}
     if cost_model:
         data["cost_model"] = cost_model
     with warnings.catch_warnings():
@@ -120,6 +122,9 @@ def main(argv=None) -> None:
     ap.add_argument("--max-osl", type=int, default=0, help="skip rows with a longer OSL (speed)")
     ap.add_argument("--prompts-per-slot", type=int, default=4)
     ap.add_argument("--out", help="also write the per-row results (JSON)")
+    ap.add_argument("--range-ratio", type=float, default=0.0,
+                    help="benchmark lengths uniform in [L(1-r), L(1+r)] (vllm bench serve --random-range-ratio); "
+                         "0: fixed, as aiperf/AIConfigurator's own collection ran")
     a = ap.parse_args(argv)
     if not a.csv or not Path(a.csv).exists():
         sys.exit("silicon_check: no silicon_sample.csv (install the aisimulate wheel or give --csv)")
@@ -139,7 +144,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     for c in cases:
         try:
-            sim = simulate(c, a.prompts_per_slot)
+            sim = simulate(c, a.prompts_per_slot, range_ratio=a.range_ratio)
         except Exception as e:  # a deployment that does not fit, say: report, do not hide
             skipped.append({**c, "error": str(e)[:200]})
             continue

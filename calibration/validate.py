@@ -96,6 +96,7 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
     capacity = measure_capacity(engine, wl_spec, n=max(16, 2 * min(cfg.max_num_seqs, 32)))
     b_lo, b_hi = group_bias_range(profile["metadata"])
     runs = [(s, load) for s in range(seeds) for load in loads]  # seeds outer: drift spreads evenly
+    step_rows: list = []  # (load, seed, StepRecord, period): DIR/engine-steps.csv
     bar = None
     if progress:
         from tqdm import tqdm
@@ -113,6 +114,7 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
         d["engine"].append(res.records)
         d["engine_tput"].append(_summary(res.records)["throughput"]["output_tokens_per_s"])
         d["steps"].extend((s, p) for s, p in zip(res.steps, res.periods_s) if p is not None)
+        step_rows.extend((load, seed, s, p) for s, p in zip(res.steps, res.periods_s) if p is not None)
         reps = []
         for r in range(NOISE_REPLICAS):
             sim = Simulation(wl, cfg, NoisyCostModel(base, seed=seed * 100 + r), keep_token_times=True).run()
@@ -175,7 +177,22 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
         "profile_cv_mape": profile["metadata"].get("cv_mape"), "profile_cv": profile["metadata"].get("cv")}
     with open(out_dir / "validation.json", "w") as f:
         json.dump(report, f, indent=1)
+    _write_steps(out_dir / "engine-steps.csv", step_rows, base)
     return report
+
+
+def _write_steps(path: Path, step_rows: list, model) -> None:
+    """The engine's steps of every run with the profile's prediction beside the measured period,
+    so the cost model's error can be studied by batch shape (what the sweep missed)."""
+    import csv
+    cols = ("num_reqs", "num_prefill_reqs", "num_prefill_tokens", "prefill_context_tokens",
+            "prefill_attn_pairs", "num_decode_reqs", "decode_context_tokens", "num_running",
+            "num_waiting", "kv_usage", "schedule_s", "prepare_s", "forward_s", "sample_s")
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(("load", "seed", *cols, "period_s", "predicted_s"))
+        for load, seed, s, p in step_rows:
+            w.writerow((load, seed, *(getattr(s, c) for c in cols), p, model.step_time(_features(s))))
 
 
 def _features(s):

@@ -307,7 +307,7 @@ _TOP_KEYS = ("num_requests", "arrival", "prompt_len", "output_len", "shared_pref
              "cancellation", "trace", "client", "benchmark")
 # One independent random stream per concern (see the module docstring).
 _STREAMS = {"arrival": 1, "prompt_len": 2, "output_len": 3, "shared_prefix": 4, "priority": 5,
-            "cancel": 6, "client": 7}
+            "cancel": 6, "client": 7, "lengths": 8}
 
 
 def _rng(seed: int, stream: str) -> np.random.Generator:
@@ -437,7 +437,11 @@ def _benchmark(root: _Map, seed: int) -> Workload:
         rate = m.number("request_rate", gt=0)
     burst = m.number("burstiness", 1.0, gt=0)
     prefix = m.integer("prefix_len", 0, ge=0)
+    ratio = m.number("range_ratio", 0.0, ge=0)
     m.done()
+    if ratio >= 1:
+        raise WorkloadError(f"workload.benchmark.range_ratio={ratio!r}: must be in [0, 1) "
+                            "(lengths are drawn from [len * (1 - r), len * (1 + r)])")
     if conc is None and rate == math.inf:
         raise WorkloadError("workload.benchmark: give concurrency, request_rate or both "
                             "(with neither every request would be sent at t=0 at once)")
@@ -450,22 +454,31 @@ def _benchmark(root: _Map, seed: int) -> Workload:
     if rate != math.inf:
         gaps = _rng(seed, "arrival").gamma(burst, 1.0 / (rate * burst), num)
         due[warm:] = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
-    prompt = np.full(n, prefix + isl, np.int64)
-    if prefix:  # key 0 is the shared prefix; each request's own isl tokens follow
+    if ratio > 0:  # vllm bench serve --random-range-ratio: uniform integers in [L(1-r), L(1+r)]
+        rng = _rng(seed, "lengths")
+        own = rng.integers(max(1, int(isl * (1 - ratio))), int(isl * (1 + ratio)) + 1, n)
+        out = rng.integers(max(1, int(osl * (1 - ratio))), int(osl * (1 + ratio)) + 1, n)
+    else:
+        own, out = np.full(n, isl, np.int64), np.full(n, osl, np.int64)
+    own, out = own.astype(np.int64), out.astype(np.int64)
+    prompt = prefix + own
+    step = int(own.max())  # each request's own tokens get their own key range (unique prompts)
+    if prefix:  # key 0 is the shared prefix; each request's own tokens follow
         seg_off = np.arange(0, 2 * n + 1, 2, dtype=np.int64)
         seg_keys = np.empty(2 * n, np.int64)
-        seg_keys[0::2], seg_keys[1::2] = 0, prefix + np.arange(n, dtype=np.int64) * isl
-        seg_lens = np.tile(np.array([prefix, isl], np.int64), n)
+        seg_keys[0::2], seg_keys[1::2] = 0, prefix + np.arange(n, dtype=np.int64) * step
+        seg_lens = np.empty(2 * n, np.int64)
+        seg_lens[0::2], seg_lens[1::2] = prefix, own
     else:
         seg_off = np.arange(n + 1, dtype=np.int64)
-        seg_keys = np.arange(n, dtype=np.int64) * isl
-        seg_lens = prompt.copy()
+        seg_keys = np.arange(n, dtype=np.int64) * step
+        seg_lens = own.copy()
     ids = [f"warmup-{i}" for i in range(warm)] + [f"req-{i}" for i in range(num)]
     info = {"concurrency": conc, "isl": isl, "osl": osl, "num_prompts": num, "warmup": warm,
             "request_rate": rate if rate != math.inf else "inf", "burstiness": burst,
-            "prefix_len": prefix,
-            "protocol": "vllm bench serve --dataset-name random --random-range-ratio 0 --ignore-eos"}
-    return Workload(arrival_s=due, prompt_len=prompt, output_len=np.full(n, osl, np.int64),
+            "prefix_len": prefix, "range_ratio": ratio,
+            "protocol": f"vllm bench serve --dataset-name random --random-range-ratio {ratio:g} --ignore-eos"}
+    return Workload(arrival_s=due, prompt_len=prompt, output_len=out,
                     seg_off=seg_off, seg_keys=seg_keys, seg_lens=seg_lens,
                     closed_loop_concurrency=conc, source="benchmark", request_ids=ids,
                     client=client, num_warmup=warm, benchmark=info,

@@ -141,10 +141,27 @@ def test_open_loop_default_is_engine_direct():
     ({"benchmark": {"concurrency": 4, "isl": 10, "osl": 5}}, "workload.benchmark.num_prompts"),
     ({"benchmark": {"concurrency": 4, "isl": 10, "osl": 5, "num_prompts": 8, "warmpu": 1}}, "workload.benchmark.warmpu"),
     ({"benchmark": {"concurrency": 4, "isl": 10, "osl": 5, "num_prompts": 8}, "client": {"http_s": -1}}, "workload.client.http_s"),
+    ({"benchmark": {"concurrency": 4, "isl": 10, "osl": 5, "num_prompts": 8, "range_ratio": 1.0}},
+     "workload.benchmark.range_ratio"),
 ])
 def test_benchmark_spec_errors_name_the_key(bad, where):
     with pytest.raises(WorkloadError, match=where.replace(".", r"\.")):
         build_workload(bad, 0)
+
+
+def test_range_ratio_draws_lengths_as_vllm_bench_serve():
+    # --random-range-ratio r: uniform integers in [L(1-r), L(1+r)] for prompt and output alike.
+    wl = build_workload({"benchmark": {"concurrency": 8, "isl": 1000, "osl": 200, "num_prompts": 4000,
+                                       "range_ratio": 0.2}}, 3)
+    p, o = np.asarray(wl.prompt_len), np.asarray(wl.output_len)
+    assert len(p) == 4000 and p.min() >= 800 and p.max() <= 1200 and o.min() >= 160 and o.max() <= 240
+    assert abs(p.mean() - 1000) < 10 and abs(o.mean() - 200) < 2      # uniform: mean L (se ~1.8, ~0.4)
+    assert len(set(p.tolist())) > 300                                  # not a handful of values
+    # Prompts stay unique (no prefix-cache hits between requests), as the random dataset's are.
+    heads = {tuple(s.token_ids()[:16]) for s in wl}
+    assert len(heads) == 4000
+    fixed = build_workload({"benchmark": {"concurrency": 8, "isl": 1000, "osl": 200, "num_prompts": 10}}, 3)
+    assert set(np.asarray(fixed.prompt_len).tolist()) == {1000} and set(np.asarray(fixed.output_len).tolist()) == {200}
 
 
 def test_scenario_benchmark_round_trip():
