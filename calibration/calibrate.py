@@ -102,7 +102,7 @@ def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None 
                 times.append(period)
                 labels.append(g["name"])
                 if writer is not None:
-                    writer.writerow([g["name"], *row.values(), f"{period:.6f}", f"{s.end_s - s.start_s:.6f}",
+                    writer.writerow([g["name"], *row.values(), period, f"{s.end_s - s.start_s:.6f}",
                                      f"{s.forward_s:.6f}"])
             if f is not None:
                 f.flush()
@@ -188,8 +188,49 @@ def calibrate(engine, out: str | Path, seed: int = 0, groups: list[dict] | None 
     return prof
 
 
+def refit(profile_path: str | Path, out: str | Path) -> dict:
+    """Fit again, with the current fitting code, the steps a calibration measured (its
+    PROFILE.steps.csv beside PROFILE.json); no engine runs. Writes `out` and out.steps.csv."""
+    import shutil
+    src, out = Path(profile_path), Path(out)
+    steps = src.with_suffix(".steps.csv")
+    if not steps.exists():
+        raise FileNotFoundError(f"--refit {src}: its steps file {steps} is missing")
+    with open(src) as f:
+        old = json.load(f)
+    rows, times, labels = [], [], []
+    with open(steps, newline="") as f:
+        for r in csv.DictReader(f):
+            rows.append({k: float(r[k]) for k in FEATURES})
+            times.append(float(r["period_s"]))
+            labels.append(r["group"])
+    meta = dict(old["metadata"])
+    for k in ("num_samples", "fit_mape", "cv", "cv_mape", "cv_p95_abs_rel_error", "cv_group_bias",
+              "residual_quantiles_are"):
+        meta.pop(k, None)
+    meta["source"] = f"{meta.get('source', src.name)}; refit {today()} (servetwin calibrate --refit)"
+    prof = fit_cost_model(rows, times, metadata=meta, groups=labels).to_profile()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(prof, f, indent=1)
+    if steps.resolve() != out.with_suffix(".steps.csv").resolve():
+        shutil.copyfile(steps, out.with_suffix(".steps.csv"))
+    return prof
+
+
+def _report(out, prof: dict) -> None:
+    m = prof["metadata"]
+    print(json.dumps({"profile": str(out), "steps": m["num_samples"], "source": m["source"],
+                      "fit_mape": round(m["fit_mape"], 4), "cv": m["cv"], "cv_mape": round(m["cv_mape"], 4),
+                      "cv_p95_abs_rel_error": round(m["cv_p95_abs_rel_error"], 4),
+                      "num_gpu_blocks": m["num_gpu_blocks"]}, indent=1))
+
+
 def main(a) -> int:
     """`servetwin calibrate` (arguments from calibration.cli)."""
+    if getattr(a, "refit", None):
+        _report(a.out, refit(a.refit, a.out))
+        return 0
     import torch
 
     from engine.llm_engine import LLMEngine
@@ -202,9 +243,5 @@ def main(a) -> int:
     groups = sweep_groups(engine.scheduler_config.max_num_seqs, engine.max_model_len,
                           requests_per_slot=a.requests_per_slot)
     prof = calibrate(engine, a.out, a.seed, groups)
-    m = prof["metadata"]
-    print(json.dumps({"profile": str(a.out), "steps": m["num_samples"], "source": m["source"],
-                      "fit_mape": round(m["fit_mape"], 4), "cv": m["cv"], "cv_mape": round(m["cv_mape"], 4),
-                      "cv_p95_abs_rel_error": round(m["cv_p95_abs_rel_error"], 4),
-                      "num_gpu_blocks": m["num_gpu_blocks"]}, indent=1))
+    _report(a.out, prof)
     return 0

@@ -18,6 +18,9 @@ def add_calibration_args(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's, one per core); recorded in the profile")
+    p.add_argument("--refit", default=None, metavar="PROFILE.json",
+                   help="no engine run: fit again the steps PROFILE.steps.csv holds (with this version's "
+                        "fitting code) and write OUT")
     p.set_defaults(func=_calibrate)
 
     p = sub.add_parser("validate", help="one workload through the real engine and the simulator: error table")

@@ -15,15 +15,19 @@ from scipy.optimize import nnls
 from sim.cost_model import FittedCostModel
 
 DEFAULT_KNOTS = (16, 64, 128, 256, 512, 1024, 2048, 4096)
+# Caps of the saturating terms min(tokens, cap): the concave start of a CPU step's token term
+# (one token: matrix-vector kernels; a few: packed GEMMs whose cost grows slowly at first).
+DEFAULT_CAPS = (2, 4, 8, 16, 32)
 FEATURES = ("num_reqs", "num_tokens", "num_prefill_reqs", "prefill_attn_pairs",
             "prefill_context_tokens", "decode_context_tokens")
 
 
-def design_matrix(rows: Sequence[dict], knots: Sequence[float]) -> np.ndarray:
+def design_matrix(rows: Sequence[dict], knots: Sequence[float], caps: Sequence[float] = ()) -> np.ndarray:
     cols = {k: np.asarray([r[k] for r in rows], dtype=float) for k in FEATURES}
     tok = cols["num_tokens"]
     X = [np.ones_like(tok), cols["num_reqs"], tok]
     X += [np.maximum(0.0, tok - k) for k in knots]
+    X += [np.minimum(tok, c) for c in caps]
     X += [cols["num_prefill_reqs"], cols["prefill_attn_pairs"], cols["prefill_context_tokens"],
           cols["decode_context_tokens"]]
     return np.stack(X, axis=1)
@@ -38,19 +42,22 @@ def _solve(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef / scale
 
 
-def _model(coef: np.ndarray, knots: Sequence[float], metadata: dict | None = None) -> FittedCostModel:
-    nk = len(knots)
+def _model(coef: np.ndarray, knots: Sequence[float], metadata: dict | None = None,
+           caps: Sequence[float] = ()) -> FittedCostModel:
+    nk, nc = len(knots), len(caps)
+    rest = coef[3 + nk + nc:]
     return FittedCostModel(
         intercept_s=float(coef[0]), per_req_s=float(coef[1]), per_token_s=float(coef[2]),
         hinges=[(float(k), float(s)) for k, s in zip(knots, coef[3:3 + nk]) if s > 0],
-        per_prefill_req_s=float(coef[3 + nk]), per_prefill_pair_s=float(coef[4 + nk]),
-        per_prefill_ctx_s=float(coef[5 + nk]), per_decode_ctx_s=float(coef[6 + nk]),
+        saturations=[(float(c), float(s)) for c, s in zip(caps, coef[3 + nk:3 + nk + nc]) if s > 0],
+        per_prefill_req_s=float(rest[0]), per_prefill_pair_s=float(rest[1]),
+        per_prefill_ctx_s=float(rest[2]), per_decode_ctx_s=float(rest[3]),
         metadata=dict(metadata or {}))
 
 
 def fit_cost_model(rows: Sequence[dict], times_s: Sequence[float], knots: Sequence[float] | None = None,
                    metadata: dict | None = None, folds: int = 5, seed: int = 0,
-                   groups: Sequence | None = None) -> FittedCostModel:
+                   groups: Sequence | None = None, caps: Sequence[float] | None = None) -> FittedCostModel:
     """Fit, then report cross-validated error and out-of-sample residual quantiles in the model.
 
     With `groups` (one label per row: the sweep group a step came from), cross-validation leaves
@@ -70,9 +77,12 @@ def fit_cost_model(rows: Sequence[dict], times_s: Sequence[float], knots: Sequen
     if knots is None:
         max_tok = max(r["num_tokens"] for r in rows)
         knots = [k for k in DEFAULT_KNOTS if k < max_tok]
-    X = design_matrix(rows, knots)
-    model = _model(_solve(X, y), knots, metadata)
-    pred = X @ _coef_vector(model, knots)
+    if caps is None:
+        max_tok = max(r["num_tokens"] for r in rows)
+        caps = [c for c in DEFAULT_CAPS if c < max_tok]
+    X = design_matrix(rows, knots, caps)
+    model = _model(_solve(X, y), knots, metadata, caps)
+    pred = X @ _coef_vector(model, knots, caps)
     rel = (pred - y) / y
 
     if groups is not None:
@@ -109,7 +119,8 @@ def fit_cost_model(rows: Sequence[dict], times_s: Sequence[float], knots: Sequen
     return model
 
 
-def _coef_vector(m: FittedCostModel, knots: Sequence[float]) -> np.ndarray:
-    slopes = dict(m.hinges)
+def _coef_vector(m: FittedCostModel, knots: Sequence[float], caps: Sequence[float] = ()) -> np.ndarray:
+    slopes, rises = dict(m.hinges), dict(m.saturations)
     return np.array([m.intercept_s, m.per_req_s, m.per_token_s] + [slopes.get(float(k), 0.0) for k in knots]
+                    + [rises.get(float(c), 0.0) for c in caps]
                     + [m.per_prefill_req_s, m.per_prefill_pair_s, m.per_prefill_ctx_s, m.per_decode_ctx_s])

@@ -50,13 +50,20 @@ class CostModel:
 @dataclass
 class FittedCostModel(CostModel):
     """t = intercept + per_req*num_reqs + per_token*tokens + sum_j slope_j*max(0, tokens - knot_j)
+         + sum_i rise_i*min(tokens, cap_i)
          + per_prefill_req*prefill_reqs + per_prefill_pair*pairs + per_prefill_ctx*prefill_ctx
-         + per_decode_ctx*decode_ctx            (all coefficients >= 0, seconds)"""
+         + per_decode_ctx*decode_ctx            (all coefficients >= 0, seconds)
+
+    The hinges bend the token term up (GEMMs turning compute-bound); the saturating terms
+    min(tokens, cap) bend it down at small token counts, where a CPU step with one token runs
+    matrix-vector kernels and two or more run packed GEMMs (a step of 2 tokens costs far more
+    than one, a step of 8 little more than 4)."""
 
     intercept_s: float = 0.0
     per_req_s: float = 0.0
     per_token_s: float = 0.0
     hinges: list[tuple[float, float]] = field(default_factory=list)  # (knot_tokens, extra slope)
+    saturations: list[tuple[float, float]] = field(default_factory=list)  # (cap_tokens, slope below it)
     per_prefill_req_s: float = 0.0
     per_prefill_pair_s: float = 0.0
     per_prefill_ctx_s: float = 0.0
@@ -70,6 +77,8 @@ class FittedCostModel(CostModel):
         for knot, slope in self.hinges:
             if num_tokens > knot:
                 t += slope * (num_tokens - knot)
+        for cap, slope in self.saturations:
+            t += slope * (num_tokens if num_tokens < cap else cap)
         return (t + self.per_prefill_req_s * num_prefill_reqs + self.per_prefill_pair_s * prefill_pairs
                 + self.per_prefill_ctx_s * prefill_ctx + self.per_decode_ctx_s * decode_ctx)
 
@@ -85,6 +94,7 @@ class FittedCostModel(CostModel):
     def from_profile(cls, prof: dict) -> "FittedCostModel":
         c = dict(prof["coefficients"])
         c["hinges"] = [tuple(h) for h in c.get("hinges", [])]
+        c["saturations"] = [tuple(h) for h in c.get("saturations", [])]
         return cls(**c, residual_quantiles=prof.get("residual_quantiles", {}),
                    metadata=prof.get("metadata", {}))
 
@@ -189,10 +199,11 @@ def check_profile(prof, where: str) -> None:
     for k, v in prof["coefficients"].items():
         if k not in _COEFFICIENTS:
             bad(f"coefficients.{k}", v, f"unknown coefficient; known: {sorted(_COEFFICIENTS)}")
-        if k == "hinges":
+        if k in ("hinges", "saturations"):
             if not isinstance(v, list) or not all(isinstance(h, list) and len(h) == 2 and
                                                   all(_number(x) and x >= 0 for x in h) for h in v):
-                bad("coefficients.hinges", v, "a list of [knot_tokens, slope_s] pairs of numbers >= 0")
+                what = "knot_tokens" if k == "hinges" else "cap_tokens"
+                bad(f"coefficients.{k}", v, f"a list of [{what}, slope_s] pairs of numbers >= 0")
         elif not _number(v) or v < 0:
             bad(f"coefficients.{k}", v, "must be a number >= 0 (seconds)")
     rq = prof.get("residual_quantiles", {})

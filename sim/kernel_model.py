@@ -175,6 +175,9 @@ class KernelCostModel(CostModel):
         self.lookups = 0
         self._warned: set[str] = set()
         self.cpu_model: Callable[[BatchFeatures], float] | None = None  # replaces cpu_time if set
+        self._memo_t: dict = {}   # token count -> (terms, lookups): breakdown's per-T terms
+        self._memo_s: dict = {}   # sampled rows -> ((lm_head, sampler, gather), lookups)
+        self._cpu_work = None
         self.kv_heads = m.kv_heads_per_gpu(tp)
         self.q_heads = m.num_heads // tp
         if reduced is not None:
@@ -357,8 +360,9 @@ class KernelCostModel(CostModel):
         T = f.num_prefill_tokens + f.num_decode_reqs
         if T == 0:
             return {}
-        m, L = self.model, self.model.num_layers
-        out = {"gemm": L * self._look("gemm", self.g_layer, T), "attention": 0.0}
+        L = self.model.num_layers
+        out = dict(self._by_tokens(T))
+        out["attention"] = 0.0
         if f.num_prefill_reqs:
             b = f.num_prefill_reqs
             s = math.sqrt(2.0 * f.prefill_attn_pairs / b)
@@ -367,20 +371,60 @@ class KernelCostModel(CostModel):
             b = f.num_decode_reqs
             out["attention"] += L * self._look("generation_attention", self.g_gen, b,
                                                max(f.decode_context_tokens / b, 1.0))
+        # Rows that sample: every decode, and (an upper bound) every prefill chunk.
+        S = f.num_decode_reqs + f.num_prefill_reqs
+        out["lm_head"] = out["sampler"] = 0.0
+        if S:
+            head, sampler, gather = self._by_rows(S)
+            out["lm_head"], out["sampler"] = head, sampler
+            out["allreduce"] += gather
+        return out
+
+    def _by_tokens(self, T: int) -> dict[str, float]:
+        """The terms that depend on the step's token count alone (GEMMs, elementwise kernels,
+        all-reduce of the hidden states), memoised: a run has few distinct token counts."""
+        hit = self._memo_t.get(T)
+        if hit is not None:
+            self._replay(hit)
+            return hit[0]
+        before = (self.lookups, dict(self.fallbacks))
+        m, L = self.model, self.model.num_layers
+        out = {"gemm": L * self._look("gemm", self.g_layer, T)}
         out["elementwise"] = L * self._elementwise(T) + max(
             self.ovh.elementwise_latency_s, T * m.hidden_size * m.act_dtype_bytes * 2 / self.device.mem_bandwidth)
         out["allreduce"] = 0.0
         if self.g_ar is not None:
             out["allreduce"] = (2 * L + 1) * self._look("allreduce", self.g_ar, T * m.hidden_size)
-        # Rows that sample: every decode, and (an upper bound) every prefill chunk.
-        S = f.num_decode_reqs + f.num_prefill_reqs
-        out["lm_head"] = out["sampler"] = 0.0
-        if S:
-            out["lm_head"] = self._look("lm_head", self.g_head, S)
-            out["sampler"] = self.ovh.sampler_s
-            if self.g_ar is not None:  # logits gathered across the TP group
-                out["allreduce"] += self._look("allreduce", self.g_ar, S * -(-m.vocab_size // self.tp))
+        if len(self._memo_t) < 65536:
+            self._memo_t[T] = (out, *self._delta(before))
         return out
+
+    def _by_rows(self, S: int) -> tuple[float, float, float]:
+        """(LM head, sampler, logits gather) for S sampled rows, memoised."""
+        hit = self._memo_s.get(S)
+        if hit is not None:
+            self._replay(hit)
+            return hit[0]
+        before = (self.lookups, dict(self.fallbacks))
+        head = self._look("lm_head", self.g_head, S)
+        gather = 0.0
+        if self.g_ar is not None:  # logits gathered across the TP group
+            gather = self._look("allreduce", self.g_ar, S * -(-self.model.vocab_size // self.tp))
+        res = (head, self.ovh.sampler_s, gather)
+        if len(self._memo_s) < 65536:
+            self._memo_s[S] = (res, *self._delta(before))
+        return res
+
+    def _delta(self, before) -> tuple[int, dict]:
+        """Lookups and fallbacks counted since `before` (a memo entry replays them on a hit, so
+        the counters read as if every step had looked its terms up)."""
+        n0, fb0 = before
+        return self.lookups - n0, {k: v - fb0.get(k, 0) for k, v in self.fallbacks.items() if v != fb0.get(k, 0)}
+
+    def _replay(self, hit) -> None:
+        self.lookups += hit[1]
+        for k, v in hit[2].items():
+            self.fallbacks[k] += v
 
     def cpu_time(self, f: BatchFeatures) -> float:
         """CPU work around the step: `cpu_model` if set (a hook: features -> seconds), else
@@ -389,8 +433,10 @@ class KernelCostModel(CostModel):
         which takes gpu_time and this and overlaps them under async scheduling."""
         if self.cpu_model is not None:
             return self.cpu_model(f)
-        from sim.cpu_work import CpuWork
-        return CpuWork().time(f)
+        if self._cpu_work is None:
+            from sim.cpu_work import CpuWork
+            self._cpu_work = CpuWork()
+        return self._cpu_work.time(f)
 
     def _time(self, num_reqs, num_tokens, num_prefill_reqs, prefill_pairs, prefill_ctx, decode_ctx):
         f = BatchFeatures(num_reqs=num_reqs, num_prefill_reqs=num_prefill_reqs,

@@ -7,6 +7,7 @@ import pytest
 from calibration.fit import fit_cost_model
 from calibration.synthetic_profile import random_batches
 from engine.core import SchedulerConfig
+from engine.core.features import BatchFeatures
 from sim.cost_model import AnalyticCostModel, FittedCostModel, load_profile
 from sim.simulation import Simulation
 from sim.workload import build_workload
@@ -26,6 +27,28 @@ def test_fit_recovers_a_known_model():
     assert fit.metadata["cv_mape"] < 0.02
     assert fit.per_decode_ctx_s == pytest.approx(5e-8, rel=0.1)
     assert fit.per_prefill_pair_s == pytest.approx(2e-9, rel=0.1)
+
+
+def test_fit_recovers_a_concave_start_of_the_token_term():
+    # A CPU step: one token runs matrix-vector kernels, two or more packed GEMMs, so the step
+    # time jumps from 1 to 2 tokens and flattens after (the shape measured on this machine).
+    # The hinge basis alone bends only up and misses it by far; the saturating terms recover it.
+    truth = FittedCostModel(intercept_s=0.06, per_token_s=2e-4, saturations=[(2.0, 0.05), (8.0, 0.01)],
+                            per_decode_ctx_s=1e-6)
+    rng = np.random.default_rng(4)
+    batches = []
+    for n in list(rng.integers(1, 33, 1500)):
+        batches.append(BatchFeatures(num_reqs=int(n), num_decode_reqs=int(n),
+                                     decode_context_tokens=int(n) * int(rng.integers(16, 600))))
+    rows = [b.as_dict() for b in batches]
+    times = [truth.step_time(b) * (1 + rng.normal(0, 0.01)) for b in batches]
+    true = np.array([truth.step_time(b) for b in batches])
+    fit = fit_cost_model(rows, times, knots=[16])
+    assert np.median(np.abs(np.array([fit.step_time(b) for b in batches]) / true - 1)) < 0.01
+    assert dict(fit.saturations).get(2.0, 0) == pytest.approx(0.05, rel=0.1)
+    convex_only = fit_cost_model(rows, times, knots=[16], caps=[])
+    err = np.array([convex_only.step_time(b) for b in batches]) / true - 1
+    assert np.mean(np.abs(err)) > 0.05  # what the old basis left: a systematic error by batch size
 
 
 def test_fit_approximates_the_analytic_roofline():
@@ -89,6 +112,11 @@ def test_calibrate_and_validate_end_to_end(tmp_path):
     steps = (tmp_path / "p.steps.csv").read_text().splitlines()
     assert len(steps) - 1 == m["num_samples"]
     assert loaded_ok(tmp_path / "p.json")
+    # --refit: the same steps fitted again without the engine give the same profile.
+    from calibration.calibrate import refit
+    again = refit(tmp_path / "p.json", tmp_path / "q.json")
+    assert again["coefficients"] == prof["coefficients"] and again["metadata"]["num_samples"] == m["num_samples"]
+    assert (tmp_path / "q.steps.csv").read_text() == (tmp_path / "p.steps.csv").read_text()
     scen = {"workload": {"num_requests": 4, "arrival": {"type": "poisson", "rate": 1},
                          "prompt_len": {"type": "uniform", "min": 16, "max": 48},
                          "output_len": {"type": "uniform", "min": 4, "max": 8}}}
@@ -101,6 +129,8 @@ def test_calibrate_and_validate_end_to_end(tmp_path):
     assert row["interval"][0] <= row["sim"] <= row["interval"][1] and len(row["seed_rel_errors"]) == 1
     assert saved["loads"]["0.5"]["step_time_mape"] >= 0 and "throughput_rel_error" in saved["loads"]["0.5"]
     assert (tmp_path / "val" / "cdf-load0.5.png").stat().st_size > 1000
+    logged = (tmp_path / "val" / "engine-steps.csv").read_text().splitlines()
+    assert logged[0].startswith("load,seed,num_reqs") and len(logged) > 1
     # Both sides ran on one scheduler configuration: the engine's, with its KV pool.
     assert eng.scheduler_config.uncache_unscheduled_victims
 
