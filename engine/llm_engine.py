@@ -97,10 +97,13 @@ class _Live:
     prompt_token_ids: list[int]
     params: SamplingParams
     detok: IncrementalDetokenizer
-    record: RequestRecord
-    entry: Entry
+    entry: Entry                     # its bookkeeping (engine.core.bookkeeping), with its record
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprob] | None = None
+
+    @property
+    def record(self) -> RequestRecord:
+        return self.entry.record
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -347,8 +350,7 @@ class LLMEngine:
         self.scheduler.add_request(req)  # may raise (e.g. pool too small): nothing is kept then
         record = self.book.open(RequestRecord(request_id, arrival, len(ids)), sp.max_tokens)
         self.request_records[request_id] = record
-        self._live[request_id] = _Live(text, ids, sp, IncrementalDetokenizer(self.tokenizer, ids, sp), record,
-                                       Entry(record),
+        self._live[request_id] = _Live(text, ids, sp, IncrementalDetokenizer(self.tokenizer, ids, sp), Entry(record),
                                        logprobs=[] if sp.logprobs is not None else None)
 
     def abort_request(self, request_ids: str | Sequence[str], reason: str = "abort") -> None:

@@ -6,11 +6,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
-
-from calibration.gpu_calibrate import GPU, LLAMA_31_8B, random_weights  # noqa: E402
-from sim.cost_model import check_profile  # noqa: E402
-from sim.specs import get_model  # noqa: E402
+from calibration.gpu_calibrate import GPU, LLAMA_31_8B, random_weights
+from sim.cost_model import check_profile
+from sim.specs import get_model
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "calibration" / "gpu_calibrate.sh"

@@ -27,21 +27,21 @@ class AdmissionError(ValueError):
 
 
 def admit(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, *, refuse_overflow: bool,
-          max_tokens_field: str = "max_tokens") -> int:
+          max_tokens_field: str = "max_tokens", prompt_field: str = "prompt") -> int:
     """The number of output tokens the request runs with (<= max_tokens), or AdmissionError.
 
     refuse_overflow: the server's rule (prompt + max_tokens must fit); False: the engine core's
-    (truncate to what fits)."""
-    n = num_prompt_tokens
+    (truncate to what fits). The *_field names are the request's own (e.g. "messages")."""
+    n, pf = num_prompt_tokens, prompt_field
     if n <= 0:
-        raise AdmissionError("prompt", "prompt: empty prompt (0 tokens); a request needs at least one prompt token")
+        raise AdmissionError(pf, f"{pf}: empty prompt (0 tokens); a request needs at least one prompt token")
     if n > max_model_len:
-        raise AdmissionError("prompt", f"prompt: {n} tokens is longer than max_model_len={max_model_len}")
+        raise AdmissionError(pf, f"{pf}: {n} tokens is longer than max_model_len={max_model_len}")
     room = max_model_len - n
     if max_tokens is None:
         if refuse_overflow and room < 1:
-            raise AdmissionError("prompt", f"prompt: {n} tokens leaves no room for a generated token in "
-                                           f"max_model_len={max_model_len}")
+            raise AdmissionError(pf, f"{pf}: {n} tokens leaves no room for a generated token in "
+                                     f"max_model_len={max_model_len}")
         return max(1, room)
     if max_tokens < 1:
         raise AdmissionError(max_tokens_field, f"{max_tokens_field}={max_tokens}: must be >= 1")

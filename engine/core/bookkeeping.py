@@ -116,7 +116,6 @@ class Book:
         if not late:
             return
         end = self.step_ends[step0]
-        keep = self.keep_token_times
         for e in late:
             rec = e.record
             if rec.first_token_s is None:
@@ -125,8 +124,6 @@ class Book:
                 rec.first_token_s = end
             else:
                 self.other_gaps.append(end - rec.last_token_s)
-            if keep and rec.token_times_s is None:
-                rec.token_times_s = []
         self.step_cont[step0] -= len(late)
 
     def lazy_first_token(self, e: Entry, step: int, num_output_tokens: int) -> None:

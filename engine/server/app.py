@@ -277,10 +277,8 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         try:
             mt = admit(n_prompt, req.requested_max_tokens, max_model_len, refuse_overflow=True,
-                       max_tokens_field=name)
+                       max_tokens_field=name, prompt_field=field)
         except AdmissionError as e:
-            if e.field == "prompt":
-                raise APIError(400, field + str(e)[len("prompt"):], field) from None
             raise APIError(400, str(e), e.field) from None
         problem = engine.scheduler.fit_problem(n_prompt, mt)  # config only: safe from this thread
         if problem is not None:
