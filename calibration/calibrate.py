@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -29,6 +31,7 @@ import numpy as np
 
 from calibration.driver import Arrival, drive, warm_up
 from calibration.fit import FEATURES, fit_cost_model
+from calibration.probe import probe_metadata, speed_probe
 from engine.core import SamplingParams
 from sim.cost_model import today
 
@@ -68,12 +71,17 @@ def _requests(group: dict, rng: np.random.Generator, vocab: int):
 
 
 def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None = None,
-              progress: bool = True) -> tuple[list[dict], list[float], list[str], bool]:
-    """Run the groups; return (feature rows, periods, group labels, interrupted)."""
+              progress: bool = True, probe=None) -> tuple[list[dict], list[float], list[str], bool, list[float]]:
+    """Run the groups; return (feature rows, periods, group labels, interrupted, probes).
+
+    With `probe` (engine -> seconds, calibration.probe.speed_probe), the machine's speed is
+    measured before every group and after the last, and each group's periods are returned divided
+    by its speed factor (the geometric mean of the probes around it over the median probe); steps.csv keeps the raw period and the probe time around its group (probe_s)."""
     rng = np.random.default_rng(seed)
     rows: list[dict] = []
     times: list[float] = []
     labels: list[str] = []
+    probes: list[float] = []
     bar = None
     if progress:
         from tqdm import tqdm
@@ -82,9 +90,29 @@ def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None 
     if steps_csv is not None:
         f = open(steps_csv, "w", newline="")
         writer = csv.writer(f)
-        writer.writerow(["group", *FEATURES, "period_s", "step_s", "forward_s"])
+        writer.writerow(["group", *FEATURES, "period_s", "step_s", "forward_s", "probe_s"])
     interrupted = False
+    pending: list = []  # (group name, row, period, step) of the group whose closing probe is due
+    around: list[float] = []  # per returned row: the probe time around its group (s)
+
+    def flush() -> None:
+        # The machine's speed around the group: the geometric mean of the probes before and after.
+        local = math.sqrt(probes[-2] * probes[-1]) if len(probes) >= 2 else (probes[-1] if probes else 1.0)
+        for name, row, period, s in pending:
+            rows.append(row)
+            times.append(period)
+            labels.append(name)
+            around.append(local)
+            if writer is not None:
+                writer.writerow([name, *row.values(), period, f"{s.end_s - s.start_s:.6f}",
+                                 f"{s.forward_s:.6f}", local if probes else ""])
+        pending.clear()
+        if f is not None:
+            f.flush()
+
     try:
+        if probe is not None:
+            probes.append(probe(engine))
         for g in groups:
             reqs = list(_requests(g, rng, engine.vocab_size))
             first, rest = reqs[:g["concurrency"]], iter(reqs[g["concurrency"]:])
@@ -95,17 +123,11 @@ def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None 
 
             res = drive(engine, first, refill, on_finish=(lambda _r: bar.update(1)) if bar else None)
             for s, period in zip(res.steps, res.periods_s):
-                if period is None:
-                    continue
-                row = {k: getattr(s, k) for k in FEATURES}
-                rows.append(row)
-                times.append(period)
-                labels.append(g["name"])
-                if writer is not None:
-                    writer.writerow([g["name"], *row.values(), period, f"{s.end_s - s.start_s:.6f}",
-                                     f"{s.forward_s:.6f}"])
-            if f is not None:
-                f.flush()
+                if period is not None:
+                    pending.append((g["name"], {k: getattr(s, k) for k in FEATURES}, period, s))
+            if probe is not None:
+                probes.append(probe(engine))
+            flush()
     except KeyboardInterrupt:
         interrupted = True
         while engine.has_unfinished_requests():  # leave the engine clean
@@ -115,7 +137,11 @@ def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None 
             bar.close()
         if f is not None:
             f.close()
-    return rows, times, labels, interrupted
+    if probes:  # each group at the machine's median speed over the whole sweep
+        med = statistics.median(probes)
+        times = [t * med / a for t, a in zip(times, around)]
+    # Only finished groups are kept: a group cut short has no closing probe (and few steps).
+    return rows, times, labels, interrupted, probes
 
 
 def measured_ranges(rows: list[dict]) -> dict:
@@ -149,16 +175,22 @@ def _threads() -> int:
 
 
 def calibrate(engine, out: str | Path, seed: int = 0, groups: list[dict] | None = None,
-              progress: bool = True) -> dict:
-    """Profile `engine` and write the fitted profile to `out` (and its steps to out.steps.csv)."""
+              progress: bool = True, probe: bool = True) -> dict:
+    """Profile `engine` and write the fitted profile to `out` (and its steps to out.steps.csv).
+
+    The groups run in an order shuffled by `seed`, so that slow drift of the machine's speed does
+    not line up with a feature (the default list goes from short prompts to long ones); with
+    `probe`, drift is also measured and divided out (calibration.probe)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg = engine.scheduler_config
     if groups is None:
         groups = sweep_groups(cfg.max_num_seqs, engine.max_model_len)
+    groups = [groups[i] for i in np.random.default_rng(seed).permutation(len(groups))]
     warm_up(engine)
     t0 = time.perf_counter()
-    rows, times, labels, interrupted = run_sweep(engine, groups, seed, out.with_suffix(".steps.csv"), progress)
+    rows, times, labels, interrupted, probes = run_sweep(
+        engine, groups, seed, out.with_suffix(".steps.csv"), progress, speed_probe if probe else None)
     if len(rows) < 8 or len(set(labels)) < 2:
         raise RuntimeError(f"calibrate: only {len(rows)} steps from {len(set(labels))} groups were measured; "
                            "need at least 8 steps from 2 groups to fit")
@@ -181,7 +213,10 @@ def calibrate(engine, out: str | Path, seed: int = 0, groups: list[dict] | None 
         "measured_ranges": measured_ranges(rows),
         "kv_pool": engine.memory_profile.get("source"),
         "torch_threads": _threads(),
+        "group_order": [g["name"] for g in groups],
     }
+    if probes:
+        meta["speed_probe"] = probe_metadata(probes)
     prof = fit_cost_model(rows, times, metadata=meta, seed=seed, groups=labels).to_profile()
     with open(out, "w") as f:
         json.dump(prof, f, indent=1)
@@ -199,10 +234,14 @@ def refit(profile_path: str | Path, out: str | Path) -> dict:
     with open(src) as f:
         old = json.load(f)
     rows, times, labels = [], [], []
+    with open(src) as f:
+        old = json.load(f)
+    med = (old["metadata"].get("speed_probe") or {}).get("median_s")
     with open(steps, newline="") as f:
         for r in csv.DictReader(f):
             rows.append({k: float(r[k]) for k in FEATURES})
-            times.append(float(r["period_s"]))
+            p = r.get("probe_s")  # the group's speed, where the sweep probed it
+            times.append(float(r["period_s"]) * med / float(p) if p and med else float(r["period_s"]))
             labels.append(r["group"])
     meta = dict(old["metadata"])
     for k in ("num_samples", "fit_mape", "cv", "cv_mape", "cv_p95_abs_rel_error", "cv_group_bias",
@@ -242,6 +281,6 @@ def main(a) -> int:
                        gpu_memory_utilization=a.gpu_memory_utilization, max_model_len=a.max_model_len)
     groups = sweep_groups(engine.scheduler_config.max_num_seqs, engine.max_model_len,
                           requests_per_slot=a.requests_per_slot)
-    prof = calibrate(engine, a.out, a.seed, groups)
+    prof = calibrate(engine, a.out, a.seed, groups, probe=not a.no_speed_probe)
     _report(a.out, prof)
     return 0

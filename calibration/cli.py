@@ -21,6 +21,9 @@ def add_calibration_args(sub) -> None:
     p.add_argument("--refit", default=None, metavar="PROFILE.json",
                    help="no engine run: fit again the steps PROFILE.steps.csv holds (with this version's "
                         "fitting code) and write OUT")
+    p.add_argument("--no-speed-probe", action="store_true",
+                   help="do not time the reference workload between groups (calibration.probe): "
+                        "the machine's drift then goes into the fit")
     p.set_defaults(func=_calibrate)
 
     p = sub.add_parser("validate", help="one workload through the real engine and the simulator: error table")
@@ -35,6 +38,9 @@ def add_calibration_args(sub) -> None:
     p.add_argument("--duration-s", type=float, default=20.0, help="arrival window of each run (s)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: the profile's, else torch's)")
+    p.add_argument("--no-speed-probe", action="store_true",
+                   help="do not scale the profile by the machine's speed measured before each run "
+                        "(calibration.probe; only profiles that recorded a probe are scaled)")
     p.set_defaults(func=_validate)
 
 

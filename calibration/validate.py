@@ -18,6 +18,10 @@ rel_error = sim / engine - 1 over the requests of all seeds pooled; plus through
 step_time_mape (the profile applied to the engine's own logged steps of the same runs: cost-model
 error, apart from scheduling divergence), a signed bias summary and interval coverage.
 DIR/cdf-load<L>.png overlays the engine's and the simulator's CDFs per load.
+
+Machine drift: before each engine run the reference of calibration.probe is timed, and that run's
+simulations use the profile scaled by probe / the profile's median probe (validation.json
+speed_probe.runs lists the factors; --no-speed-probe turns it off).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from calibration.driver import Arrival, drive, warm_up
+from calibration.probe import speed_probe as probe_speed
 from engine.core import SamplingParams
 from sim.cost_model import FittedCostModel
 from sim.intervals import NoisyCostModel, group_bias_range
@@ -86,7 +91,12 @@ def _pct(v: np.ndarray, stat: str) -> float | None:
 
 
 def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(0.3, 0.6, 0.9, 1.2),
-             seeds: int = 3, duration_s: float = 20.0, min_requests: int = 12, progress: bool = True) -> dict:
+             seeds: int = 3, duration_s: float = 20.0, min_requests: int = 12, progress: bool = True,
+             speed_probe: bool = True) -> dict:
+    """With `speed_probe` and a profile that recorded one (servetwin calibrate), the machine's
+    speed is measured before each engine run and the simulator's side of that run uses the
+    profile scaled by probe / profile probe (calibration.probe); the interval widens by the
+    probe drift seen during calibration."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     base = FittedCostModel.from_profile(profile)
@@ -95,6 +105,9 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
     warm_up(engine)
     capacity = measure_capacity(engine, wl_spec, n=max(16, 2 * min(cfg.max_num_seqs, 32)))
     b_lo, b_hi = group_bias_range(profile["metadata"])
+    ref = profile["metadata"].get("speed_probe") if speed_probe else None
+    d_lo, d_hi = ref["drift_range"] if ref else (1.0, 1.0)
+    factors: list[dict] = []
     runs = [(s, load) for s in range(seeds) for load in loads]  # seeds outer: drift spreads evenly
     step_rows: list = []  # (load, seed, StepRecord, period): DIR/engine-steps.csv
     bar = None
@@ -109,15 +122,20 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
         spec.update(num_requests=max(min_requests, int(round(rate * duration_s))),
                     arrival={"type": "poisson", "rate": rate})
         wl = build_workload(spec, seed=1000 * seed + int(load * 100))
+        scale = 1.0
+        if ref:
+            scale = probe_speed(engine) / ref["median_s"]
+            factors.append({"load": load, "seed": seed, "speed_factor": round(scale, 4)})
         res = drive(engine, arrivals(wl, engine.vocab_size))
         d = per_load[load]
         d["engine"].append(res.records)
         d["engine_tput"].append(_summary(res.records)["throughput"]["output_tokens_per_s"])
-        d["steps"].extend((s, p) for s, p in zip(res.steps, res.periods_s) if p is not None)
-        step_rows.extend((load, seed, s, p) for s, p in zip(res.steps, res.periods_s) if p is not None)
+        d["steps"].extend((s, p, scale) for s, p in zip(res.steps, res.periods_s) if p is not None)
+        step_rows.extend((load, seed, s, p, scale) for s, p in zip(res.steps, res.periods_s) if p is not None)
         reps = []
         for r in range(NOISE_REPLICAS):
-            sim = Simulation(wl, cfg, NoisyCostModel(base, seed=seed * 100 + r), keep_token_times=True).run()
+            sim = Simulation(wl, cfg, NoisyCostModel(base, seed=seed * 100 + r, scale=scale),
+                             keep_token_times=True).run()
             reps.append(sim.records)
         d["sim_reps"].append(reps)
         d["sim_tput"].append(float(np.median([_summary(x)["throughput"]["output_tokens_per_s"] for x in reps])))
@@ -128,7 +146,10 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
 
     report: dict = {"profile": profile["metadata"].get("source"), "capacity_requests_per_s": capacity,
                     "loads": {}, "seeds": seeds, "noise_replicas": NOISE_REPLICAS,
-                    "interval": "90%: noise replicates x the profile's 5-95% held-out group bias"}
+                    "interval": "90%: noise replicates x the profile's 5-95% held-out group bias"
+                                + (" x the 5-95% ratio of consecutive speed probes" if ref else ""),
+                    "speed_probe": ({"profile_median_s": ref["median_s"], "runs": factors} if ref else
+                                    "off: the profile is used as measured")}
     all_rows = []
     for load in loads:
         d = per_load[load]
@@ -143,7 +164,7 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
                 if e is None or not vals:
                     continue
                 s = float(np.median(vals))
-                lo, hi = min(vals) / (1 + b_hi), max(vals) / (1 + b_lo)
+                lo, hi = min(vals) / (1 + b_hi) * d_lo, max(vals) / (1 + b_lo) * d_hi
                 seed_err = []
                 for i, er in enumerate(d["engine"]):
                     ev = _pct(_latencies(er)[k], st)
@@ -156,8 +177,8 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
                 rows[f"{k}.{st}"] = row
                 all_rows.append(row)
         steps = d["steps"]
-        meas = np.array([p for _, p in steps])
-        pred = np.array([base.step_time(_features(s)) for s, _ in steps])
+        meas = np.array([p for _, p, _ in steps])
+        pred = np.array([base.step_time(_features(s)) * k for s, _, k in steps])
         et, stp = float(np.mean(d["engine_tput"])), float(np.mean(d["sim_tput"]))
         report["loads"][str(load)] = {
             "rate_requests_per_s": load * capacity, "metrics": rows,
@@ -182,17 +203,18 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
 
 
 def _write_steps(path: Path, step_rows: list, model) -> None:
-    """The engine's steps of every run with the profile's prediction beside the measured period,
-    so the cost model's error can be studied by batch shape (what the sweep missed)."""
+    """The engine's steps of every run with the profile's prediction (scaled by the run's speed
+    factor) beside the measured period, so the cost model's error can be studied by batch shape
+    (what the sweep missed)."""
     import csv
     cols = ("num_reqs", "num_prefill_reqs", "num_prefill_tokens", "prefill_context_tokens",
             "prefill_attn_pairs", "num_decode_reqs", "decode_context_tokens", "num_running",
             "num_waiting", "kv_usage", "schedule_s", "prepare_s", "forward_s", "sample_s")
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(("load", "seed", *cols, "period_s", "predicted_s"))
-        for load, seed, s, p in step_rows:
-            w.writerow((load, seed, *(getattr(s, c) for c in cols), p, model.step_time(_features(s))))
+        w.writerow(("load", "seed", *cols, "period_s", "predicted_s", "speed_factor"))
+        for load, seed, s, p, k in step_rows:
+            w.writerow((load, seed, *(getattr(s, c) for c in cols), p, model.step_time(_features(s)) * k, k))
 
 
 def _features(s):
@@ -266,7 +288,7 @@ def main(a) -> int:
                        max_model_len=sched.get("max_model_len"),
                        num_gpu_blocks=dep.get("num_gpu_blocks", meta.get("num_gpu_blocks")))
     report = validate(engine, profile, scenario, a.out, loads=tuple(a.loads), seeds=a.seeds,
-                      duration_s=a.duration_s)
+                      duration_s=a.duration_s, speed_probe=not a.no_speed_probe)
     print_table(report)
     print(f"wrote {Path(a.out) / 'validation.json'}")
     return 0

@@ -80,9 +80,84 @@ class Grid:
         self.us = t
         self.logt = np.log(t)
         self.measured = ok
+        # Plain-Python copies for the 1-D and 2-D lookups a simulated step makes (numpy scalar
+        # indexing costs more than the arithmetic): log times, and per cell whether all its
+        # corners were measured. The first axis's position is memoised per query value (a
+        # decode run asks for one batch size at many lengths).
+        self._fast = None
+        if self.logt.ndim in (1, 2) and all(len(v) > 1 for v in self.values):
+            self._L = self.logt.tolist()
+            if self.logt.ndim == 1:
+                self._cell_ok = (ok[:-1] & ok[1:]).tolist()
+            else:
+                self._cell_ok = (ok[:-1, :-1] & ok[1:, :-1] & ok[:-1, 1:] & ok[1:, 1:]).tolist()
+            self._pos0: dict = {}
+            self._fast = self._call1 if self.logt.ndim == 1 else self._call2
+
+    def _axis(self, d: int, x: float) -> tuple[float, int, float]:
+        """(clamped x, lower index, fraction in log space) on axis d."""
+        v, lg = self.values[d], self.logs[d]
+        xc = min(max(x, v[0]), v[-1])
+        i = min(max(bisect.bisect_right(v, xc) - 1, 0), len(v) - 2)
+        return xc, i, (math.log(xc) - lg[i]) / (lg[i + 1] - lg[i])
+
+    def _call1(self, x: float) -> tuple[float, bool]:
+        p = self._pos0.get(x)
+        if p is None:
+            p = self._axis(0, x)
+            if len(self._pos0) < 65536:
+                self._pos0[x] = p
+        xc, i, f = p
+        L = self._L
+        acc = 0.0
+        acc += (1.0 - f) * L[i]
+        acc += f * L[i + 1]
+        exact = xc == x and (self._cell_ok[i] or self._corners_measured((i,), (f,)))
+        t = math.exp(acc)
+        if xc != x and self.roofline is not None:
+            t *= self.roofline(x) / self.roofline(xc)
+        return t, exact
+
+    def _call2(self, x: float, y: float) -> tuple[float, bool]:
+        p = self._pos0.get(x)
+        if p is None:
+            p = self._axis(0, x)
+            if len(self._pos0) < 65536:
+                self._pos0[x] = p
+        xc, i, f = p
+        yc, j, g = self._axis(1, y)
+        L = self._L
+        a, b = L[i], L[i + 1]
+        acc = 0.0  # the corners in __call__'s order, so the result is the same to the bit
+        acc += ((1.0 - f) * (1.0 - g)) * a[j]
+        acc += (f * (1.0 - g)) * b[j]
+        acc += ((1.0 - f) * g) * a[j + 1]
+        acc += (f * g) * b[j + 1]
+        exact = xc == x and yc == y and (self._cell_ok[i][j] or self._corners_measured((i, j), (f, g)))
+        t = math.exp(acc)
+        if (xc != x or yc != y) and self.roofline is not None:
+            t *= self.roofline(x, y) / self.roofline(xc, yc)
+        return t, exact
+
+    def _corners_measured(self, lo: tuple, fr: tuple) -> bool:
+        """Whether every corner that carries weight was measured."""
+        nd = len(lo)
+        for corner in range(1 << nd):
+            idx = []
+            for d in range(nd):
+                up = (corner >> d) & 1
+                if (fr[d] if up else 1.0 - fr[d]) == 0.0:
+                    break
+                idx.append(lo[d] + up)
+            else:
+                if not self.measured[tuple(idx)]:
+                    return False
+        return True
 
     def __call__(self, *q: float) -> tuple[float, bool]:
         """(microseconds, exact): exact when every point used was measured and q is inside."""
+        if self._fast is not None:
+            return self._fast(*q)
         exact = True
         clamped = []
         lo_idx, fr = [], []
@@ -177,6 +252,7 @@ class KernelCostModel(CostModel):
         self.cpu_model: Callable[[BatchFeatures], float] | None = None  # replaces cpu_time if set
         self._memo_t: dict = {}   # token count -> (terms, lookups): breakdown's per-T terms
         self._memo_s: dict = {}   # sampled rows -> ((lm_head, sampler, gather), lookups)
+        self._memo_d: dict = {}   # decodes in a decode-only step -> its terms but attention
         self._cpu_work = None
         self.kv_heads = m.kv_heads_per_gpu(tp)
         self.q_heads = m.num_heads // tp
@@ -353,7 +429,29 @@ class KernelCostModel(CostModel):
         return sum(max(lat, b / bw) for b in kernels)
 
     def gpu_time(self, f: BatchFeatures) -> float:
-        return sum(self.breakdown(f).values())
+        """sum(breakdown(f).values()), in the same order, without building the dict."""
+        if not f.num_prefill_tokens and not f.num_prefill_reqs and f.num_decode_reqs:
+            return self._decode_time(f.num_decode_reqs, f.decode_context_tokens)
+        T = f.num_prefill_tokens + f.num_decode_reqs
+        if T == 0:
+            return 0.0
+        L = self.model.num_layers
+        tk = self._by_tokens(T)
+        att = 0.0
+        if f.num_prefill_reqs:
+            b = f.num_prefill_reqs
+            s = math.sqrt(2.0 * f.prefill_attn_pairs / b)
+            att += L * self._look("context_attention", self.g_ctx, b, max(s, 1.0))
+        if f.num_decode_reqs:
+            b = f.num_decode_reqs
+            att += L * self._look("generation_attention", self.g_gen, b, max(f.decode_context_tokens / b, 1.0))
+        S = f.num_decode_reqs + f.num_prefill_reqs
+        ar = tk["allreduce"]
+        head = sampler = 0.0
+        if S:
+            head, sampler, gather = self._by_rows(S)
+            ar += gather
+        return 0 + tk["gemm"] + tk["elementwise"] + ar + att + head + sampler
 
     def breakdown(self, f: BatchFeatures) -> dict[str, float]:
         """Seconds of each GPU term of the step (their sum is gpu_time)."""
@@ -379,6 +477,24 @@ class KernelCostModel(CostModel):
             out["lm_head"], out["sampler"] = head, sampler
             out["allreduce"] += gather
         return out
+
+    def _decode_time(self, n: int, ctx: int) -> float:
+        """gpu_time of a step of n decodes reading ctx KV tokens: the terms that depend on n
+        alone are memoised as one sum (counters replayed), the attention is looked up."""
+        hit = self._memo_d.get(n)
+        if hit is None:
+            before = (self.lookups, dict(self.fallbacks))
+            tk = self._by_tokens(n)
+            head, sampler, gather = self._by_rows(n)
+            pre = 0 + tk["gemm"] + tk["elementwise"] + (tk["allreduce"] + gather)
+            hit = ((pre, head, sampler), *self._delta(before))
+            if len(self._memo_d) < 65536:
+                self._memo_d[n] = hit
+        else:
+            self._replay(hit)
+        pre, head, sampler = hit[0]
+        att = 0.0 + self.model.num_layers * self._look("generation_attention", self.g_gen, n, max(ctx / n, 1.0))
+        return pre + att + head + sampler
 
     def _by_tokens(self, T: int) -> dict[str, float]:
         """The terms that depend on the step's token count alone (GEMMs, elementwise kernels,

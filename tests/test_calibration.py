@@ -111,6 +111,10 @@ def test_calibrate_and_validate_end_to_end(tmp_path):
     assert "step period" in m["timing"]
     steps = (tmp_path / "p.steps.csv").read_text().splitlines()
     assert len(steps) - 1 == m["num_samples"]
+    # The groups ran in a shuffled order with the speed probe before each and after the last.
+    assert sorted(m["group_order"]) == sorted(g["name"] for g in groups)
+    assert len(m["speed_probe"]["probes_s"]) == len(groups) + 1
+    assert steps[0].endswith(",probe_s")
     assert loaded_ok(tmp_path / "p.json")
     # --refit: the same steps fitted again without the engine give the same profile.
     from calibration.calibrate import refit
@@ -131,6 +135,11 @@ def test_calibrate_and_validate_end_to_end(tmp_path):
     assert (tmp_path / "val" / "cdf-load0.5.png").stat().st_size > 1000
     logged = (tmp_path / "val" / "engine-steps.csv").read_text().splitlines()
     assert logged[0].startswith("load,seed,num_reqs") and len(logged) > 1
+    # The simulator's side of the run was scaled by the probe measured before it.
+    (run,) = saved["speed_probe"]["runs"]
+    assert saved["speed_probe"]["profile_median_s"] == m["speed_probe"]["median_s"] and run["speed_factor"] > 0
+    first = dict(zip(logged[0].split(","), logged[1].split(",")))
+    assert float(first["speed_factor"]) == pytest.approx(run["speed_factor"], rel=1e-3)
     # Both sides ran on one scheduler configuration: the engine's, with its KV pool.
     assert eng.scheduler_config.uncache_unscheduled_victims
 
@@ -138,3 +147,35 @@ def test_calibrate_and_validate_end_to_end(tmp_path):
 def loaded_ok(path) -> bool:
     prof = load_profile(path)
     return FittedCostModel.from_profile(prof).step_time(random_batches(1, seed=0)[0]) > 0
+
+
+def test_speed_probe_drift_range_by_hand():
+    from calibration.probe import drift_range
+    probes = [0.1, 0.1, 0.12, 0.08, 0.1]
+    lo, hi = drift_range(probes)                 # ratios 1.0, 1.2, 0.667, 1.25
+    assert lo == pytest.approx(np.quantile([1.0, 1.2, 0.08 / 0.12, 1.25], 0.05))
+    assert hi == pytest.approx(np.quantile([1.0, 1.2, 0.08 / 0.12, 1.25], 0.95))
+    assert drift_range([0.1, 0.2]) == (1.0, 1.0)
+
+
+def test_sweep_divides_each_group_by_the_speed_around_it(tmp_path):
+    """A machine that ran slower around the second group: with the probes saying so, each group's
+    periods enter the fit at the median speed (steps.csv keeps the raw period and the probe)."""
+    import csv as _csv
+    from calibration.calibrate import run_sweep, sweep_groups
+    from engine.llm_engine import LLMEngine
+    eng = LLMEngine(model="default", device="cpu", max_num_batched_tokens=64, max_num_seqs=2, num_gpu_blocks=64)
+    groups = sweep_groups(2, eng.max_model_len, concurrency=(1,), bands={"a": (16, 24), "b": (24, 32)},
+                          requests_per_slot=1.0, min_requests=2)
+    scripted = iter([1.0, 2.0, 2.0])               # probes: before a, between, after b
+    rows, times, labels, interrupted, probes = run_sweep(eng, groups, 0, tmp_path / "s.csv", False,
+                                                         probe=lambda _e: next(scripted))
+    assert probes == [1.0, 2.0, 2.0] and not interrupted
+    with open(tmp_path / "s.csv") as f:
+        logged = list(_csv.DictReader(f))
+    assert len(logged) == len(times) and [r["group"] for r in logged] == labels
+    # median probe 2.0: group a ran at sqrt(1*2) = 1.41 (factor 0.71), group b at sqrt(2*2) = 2 (1.0)
+    probe_s = {"c1-a": np.sqrt(2.0), "c1-b": 2.0}
+    for r, t in zip(logged, times):
+        assert float(r["probe_s"]) == pytest.approx(probe_s[r["group"]])
+        assert t == pytest.approx(float(r["period_s"]) * 2.0 / probe_s[r["group"]])
