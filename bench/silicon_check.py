@@ -3,9 +3,12 @@
     nice -n 19 .venv/bin/python bench/silicon_check.py [--csv PATH] [--max-rows N] [--out FILE]
 
 For each allowed row (a dense model we know, aggregated serving, TP only) it simulates the
-benchmark the row reports: `vllm bench serve`-style closed loop at the row's concurrency, fixed
-ISL/OSL (workload.benchmark), on the row's GPU and TP, with the scenario defaults (kernel-table
-cost model, async scheduling, benchmark clients), and compares mean TTFT and TPOT. Prints JSON:
+benchmark the row reports: a closed loop at the row's concurrency (workload.benchmark) with the
+client of the row's source (--protocol auto, the default: InferenceMAX's benchmark_serving.py
+with --random-range-ratio 0.8 and 10 x CONC prompts for its rows, fixed lengths after warm-up for
+AIConfigurator's gap-analysis rows; see PROTOCOLS), on the row's GPU and TP, with the scenario
+defaults (kernel-table cost model, async scheduling, benchmark clients), and compares mean TTFT
+and TPOT. Prints JSON:
 median |error| and signed bias (median of (sim - silicon) / silicon), overall and by backend,
 system, model, TP and concurrency.
 
@@ -76,19 +79,42 @@ def usable(r: dict) -> dict | None:
         return None
     return {"backend": r["backend"], "system": r["system"], "model": MODELS[r["model_path"]],
             "weight_dtype": QUANT[q], "tp": tp, "concurrency": conc, "isl": int(r["isl"]),
-            "osl": int(r["osl"]), "ttft_ms": ttft, "tpot_ms": tpot}
+            "osl": int(r["osl"]), "ttft_ms": ttft, "tpot_ms": tpot, "source": source_family(r)}
+
+
+def source_family(r: dict) -> str:
+    """How a row was measured, from its silicon_data_source: 'inferencemax' (the nightly
+    dashboard's database dumps and CSV exports: ISL/OSL 1024/1024, 1024/8192, 8192/1024) or
+    'gap-analysis' (AIConfigurator's own collection runs)."""
+    src = r.get("silicon_data_source", "")
+    return "gap-analysis" if "gap-analysis" in src else "inferencemax"
+
+
+# The client each source ran. InferenceMAX (its README's benchmark client configuration):
+# benchmark_serving.py --dataset-name random --random-range-ratio 0.8 --num-prompts 10 x CONC
+# --max-concurrency CONC --request-rate inf --ignore-eos: prompt and output lengths uniform in
+# [0.8 L, L], nothing excluded from the means. AIConfigurator's gap analysis: fixed lengths
+# (aiperf's synthetic default), measured after warm-up.
+PROTOCOLS = {"inferencemax": {"min_ratio": 0.8, "prompts_per_slot": 10, "warmup": False},
+             "gap-analysis": {"min_ratio": 1.0, "prompts_per_slot": None, "warmup": True},
+             "fixed": {"min_ratio": 1.0, "prompts_per_slot": None, "warmup": True}}
 
 
 def simulate(case: dict, prompts_per_slot: int = 4, cost_model: dict | None = None,
-             range_ratio: float = 0.0) -> dict:
+             range_ratio: float = 0.0, protocol: str = "fixed") -> dict:
     c = case["concurrency"]
-    num = max(prompts_per_slot * c, 16)
+    proto = PROTOCOLS[case["source"] if protocol == "auto" else protocol]
+    num = max((proto["prompts_per_slot"] or prompts_per_slot) * c, 16)
+    bench = {"concurrency": c, "isl": case["isl"], "osl": case["osl"], "num_prompts": num,
+             "warmup": min(c, 8) if proto["warmup"] else 0}
+    if proto["min_ratio"] < 1:
+        bench["min_ratio"] = proto["min_ratio"]
+    elif range_ratio:
+        bench["range_ratio"] = range_ratio
     data = {"name": "silicon-check", "seed": 0,
             "deployment": {"model": case["model"], "device": DEVICES[case["system"]], "tp": case["tp"],
                            "weight_dtype": case["weight_dtype"]},
-            "workload": {"benchmark": {"concurrency": c, "isl": case["isl"], "osl": case["osl"],
-                                       "num_prompts": num, "warmup": min(c, 8),
-                                       "range_ratio": range_ratio}}}
+            "workload": {"benchmark": bench}}
     if cost_model:
         data["cost_model"] = cost_model
     with warnings.catch_warnings():
@@ -124,7 +150,11 @@ def main(argv=None) -> None:
     ap.add_argument("--out", help="also write the per-row results (JSON)")
     ap.add_argument("--range-ratio", type=float, default=0.0,
                     help="benchmark lengths uniform in [L(1-r), L(1+r)] (vllm bench serve --random-range-ratio); "
-                         "0: fixed, as aiperf/AIConfigurator's own collection ran")
+                         "0: fixed, as aiperf/AIConfigurator's own collection ran (with --protocol fixed)")
+    ap.add_argument("--protocol", choices=("auto", "fixed"), default="auto",
+                    help="the benchmark client per row: auto (from the row's data source: InferenceMAX's "
+                         "client for its rows, fixed lengths for AIConfigurator's gap analysis) or fixed "
+                         "lengths for every row")
     a = ap.parse_args(argv)
     if not a.csv or not Path(a.csv).exists():
         sys.exit("silicon_check: no silicon_sample.csv (install the aisimulate wheel or give --csv)")
@@ -144,7 +174,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     for c in cases:
         try:
-            sim = simulate(c, a.prompts_per_slot, range_ratio=a.range_ratio)
+            sim = simulate(c, a.prompts_per_slot, range_ratio=a.range_ratio, protocol=a.protocol)
         except Exception as e:  # a deployment that does not fit, say: report, do not hide
             skipped.append({**c, "error": str(e)[:200]})
             continue
@@ -168,6 +198,7 @@ def main(argv=None) -> None:
         "by_model": summarize_errors(rows, ("backend", "system", "model", "weight_dtype")),
         "by_tp": summarize_errors(rows, ("backend", "system", "tp")),
         "by_concurrency": summarize_errors(rows, ("backend", "concurrency")),
+        "by_source": summarize_errors(rows, ("backend", "system", "source")),
     }
     if skipped:
         report["skipped_examples"] = skipped[:5]

@@ -19,14 +19,16 @@ step_time_mape (the profile applied to the engine's own logged steps of the same
 error, apart from scheduling divergence), a signed bias summary and interval coverage.
 DIR/cdf-load<L>.png overlays the engine's and the simulator's CDFs per load.
 
-Machine drift: before each engine run the reference of calibration.probe is timed, and that run's
-simulations use the profile scaled by probe / the profile's median probe (validation.json
-speed_probe.runs lists the factors; --no-speed-probe turns it off).
+Machine drift: the reference of calibration.probe is timed before the first engine run and after
+every run, and a run's simulations use the profile scaled by the geometric mean of the probes
+around it over the profile's median probe, as calibrate scales its groups (validation.json
+speed_probe.runs lists the probes and factors; --no-speed-probe turns it off).
 """
 from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -94,9 +96,9 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
              seeds: int = 3, duration_s: float = 20.0, min_requests: int = 12, progress: bool = True,
              speed_probe: bool = True) -> dict:
     """With `speed_probe` and a profile that recorded one (servetwin calibrate), the machine's
-    speed is measured before each engine run and the simulator's side of that run uses the
-    profile scaled by probe / profile probe (calibration.probe); the interval widens by the
-    probe drift seen during calibration."""
+    speed is measured before and after each engine run and the simulator's side of that run uses
+    the profile scaled by the geometric mean of the two over the profile's median probe
+    (calibration.probe); the interval widens by the probe drift seen during calibration."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     base = FittedCostModel.from_profile(profile)
@@ -108,6 +110,7 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
     ref = profile["metadata"].get("speed_probe") if speed_probe else None
     d_lo, d_hi = ref["drift_range"] if ref else (1.0, 1.0)
     factors: list[dict] = []
+    before = probe_speed(engine) if ref else None  # each run's probe after is the next one's before
     runs = [(s, load) for s in range(seeds) for load in loads]  # seeds outer: drift spreads evenly
     step_rows: list = []  # (load, seed, StepRecord, period): DIR/engine-steps.csv
     bar = None
@@ -122,11 +125,14 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
         spec.update(num_requests=max(min_requests, int(round(rate * duration_s))),
                     arrival={"type": "poisson", "rate": rate})
         wl = build_workload(spec, seed=1000 * seed + int(load * 100))
-        scale = 1.0
-        if ref:
-            scale = probe_speed(engine) / ref["median_s"]
-            factors.append({"load": load, "seed": seed, "speed_factor": round(scale, 4)})
         res = drive(engine, arrivals(wl, engine.vocab_size))
+        scale = 1.0
+        if ref:  # the machine's speed around the run, as calibrate measures it around a group
+            after = probe_speed(engine)
+            scale = math.sqrt(before * after) / ref["median_s"]
+            factors.append({"load": load, "seed": seed, "probe_before_s": round(before, 6),
+                            "probe_after_s": round(after, 6), "speed_factor": round(scale, 4)})
+            before = after
         d = per_load[load]
         d["engine"].append(res.records)
         d["engine_tput"].append(_summary(res.records)["throughput"]["output_tokens_per_s"])

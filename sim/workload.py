@@ -419,7 +419,12 @@ def _benchmark(root: _Map, seed: int) -> Workload:
     (--max-concurrency; none: unlimited) at `request_rate` per second (Poisson, or gamma with
     `burstiness` as vLLM's --burstiness; default inf: all due at once), after `warmup` warm-up
     requests of the same shape (--num-warmups) that run first and are not measured. `prefix_len`
-    (--random-prefix-len) puts one shared prefix of that many tokens before every prompt."""
+    (--random-prefix-len) puts one shared prefix of that many tokens before every prompt.
+
+    Lengths: `range_ratio` r draws prompt and output lengths as vllm bench serve (>= 0.10) does,
+    uniform integers in [L(1-r), L(1+r)]; `min_ratio` r draws them as the older
+    benchmarks/benchmark_serving.py and sglang.bench_serving do with --random-range-ratio r
+    (and InferenceMAX runs them, r = 0.8): uniform integers in [int(L r), L]. Give one of the two."""
     for key in root.d:
         if key not in ("benchmark", "client"):
             raise WorkloadError(f"workload.{key}={root.d[key]!r}: not allowed with workload.benchmark "
@@ -438,10 +443,14 @@ def _benchmark(root: _Map, seed: int) -> Workload:
     burst = m.number("burstiness", 1.0, gt=0)
     prefix = m.integer("prefix_len", 0, ge=0)
     ratio = m.number("range_ratio", 0.0, ge=0)
+    low = m.number("min_ratio", 1.0, gt=0, le=1)
     m.done()
     if ratio >= 1:
         raise WorkloadError(f"workload.benchmark.range_ratio={ratio!r}: must be in [0, 1) "
                             "(lengths are drawn from [len * (1 - r), len * (1 + r)])")
+    if ratio > 0 and low < 1:
+        raise WorkloadError(f"workload.benchmark: range_ratio={ratio!r} and min_ratio={low!r} are two "
+                            "conventions for one option; give one")
     if conc is None and rate == math.inf:
         raise WorkloadError("workload.benchmark: give concurrency, request_rate or both "
                             "(with neither every request would be sent at t=0 at once)")
@@ -458,6 +467,10 @@ def _benchmark(root: _Map, seed: int) -> Workload:
         rng = _rng(seed, "lengths")
         own = rng.integers(max(1, int(isl * (1 - ratio))), int(isl * (1 + ratio)) + 1, n)
         out = rng.integers(max(1, int(osl * (1 - ratio))), int(osl * (1 + ratio)) + 1, n)
+    elif low < 1:  # benchmark_serving.py / sglang --random-range-ratio: uniform integers in [int(L r), L]
+        rng = _rng(seed, "lengths")
+        own = rng.integers(max(1, int(isl * low)), isl + 1, n)
+        out = rng.integers(max(1, int(osl * low)), osl + 1, n)
     else:
         own, out = np.full(n, isl, np.int64), np.full(n, osl, np.int64)
     own, out = own.astype(np.int64), out.astype(np.int64)
@@ -476,8 +489,10 @@ def _benchmark(root: _Map, seed: int) -> Workload:
     ids = [f"warmup-{i}" for i in range(warm)] + [f"req-{i}" for i in range(num)]
     info = {"concurrency": conc, "isl": isl, "osl": osl, "num_prompts": num, "warmup": warm,
             "request_rate": rate if rate != math.inf else "inf", "burstiness": burst,
-            "prefix_len": prefix, "range_ratio": ratio,
-            "protocol": f"vllm bench serve --dataset-name random --random-range-ratio {ratio:g} --ignore-eos"}
+            "prefix_len": prefix, "range_ratio": ratio, "min_ratio": low,
+            "protocol": (f"benchmark_serving.py --dataset-name random --random-range-ratio {low:g} --ignore-eos"
+                         if low < 1 else
+                         f"vllm bench serve --dataset-name random --random-range-ratio {ratio:g} --ignore-eos")}
     return Workload(arrival_s=due, prompt_len=prompt, output_len=out,
                     seg_off=seg_off, seg_keys=seg_keys, seg_lens=seg_lens,
                     closed_loop_concurrency=conc, source="benchmark", request_ids=ids,

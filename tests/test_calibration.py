@@ -137,6 +137,7 @@ def test_calibrate_and_validate_end_to_end(tmp_path):
     assert logged[0].startswith("load,seed,num_reqs") and len(logged) > 1
     # The simulator's side of the run was scaled by the probe measured before it.
     (run,) = saved["speed_probe"]["runs"]
+    assert run["speed_factor"] == pytest.approx(np.sqrt(run["probe_before_s"] * run["probe_after_s"]) / m["speed_probe"]["median_s"], rel=1e-3)
     assert saved["speed_probe"]["profile_median_s"] == m["speed_probe"]["median_s"] and run["speed_factor"] > 0
     first = dict(zip(logged[0].split(","), logged[1].split(",")))
     assert float(first["speed_factor"]) == pytest.approx(run["speed_factor"], rel=1e-3)

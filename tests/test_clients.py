@@ -164,6 +164,23 @@ def test_range_ratio_draws_lengths_as_vllm_bench_serve():
     assert set(np.asarray(fixed.prompt_len).tolist()) == {1000} and set(np.asarray(fixed.output_len).tolist()) == {200}
 
 
+def test_min_ratio_draws_lengths_as_benchmark_serving():
+    # benchmark_serving.py / sglang --random-range-ratio r (InferenceMAX: 0.8): uniform integers
+    # in [int(L r), L], for prompt and output alike.
+    wl = build_workload({"benchmark": {"concurrency": 8, "isl": 1000, "osl": 201, "num_prompts": 4000,
+                                       "min_ratio": 0.8}}, 3)
+    p, o = np.asarray(wl.prompt_len), np.asarray(wl.output_len)
+    assert p.min() >= 800 and p.max() <= 1000 and o.min() >= 160 and o.max() <= 201
+    assert abs(p.mean() - 900) < 5 and abs(o.mean() - 180.5) < 1.5    # means (800+1000)/2, (160+201)/2
+    assert p.min() == 800 and p.max() == 1000                          # both ends drawn (4000 of 201 values)
+    assert wl.benchmark["protocol"].startswith("benchmark_serving.py") and "0.8" in wl.benchmark["protocol"]
+    with pytest.raises(WorkloadError, match="range_ratio=0.1 and min_ratio=0.8"):
+        build_workload({"benchmark": {"concurrency": 8, "isl": 10, "osl": 5, "num_prompts": 8,
+                                      "range_ratio": 0.1, "min_ratio": 0.8}}, 0)
+    with pytest.raises(WorkloadError, match="workload.benchmark.min_ratio"):
+        build_workload({"benchmark": {"concurrency": 8, "isl": 10, "osl": 5, "num_prompts": 8, "min_ratio": 0}}, 0)
+
+
 def test_scenario_benchmark_round_trip():
     sc = parse_scenario({"deployment": {"model": "llama-3.1-8b", "device": "h100-sxm", "num_gpu_blocks": 20000},
                          "cost_model": {"type": "analytic"},
