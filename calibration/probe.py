@@ -8,8 +8,9 @@ with a feature (the long prompts measured last look slow), and a validation run 
 minute sees a profile from a slow one as a bias.
 
 `speed_probe(engine)` times a reference that never changes: PROBE_REQUESTS requests of
-PROBE_PROMPT tokens (the same ids on every call, seeded) each decoding PROBE_DECODES tokens, and
-returns the median period of its steps in which all of them decode. It takes a few seconds.
+PROBE_PROMPT tokens (the same ids on every call, seeded; fewer on an engine too small for them,
+see `probe_shape`) each decoding PROBE_DECODES tokens, and returns the median period of its steps
+in which all of them decode. It takes a few seconds.
 
 - `servetwin calibrate` runs it before every sweep group and after the last, divides each
   group's step periods by that group's speed factor (the geometric mean of the probes around it
@@ -40,16 +41,24 @@ def speed_probe(engine, seed: int = 20261130) -> float:
     """Median step period (s) of the reference decode on `engine` now."""
     rng = np.random.default_rng(seed)
     vocab = engine.vocab_size
+    k, prompt = probe_shape(engine)
     n = next(_calls)
-    reqs = [Arrival(0.0, f"speed-probe-{n}-{i}", rng.integers(100, vocab - 100, PROBE_PROMPT).tolist(),
+    reqs = [Arrival(0.0, f"speed-probe-{n}-{i}", rng.integers(100, vocab - 100, prompt).tolist(),
                     SamplingParams(max_tokens=PROBE_DECODES, ignore_eos=True, temperature=0), "speed-probe")
-            for i in range(PROBE_REQUESTS)]
+            for i in range(k)]
     res = drive(engine, reqs)
     periods = [p for s, p in zip(res.steps, res.periods_s)
-               if p is not None and s.num_prefill_reqs == 0 and s.num_decode_reqs == PROBE_REQUESTS]
+               if p is not None and s.num_prefill_reqs == 0 and s.num_decode_reqs == k]
     if not periods:
         raise RuntimeError("speed probe: no step with every probe request decoding was timed")
     return float(statistics.median(periods))
+
+
+def probe_shape(engine) -> tuple[int, int]:
+    """(requests, prompt tokens) of the reference on this engine: PROBE_REQUESTS x PROBE_PROMPT,
+    fewer where max_num_seqs or max_model_len are smaller (a tiny test engine)."""
+    k = max(1, min(PROBE_REQUESTS, engine.scheduler_config.max_num_seqs))
+    return k, max(1, min(PROBE_PROMPT, engine.max_model_len - PROBE_DECODES - 1))
 
 
 def drift_range(probes: list[float]) -> tuple[float, float]:
