@@ -10,7 +10,8 @@ length are padding work and are not counted). Each batch size runs twice: in req
 length-sorted (by output then prompt length, an oracle no server has, so the strongest static
 baseline); `speedup` is against the best of all of them. The default batch sizes are 8, 16 and
 64 (= max_num_seqs, every request in one batch). Throughput = requested output tokens / wall
-time of the whole workload; model loading is excluded, a short warm-up is not timed.
+time of the whole workload; model loading is excluded, a short warm-up is not timed. Each run's
+result is also printed to stderr as soon as it finishes, so a run cut short keeps its numbers.
 
     python bench/engine_throughput.py                      # 64 requests, a few minutes on 2 cores
     python bench/engine_throughput.py --num-requests 16    # quicker
@@ -127,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                          eng.vocab_size)
     llm.generate([work[0][0][:32]] * 2, SamplingParams(temperature=0, max_tokens=4, min_tokens=4))  # warm-up
     ours = run_servetwin(llm, work)
+    # Each finished run goes to stderr at once: a run cut short keeps what it measured.
+    print(json.dumps({"servetwin": {k: v for k, v in ours.items() if not k.startswith("_")}}),
+          file=sys.stderr, flush=True)
 
     result: dict = {
         "bench": "engine_throughput",
@@ -158,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["greedy_first8_agreement"] = prefix_agreement(ours["_outputs"], r["_outputs"])
                 r["servetwin_speedup"] = round(ours["output_tokens_per_s"] / r["output_tokens_per_s"], 2)
                 runs.append({k: v for k, v in r.items() if not k.startswith("_")})
+                print(json.dumps({"transformers": runs[-1]}), file=sys.stderr, flush=True)
         best = max(runs, key=lambda r: r["output_tokens_per_s"])
         result["transformers"] = runs if len(runs) > 1 else runs[0]
         result["speedup"] = round(ours["output_tokens_per_s"] / best["output_tokens_per_s"], 2)
