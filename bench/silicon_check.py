@@ -95,9 +95,9 @@ def source_family(r: dict) -> str:
 # --max-concurrency CONC --request-rate inf --ignore-eos: prompt and output lengths uniform in
 # [0.8 L, L], nothing excluded from the means. AIConfigurator's gap analysis: fixed lengths
 # (aiperf's synthetic default), measured after warm-up.
+FIXED = {"min_ratio": 1.0, "prompts_per_slot": None, "warmup": True}
 PROTOCOLS = {"inferencemax": {"min_ratio": 0.8, "prompts_per_slot": 10, "warmup": False},
-             "gap-analysis": {"min_ratio": 1.0, "prompts_per_slot": None, "warmup": True},
-             "fixed": {"min_ratio": 1.0, "prompts_per_slot": None, "warmup": True}}
+             "gap-analysis": FIXED, "fixed": FIXED}
 
 
 def simulate(case: dict, prompts_per_slot: int = 4, cost_model: dict | None = None,

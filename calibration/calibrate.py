@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 import platform
 import statistics
@@ -31,7 +30,7 @@ import numpy as np
 
 from calibration.driver import Arrival, drive, warm_up
 from calibration.fit import FEATURES, fit_cost_model
-from calibration.probe import probe_metadata, speed_probe
+from calibration.probe import probe_metadata, speed_around, speed_probe
 from engine.core import SamplingParams
 from sim.cost_model import today
 
@@ -76,7 +75,8 @@ def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None 
 
     With `probe` (engine -> seconds, calibration.probe.speed_probe), the machine's speed is
     measured before every group and after the last, and each group's periods are returned divided
-    by its speed factor (the geometric mean of the probes around it over the median probe); steps.csv keeps the raw period and the probe time around its group (probe_s)."""
+    by its speed factor (the geometric mean of the probes around it over the median probe);
+    steps.csv keeps the raw period and the probe time around its group (probe_s)."""
     rng = np.random.default_rng(seed)
     rows: list[dict] = []
     times: list[float] = []
@@ -96,8 +96,7 @@ def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None 
     around: list[float] = []  # per returned row: the probe time around its group (s)
 
     def flush() -> None:
-        # The machine's speed around the group: the geometric mean of the probes before and after.
-        local = math.sqrt(probes[-2] * probes[-1]) if len(probes) >= 2 else (probes[-1] if probes else 1.0)
+        local = speed_around(probes[-2], probes[-1]) if len(probes) >= 2 else (probes[-1] if probes else 1.0)
         for name, row, period, s in pending:
             rows.append(row)
             times.append(period)

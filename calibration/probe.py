@@ -24,6 +24,7 @@ in which all of them decode. It takes a few seconds.
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 
 import numpy as np
@@ -52,6 +53,11 @@ def speed_probe(engine, seed: int = 20261130) -> float:
     if not periods:
         raise RuntimeError("speed probe: no step with every probe request decoding was timed")
     return float(statistics.median(periods))
+
+
+def speed_around(before_s: float, after_s: float) -> float:
+    """The machine's speed over a span, from the probes before and after it: their geometric mean."""
+    return math.sqrt(before_s * after_s)
 
 
 def probe_shape(engine) -> tuple[int, int]:

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 
 from calibration.driver import Arrival, drive, warm_up
-from calibration.probe import speed_probe as probe_speed
+from calibration.probe import speed_around, speed_probe as probe_speed
 from engine.core import SamplingParams
 from sim.cost_model import FittedCostModel
 from sim.intervals import NoisyCostModel, group_bias_range
@@ -129,7 +128,7 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
         scale = 1.0
         if ref:  # the machine's speed around the run, as calibrate measures it around a group
             after = probe_speed(engine)
-            scale = math.sqrt(before * after) / ref["median_s"]
+            scale = speed_around(before, after) / ref["median_s"]
             factors.append({"load": load, "seed": seed, "probe_before_s": round(before, 6),
                             "probe_after_s": round(after, 6), "speed_factor": round(scale, 4)})
             before = after

@@ -101,13 +101,17 @@ class Grid:
         i = min(max(bisect.bisect_right(v, xc) - 1, 0), len(v) - 2)
         return xc, i, (math.log(xc) - lg[i]) / (lg[i + 1] - lg[i])
 
-    def _call1(self, x: float) -> tuple[float, bool]:
+    def _first(self, x: float) -> tuple[float, int, float]:
+        """_axis(0, x), memoised per query value."""
         p = self._pos0.get(x)
         if p is None:
             p = self._axis(0, x)
             if len(self._pos0) < 65536:
                 self._pos0[x] = p
-        xc, i, f = p
+        return p
+
+    def _call1(self, x: float) -> tuple[float, bool]:
+        xc, i, f = self._first(x)
         L = self._L
         acc = 0.0
         acc += (1.0 - f) * L[i]
@@ -119,12 +123,7 @@ class Grid:
         return t, exact
 
     def _call2(self, x: float, y: float) -> tuple[float, bool]:
-        p = self._pos0.get(x)
-        if p is None:
-            p = self._axis(0, x)
-            if len(self._pos0) < 65536:
-                self._pos0[x] = p
-        xc, i, f = p
+        xc, i, f = self._first(x)
         yc, j, g = self._axis(1, y)
         L = self._L
         a, b = L[i], L[i + 1]
