@@ -15,6 +15,7 @@ import uvicorn
 
 from engine.llm_engine import LLMEngine
 from engine.server.app import create_app
+from engine.server.receipt import http_protocol
 
 MODEL = "default"
 
@@ -27,7 +28,9 @@ def _free_port() -> int:
 
 class _Server:
     def __init__(self, app, port):
-        self.config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        # The HTTP protocol `servetwin serve` runs (arrival stamped at the request's first bytes).
+        self.config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                     http=http_protocol())
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -318,6 +318,27 @@ def test_arrival_is_stamped_at_http_receipt(srv, monkeypatch):
     assert float(rb["first_scheduled_s"]) >= float(ra["first_token_s"])
 
 
+def test_arrival_counts_a_slow_upload(srv):
+    """Headers first, the body 0.4 s later: the client has waited since its first bytes, so the
+    logged arrival is then (queue time >= 0.4 s), not when the handler could start."""
+    import csv
+    import socket
+    body = json.dumps({"model": MODEL, "prompt": "Slow upload", "max_tokens": 2}).encode()
+    host, port = srv["url"].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"X-Request-Id: slow-upload\r\nContent-Length: %d\r\n\r\n" % len(body))
+        time.sleep(0.4)
+        s.sendall(body)
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += s.recv(4096)
+    assert got.startswith(b"HTTP/1.1 200")
+    with open(srv["log"]) as f:
+        row = next(r for r in csv.DictReader(f) if r["request_id"] == "cmpl-slow-upload")
+    assert float(row["first_scheduled_s"]) - float(row["arrival_s"]) >= 0.4
+
+
 def test_tokenization_runs_off_the_event_loop(srv, monkeypatch):
     """The tokenizer is called on worker threads, never on the event loop's thread."""
     from engine.server import app as app_mod

@@ -11,8 +11,10 @@ Completions take one prompt or several (text or token ids), `n` choices each, `e
 `continuous_usage_stats` puts usage in every chunk. `usage.prompt_tokens_details.cached_tokens`
 counts prefix-cache hits.
 
-A request's arrival is stamped when the HTTP request is received, before its body is read or
-tokenized, so TTFT, queue time and the request log count everything the client waits for.
+A request's arrival is stamped when the HTTP request is received: under `servetwin serve`, when
+uvicorn's parser meets its first bytes (engine/server/receipt.py); elsewhere, when its handler
+starts. Either way before its body is read or tokenized, so TTFT, queue time and the request log
+count everything the client waits for.
 Tokenization and chat templating run on worker threads, never on the event loop, after a
 body-size limit and a length check that needs no tokenizer. A client that disconnects, or a
 request past the server's timeout, is aborted in the engine (its KV blocks are freed before the
@@ -38,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.core.admission import AdmissionError, admit
 from engine.core.records import RequestRecord
 from engine.server.async_engine import AsyncEngine, Child, EngineDead, RequestFailed
+from engine.server.receipt import received_elapsed_s
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, TokenizeRequest, check_json_values,
@@ -316,7 +319,7 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
     # ---------------------------------------------------------------- generation
     @app.post("/v1/completions")
     async def completions(request: Request):
-        arrival = engine.now()
+        arrival = engine.now() - received_elapsed_s(request.scope)
         req = await parse(request, CompletionRequest)
         prompts = req.prompts(vocab_size)
         if req.echo and req.logprobs is not None:
@@ -343,7 +346,7 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        arrival = engine.now()
+        arrival = engine.now() - received_elapsed_s(request.scope)
         req = await parse(request, ChatCompletionRequest)
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, f"model={req.model!r} has no chat template", "model")

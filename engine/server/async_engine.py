@@ -44,6 +44,10 @@ class RequestFailed(RuntimeError):
     """The engine failed while running this request (not the client's fault)."""
 
 
+def _not_first_token(out) -> bool:
+    return len(out.outputs[0].token_ids) > 1
+
+
 def _put_all(items) -> None:
     for q, item in items:
         q.put_nowait(item)
@@ -273,6 +277,9 @@ class AsyncEngine:
             return
         self.num_failed_steps = 0
         batch: dict = {}
+        # First tokens first: the event loop wakes their streams before the others', so a new
+        # request's first chunk is not written behind every running stream's (TTFT as sent).
+        outputs.sort(key=_not_first_token)
         for o in outputs:  # clients before metrics (the log row first: a client may read it next)
             if o.finished:
                 self._finish_record(o.request_id)

@@ -71,5 +71,8 @@ def run_serve(a: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(a)
-    uvicorn.run(app, host=a.host, port=a.port, log_level="info")
+    from engine.server.receipt import http_protocol
+
+    # Arrival is stamped when the parser meets a request's first bytes, not when its handler runs.
+    uvicorn.run(app, host=a.host, port=a.port, log_level="info", http=http_protocol())
     return 0
