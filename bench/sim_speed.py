@@ -4,7 +4,9 @@ side with AISimulate on the same workload when it is installed.
 Prints JSON. For each size (the trace tiled past its 19,366 rows), runs alternate between the
 tools (`--reps` times each, medians reported):
   - ServeTwin: `servetwin simulate --replicates 0` (one simulation, no prediction-interval
-    replicates) in a subprocess. end_to_end_s is its wall time (start-up, trace parsing,
+    replicates) in a subprocess, once per engine.core build (`--builds`: the mypyc-compiled
+    build of engine/core/compiled.py, reported as "servetwin" when present, and the pure-Python
+    reference, "servetwin_pure"). end_to_end_s is its wall time (start-up, trace parsing,
     simulation, metrics and files); simulation_s is the simulation loop alone (summary wall_s).
   - AISimulate: `aisimulate predict` in a subprocess on a Mooncake trace written from the very
     same workload (arrival times, prompt and output lengths; unique content per request), with
@@ -84,11 +86,11 @@ sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
-def timed(cmd: list[str]) -> tuple[float, float]:
+def timed(cmd: list[str], env: dict | None = None) -> tuple[float, float]:
     """Run a command; (wall seconds, peak RSS of the command in MiB)."""
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-S", "-c", _WRAPPER, *cmd], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                       stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     wall = time.perf_counter() - t0
     if p.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
@@ -104,13 +106,13 @@ def servetwin_setup(trace: Path, n: int, rate: float, steady: bool, tmp: Path) -
     return path, data
 
 
-def servetwin_run(path: Path, n: int, tmp: Path) -> dict:
+def servetwin_run(path: Path, n: int, tmp: Path, pure: bool = False) -> dict:
     out = tmp / f"out-{n}"
     exe = Path(sys.executable).parent / "servetwin"
     # One simulation, as AISimulate runs one (servetwin simulate adds seed replicates for
     # prediction intervals by default).
     wall, rss = timed([str(exe), "simulate", str(path), "--out", str(out), "--no-progress", "--no-plots",
-                       "--replicates", "0"])
+                       "--replicates", "0"], env={"SERVETWIN_PURE_PYTHON": "1" if pure else "0"})
     s = json.loads((out / "summary.json").read_text())
     return {"end_to_end_s": wall, "simulation_s": s["wall_s"], "peak_rss_mib": rss,
             "simulated_s": s["simulated_s"], "num_steps": s["num_steps"],
@@ -188,6 +190,9 @@ def main() -> None:
     ap.add_argument("--load", type=float, default=0.7)
     ap.add_argument("--reps", type=int, default=3, help="runs of each tool per size (medians)")
     ap.add_argument("--plain", action="store_true", help="every step through schedule() (for comparison)")
+    ap.add_argument("--builds", nargs="+", choices=("compiled", "pure"), default=None,
+                    help="engine.core builds to time side by side (default: compiled and pure when "
+                         "a current compiled build exists, else pure; engine/core/compiled.py)")
     ap.add_argument("--aisimulate", default=DEFAULT_AISIMULATE, help="aisimulate executable")
     ap.add_argument("--no-aisimulate", dest="aisimulate", action="store_const", const=None)
     a = ap.parse_args()
@@ -196,6 +201,10 @@ def main() -> None:
     exe, skipped = aisimulate_exe(a.aisimulate)
     if skipped and a.aisimulate is not None:
         print(f"sim_speed: skipping AISimulate: {skipped}", file=sys.stderr)
+    from engine.core import compiled
+    builds = a.builds or (["compiled", "pure"] if compiled.ACTIVE else ["pure"])
+    if "compiled" in builds and not compiled.ACTIVE:
+        sys.exit(f"sim_speed: --builds compiled, but engine.core runs {compiled.STATUS}")
     cap = capacity(a.trace)
     rate = a.load * cap
     rows = []
@@ -204,23 +213,29 @@ def main() -> None:
         for n in a.sizes:
             path, data = servetwin_setup(a.trace, n, rate, not a.plain, tmp)
             aconf = aisimulate_setup(data, tmp) if exe else None
-            st_runs, ai_runs = [], []
-            for _ in range(a.reps):  # alternate, so both see the same machine load
-                st_runs.append(servetwin_run(path, n, tmp))
+            st_runs: dict[str, list] = {b: [] for b in builds}
+            ai_runs = []
+            for _ in range(a.reps):  # alternate, so every tool and build sees the same machine load
+                for b in builds:
+                    st_runs[b].append(servetwin_run(path, n, tmp, pure=b == "pure"))
                 if exe:
                     ai_runs.append(aisimulate_run(exe, aconf, n, tmp))
-            st = median_row(st_runs)
-            st["requests_per_wall_s_end_to_end"] = round(n / st["end_to_end_s"], 1)
-            st["runs_end_to_end_s"] = [round(r["end_to_end_s"], 3) for r in st_runs]
-            row = {"num_requests": n, "servetwin": st}
+            row = {"num_requests": n}
+            for b in builds:
+                st = median_row(st_runs[b])
+                st["requests_per_wall_s_end_to_end"] = round(n / st["end_to_end_s"], 1)
+                st["runs_end_to_end_s"] = [round(r["end_to_end_s"], 3) for r in st_runs[b]]
+                row["servetwin" if b == builds[0] else f"servetwin_{b}"] = {"engine_core": b, **st}
             if exe:
                 ai = median_row(ai_runs)
                 ai["runs_end_to_end_s"] = [round(r["end_to_end_s"], 3) for r in ai_runs]
                 row["aisimulate"] = ai
-                row["ratio_servetwin_over_aisimulate"] = {
-                    "end_to_end": round(st["end_to_end_s"] / ai["end_to_end_s"], 3),
-                    "simulation": round(st["simulation_s"] / ai["simulation_s"], 3),
-                    "peak_rss": round(st["peak_rss_mib"] / ai["peak_rss_mib"], 3)}
+                for b in builds:
+                    st = row["servetwin" if b == builds[0] else f"servetwin_{b}"]
+                    row["ratio_servetwin_over_aisimulate" + ("" if b == builds[0] else f"_{b}")] = {
+                        "end_to_end": round(st["end_to_end_s"] / ai["end_to_end_s"], 3),
+                        "simulation": round(st["simulation_s"] / ai["simulation_s"], 3),
+                        "peak_rss": round(st["peak_rss_mib"] / ai["peak_rss_mib"], 3)}
             else:
                 row["aisimulate"] = {"skipped": skipped}
             rows.append(row)
@@ -236,7 +251,7 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "sim_speed", "trace": a.trace.name, "deployment": DEPLOYMENT, "scheduler": SCHEDULER,
         "capacity_requests_per_s": round(cap, 2), "load": a.load, "arrival_rate": round(rate, 2),
-        "steady_decode": not a.plain, "reps": a.reps, "statistic": "median", "results": rows,
+        "steady_decode": not a.plain, "engine_core_builds": builds, "reps": a.reps, "statistic": "median", "results": rows,
         "peak_rss_mib_per_100k_more_requests": marginal,
     }, indent=1))
 

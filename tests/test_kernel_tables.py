@@ -57,7 +57,7 @@ def test_shipped_h100_gemm_table_is_read_as_measured():
     tab = load_tables("h100_sxm")["gemm"]["bf16"]
     ms, ns, ks = tab["values"]
     i, j, k = ms.index(64), ns.index(4096), ks.index(4096)
-    g = Grid(tab["values"], tab["us"], roofline=lambda m, n, k: m * n * k)
+    g = Grid(tab["values"], tab["us"], roofline=lambda m, n, k: m * n * k, monotone=False)
     t, exact = g(64, 4096, 4096)
     assert exact and t == pytest.approx(tab["us"][i][j][k])
     # Between two measured widths the time lies between theirs.
@@ -119,3 +119,31 @@ def test_steps_past_the_largest_reduced_grid_keep_growing():
         warnings.simplefilter("ignore")
         a, b = k.breakdown(prefill_step(300_000))["gemm"], k.breakdown(prefill_step(600_000))["gemm"]
     assert b == pytest.approx(2 * a, rel=0.05)                   # compute-bound: linear in tokens
+
+
+def test_grid_lowers_a_measured_inversion_to_the_time_of_more_work():
+    # 4 units measured slower than 8 (an algorithm switch in the benchmark): 4 can be padded to 8.
+    g = Grid([[1, 2, 4, 8]], [10.0, 12.0, 30.0, 20.0], roofline=lambda m: m)
+    assert g(4) == (pytest.approx(20.0), True)
+    assert g(2) == (pytest.approx(12.0), True)                    # already below what follows: kept
+    assert Grid([[1, 2, 4, 8]], [10.0, 12.0, 30.0, 20.0], roofline=lambda m: m, monotone=False)(4)[0] == pytest.approx(30.0)
+    # Two axes: the least time at or above a point on both.
+    g2 = Grid([[1, 2], [1, 2]], [[5.0, 9.0], [7.0, 6.0]], roofline=lambda b, s: b * s)
+    assert g2(1, 1)[0] == pytest.approx(5.0)
+    assert g2(1, 2)[0] == pytest.approx(6.0)                      # (2, 2) costs 6: (1, 2) no more
+    assert g2(2, 1)[0] == pytest.approx(6.0)
+
+
+def test_shipped_all_reduce_never_gets_faster_with_more_bytes():
+    """b200_sxm's 8-GPU table drops from 26 us at 256K elements to 17 us at 512K; the model's
+    all-reduce (and so a TP-8 decode step) must still grow with the batch."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        k = KernelCostModel(get_model("llama-3.1-70b").with_dtypes(weight_dtype="fp8"), "b200_sxm", 8)
+    raw = load_tables("b200_sxm")["allreduce"]["tables"]["8"]
+    sizes, us = raw["values"][0], raw["us"]
+    assert any(b < a for a, b in zip(us, us[1:]))                 # the table itself has an inversion
+    times = [k.g_ar(n)[0] for n in sizes]
+    assert all(b >= a for a, b in zip(times, times[1:]))
+    steps = [k.gpu_time(decode_step(b, 1024)) for b in (4, 8, 16, 32, 64)]
+    assert all(b >= a for a, b in zip(steps, steps[1:]))

@@ -1,4 +1,12 @@
-"""The shared scheduler: pure Python, no torch. The engine and the simulator both run it."""
+"""The shared scheduler: pure Python, no torch. The engine and the simulator both run it.
+
+Its hot modules load from an optional compiled build when one matches the sources
+(engine/core/compiled.py; SERVETWIN_PURE_PYTHON=1 runs the Python reference).
+"""
+from engine.core import compiled as _compiled
+
+_compiled.activate(__path__)
+
 from engine.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from engine.core.config import SchedulerConfig
 from engine.core.features import BatchFeatures, batch_features

@@ -27,7 +27,7 @@ class KVCacheBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        self.block_hash: object = None  # an int, UNIQUE, or None (no hash)
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -112,7 +112,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.null_block = self.free_queue.popleft()
-        self.cached: dict[int, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        self.cached: dict = {}  # hash -> KVCacheBlock | {block_id: KVCacheBlock}
 
     @property
     def num_usable_blocks(self) -> int:

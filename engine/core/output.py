@@ -1,6 +1,7 @@
 """What crosses the scheduler/runner seam: ids, token counts and block-id deltas, never tensors."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING
@@ -20,7 +21,7 @@ class NewRequestData:
     """
 
     req_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]  # a list, or a range or tuple (the simulator's synthetic prompts)
     output_token_ids: list[int]
     sampling_params: SamplingParams
     block_ids: list[int]
@@ -41,7 +42,7 @@ class CachedRequestData:
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_resumed_reqs: list[NewRequestData]
-    scheduled_cached_reqs: CachedRequestData
+    scheduled_cached_reqs: CachedRequestData | None  # None from the fast path (Scheduler.advance)
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     preempted_req_ids: set[str]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 from engine.core.sampling_params import SamplingParams
 
@@ -52,7 +53,7 @@ class Request:
     def __init__(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Sequence[int],
         sampling_params: SamplingParams | None = None,
         arrival_time: float = 0.0,
         priority: int = 0,
@@ -91,7 +92,7 @@ class Request:
         self.stop_ids: frozenset[int] | None = None
         self.token_limit = 0
         # Opaque per-request state of the driver (engine or simulator); the scheduler never reads it.
-        self.driver_state = None
+        self.driver_state: object = None
         # A driver's promise (the simulator's synthetic prompts): no other request's token ids
         # agree with this one's up to position unique_from, so no other request can ever hit a
         # block reaching past it. The KV manager caches such blocks without hashing them (until

@@ -570,7 +570,7 @@ class Scheduler:
         ctx = lazy.ctx_base + n_dec * lazy.t  # lazy.decode_context_tokens()
 
         # 2. Waiting part: the admission code of schedule().
-        admitted = ()
+        admitted: list = []
         if self.waiting and n_dec < self.max_num_seqs and n_dec < self.max_num_batched_tokens:
             admitted, _ = self._admit_waiting(self.max_num_batched_tokens - n_dec,
                                               self.config.long_prefill_token_threshold)
