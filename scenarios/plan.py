@@ -43,6 +43,7 @@ its inputs, so a re-run only simulates what changed.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -469,8 +470,24 @@ def run_task(kind: str, task: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------ running many
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """A digest of everything a cached simulation's result depends on besides its task: the
+    simulator, scheduler and scenario code, the shipped profiles and the kernel tables. A cache
+    entry made by other code or data is never served."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for pattern in ("sim/*.py", "engine/core/*.py", "scenarios/*.py", "sim/profiles/*.json",
+                    "calibration/kernels/*.json"):
+        for p in sorted(root.glob(pattern)):
+            h.update(p.relative_to(root).as_posix().encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def cache_key(kind: str, task: dict) -> str:
-    blob = json.dumps({"v": CACHE_VERSION, "kind": kind, "task": task}, sort_keys=True, default=str)
+    blob = json.dumps({"v": CACHE_VERSION, "code": code_digest(), "kind": kind, "task": task},
+                      sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 

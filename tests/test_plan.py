@@ -190,6 +190,18 @@ def test_cache_rerun_only_simulates_new_candidates(tmp_path):
     assert more["cached_tasks"] >= 1
 
 
+def test_cache_is_not_served_to_other_code(tmp_path, monkeypatch):
+    """A cost-model or scheduler change must not be answered with results cached before it."""
+    import scenarios.plan as planmod
+    out = tmp_path / "out"
+    path = queue_scenario(tmp_path, arrival="poisson", target=70, rel_tol=0.05, grid={"device": ["h100-sxm"]})
+    first = plan(path, out, workers=1, progress=False)
+    assert first["simulated_by_kind"].get("search") == 1
+    monkeypatch.setattr(planmod, "code_digest", lambda: "other-code")
+    again = plan(path, out, workers=1, progress=False)
+    assert again["simulated_by_kind"].get("search") == 1 and _ranked(again) == _ranked(first)
+
+
 def test_ray_run_equals_local_run(tmp_path):
     import ray
     path = queue_scenario(tmp_path, arrival="poisson", target=70, rel_tol=0.05,
