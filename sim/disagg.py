@@ -35,6 +35,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from engine.core import compiled as _compiled
 from engine.core.records import STEP_COLUMNS, RequestRecord
 from sim.cost_model import CostModel
 from sim.metrics import request_table, summarize, stats
@@ -222,6 +223,7 @@ class DisaggSimulation(Simulation):
                             end_s=float(self.env.now) if cut else None)
         summary["simulated_s"] = float(self.env.now)
         summary["wall_s"] = wall_s
+        summary["engine_core_build"] = "compiled" if _compiled.ACTIVE else "pure"  # engine/core/compiled.py
         summary["num_steps"] = int(sum(r.step_idx for r in reps))
         if steps:
             kv = step_table["kv_usage"]

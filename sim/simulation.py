@@ -28,6 +28,7 @@ import simpy
 from simpy.events import NORMAL, Event
 
 from engine.core import SchedulerConfig
+from engine.core import compiled as _compiled
 from engine.core.records import STEP_COLUMNS, RequestRecord
 from sim.clients import ENGINE_DIRECT, ClientModel, vllm_bench_result
 from sim.metrics import itl_from_token_times, request_table, summarize, write_csv
@@ -312,6 +313,7 @@ class Simulation:
             summary["vllm_bench"] = vllm_bench_result(table, itl[0], itl[1], summary)
         summary["simulated_s"] = float(self.env.now)
         summary["wall_s"] = wall_s
+        summary["engine_core_build"] = "compiled" if _compiled.ACTIVE else "pure"  # engine/core/compiled.py
         summary["num_steps"] = int(sum(r.step_idx for r in self.replicas))
         if steps:
             kv = step_table["kv_usage"]
