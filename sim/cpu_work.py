@@ -12,8 +12,9 @@ launching the (CUDA-graph) forward, and turning the sampled ids into per-request
 is itself a cost model: the replica's plain steps and the scheduler's steady runs both call its
 `step_time`, so both see the same periods. Async never makes a step slower: max(c, g) <= c + g.
 
-What is not modelled here (it would need a hook in sim/replica.py): with async scheduling a
-request that arrives while step n runs misses step n+1 (already scheduled) and joins n+2.
+Admission follows too (sim/replica.py, `Replica.async_admission`, on when the cost model says
+`async_scheduling`): a request that reaches the engine while step n runs misses step n+1, which
+was scheduled as n started, and first runs in step n+2; an idle engine takes it at once.
 
 API-server work (HTTP, tokenization, detokenization + SSE) happens in the front-end process, not
 in the engine step: sim/clients.py adds it to each request's client-visible times.

@@ -20,6 +20,7 @@ event at most, so memory is bounded by the events, not by the steps.
 from __future__ import annotations
 
 import heapq
+import math
 from typing import TYPE_CHECKING
 
 from engine.core import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
@@ -60,6 +61,13 @@ class Replica:
         self.use_steady = sim.use_steady
         self.book = Book(sim.keep_token_times)
         self.inbox: list[SimRequest] = []
+        self.inbox_s: list[float] = []  # when each inbox request reached the engine
+        # vLLM's async scheduling schedules step n+1 while step n runs: a request that reaches
+        # the engine during step n first runs in step n+2. Arrivals are admitted at a boundary
+        # only if they came before the start of the step that just ended (the moment the next
+        # step was scheduled); an idle engine takes them at once.
+        self.async_admission = bool(getattr(cost_model, "async_scheduling", False))
+        self._last_start: float | None = None  # start of the step that ended at this boundary
         self.aborts: list[str] = []
         self.deadlines: list[tuple[float, str]] = []  # heap of (abandon time, request id)
         self.live: dict[str, SimRequest] = {}
@@ -78,6 +86,7 @@ class Replica:
     # ------------------------------------------------------------ from outside
     def submit(self, sreq: SimRequest) -> None:
         self.inbox.append(sreq)
+        self.inbox_s.append(self.env.now)
         self.outstanding += 1
         self._poke()
 
@@ -86,10 +95,28 @@ class Replica:
             self._wake.succeed()
 
     # --------------------------------------------------------- step boundary
+    def _admissible(self) -> list[SimRequest]:
+        """Take the inbox requests the step about to be scheduled can see (all of them, unless
+        async admission holds back those that came while the last step ran)."""
+        cutoff = self._last_start
+        if not self.async_admission or cutoff is None or not self.scheduler.has_unfinished_requests():
+            ready = self.inbox
+            self.inbox, self.inbox_s = [], []
+            return ready
+        ready, keep, keep_s = [], [], []
+        for sreq, t in zip(self.inbox, self.inbox_s):
+            if t <= cutoff:
+                ready.append(sreq)
+            else:
+                keep.append(sreq)
+                keep_s.append(t)
+        self.inbox, self.inbox_s = keep, keep_s
+        return ready
+
     def _admit_arrivals(self, now: float) -> None:
         sched = self.scheduler
         book = self.book
-        for sreq in self.inbox:
+        for sreq in self._admissible():
             spec, rec = sreq.spec, sreq.record
             book.open(rec, spec.output_len)
             req = Request(spec.request_id, spec.token_sequence(), _SHARED_SP, arrival_time=rec.arrival_s,
@@ -110,7 +137,6 @@ class Replica:
             req.driver_state = sreq
             if spec.cancel_after_s is not None:
                 heapq.heappush(self.deadlines, (rec.arrival_s + spec.cancel_after_s, spec.request_id))
-        self.inbox.clear()
 
     def _apply_aborts(self, now: float) -> None:
         dl = self.deadlines
@@ -144,11 +170,17 @@ class Replica:
                 self._admit_arrivals(now)
             if self.aborts or (self.deadlines and self.deadlines[0][0] <= now):
                 self._apply_aborts(now)
-                while self.inbox:  # closed loop: the aborted requests' replacements
+                n = -1
+                while self.inbox and len(self.inbox) != n:  # closed loop: the aborted requests' replacements
+                    n = len(self.inbox)
                     self._admit_arrivals(now)
             if not sched.has_unfinished_requests():
+                if self.inbox:  # held back by async admission, and the engine ran dry: take them now
+                    self._last_start = None
+                    continue
                 sched.sync()  # nothing is lazy any more: leave fast mode
                 self._late = None
+                self._last_start = None
                 self._wake = env.event()
                 yield self._wake
                 self._wake = None
@@ -157,6 +189,8 @@ class Replica:
                 until = self.sim.next_arrival_s
                 if self.deadlines and self.deadlines[0][0] < until:
                     until = self.deadlines[0][0]
+                if self.inbox:  # held back: one step, then they are admitted
+                    until = min(until, math.nextafter(now, math.inf))
                 adv = sched.advance(TOKEN, self.cost.step_time, now, until, watch=_disconnect_point)
                 if adv is not None:
                     yield from self._fast_steps(now, adv)
@@ -173,6 +207,7 @@ class Replica:
         step = book.num_steps
         for d in out.scheduled_new_reqs:
             book.scheduled(live[d.req_id].record, now, d.num_computed_tokens)
+        self._last_start = now
         yield self.env.timeout(self.cost.step_time(f))
         end = self.env.now
         for rid in out.preempted_req_ids:
@@ -234,6 +269,8 @@ class Replica:
                 del live[r.request_id]
                 finished.append(sreq)
         t = adv.ends[-1] if k else now
+        if k:
+            self._last_start = adv.ends[-2] if k > 1 else now
         if k:
             self._record_step(step0, now, t, k, adv.features)
         if adv.left is not None:

@@ -120,3 +120,38 @@ def test_steady_runs_use_the_same_periods(async_scheduling):
     fast = Simulation(build_workload(wl, 1), cfg, cost, use_steady=True).run()
     for c in ("first_token_s", "finish_s"):
         assert np.array_equal(slow.request_table[c], fast.request_table[c])
+
+
+class _Gpu10ms:
+    """A GPU-only cost model: every step takes 10 ms."""
+    kind = "const"
+    metadata: dict = {}
+    gpu_only = True
+
+    def step_time(self, f):
+        return 0.010
+
+    def describe(self):
+        return {"kind": self.kind}
+
+
+@pytest.mark.parametrize("steady", [False, True])
+def test_async_admission_joins_the_step_after_next(steady):
+    # Steps of 10 ms from t=0 (request a). b reaches the engine at 15 ms, while step 1
+    # [10, 20) ms runs. Sync: scheduled at 20 ms, first token at 30 ms. Async (vLLM's batch
+    # queue): step 2 was scheduled at 10 ms, while step 1 ran, so b first runs in step 3
+    # [30, 40) ms. c arrives at 100 ms into an idle engine (a ended at 50 ms): no step in
+    # flight, so it runs at once either way.
+    from sim.workload import RequestSpec, Workload
+    specs = [RequestSpec("a", 0.0, 10, 5, ((0, 10),)), RequestSpec("b", 0.015, 10, 2, ((100, 10),)),
+             RequestSpec("c", 0.100, 10, 1, ((200, 10),))]
+    cfg = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=4096,
+                          block_size=16, num_gpu_blocks=400)
+    first = {}
+    for a in (False, True):
+        cost = WithCpuWork(_Gpu10ms(), CpuWork(step_s=0.0, per_req_s=0.0, per_token_s=0.0), a)
+        res = Simulation(Workload.from_requests(specs), cfg, cost, use_steady=steady).run()
+        t = res.request_table
+        first[a] = dict(zip(t["request_id"], np.round(t["first_token_s"], 9)))
+    assert first[False] == {"a": 0.01, "b": 0.03, "c": 0.11}
+    assert first[True] == {"a": 0.01, "b": 0.04, "c": 0.11}

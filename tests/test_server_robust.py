@@ -396,3 +396,37 @@ def test_fuzz_never_500_never_stops(srv):
                 assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == ref
     assert statuses.get(200, 0) > 10 and statuses.get(400, 0) > 100, statuses
     assert httpx.get(url + "/health").json() == {"status": "ok"}
+
+
+def test_log_first_token_is_when_the_client_was_sent_it(srv, monkeypatch):
+    """The event loop is held up for 0.3 s right after the step that produced a streamed
+    request's first token: the client gets that token 0.3 s after the step ended, and the request
+    log's first token time says so (>= the step's end + 0.3 s), no later than the client read it."""
+    import csv
+    aeng = srv["app"].state.async_engine
+    eng = srv["engine"]
+    real = aeng._flush
+    step_end = []
+
+    def flush(batch):
+        for loop, items in batch.items():
+            for _, (_, out) in items:
+                if not step_end and out.request_id == "cmpl-held-loop":
+                    step_end.append(out.metrics.first_token_s)  # the engine's stamp: the step's end
+                    loop.call_soon_threadsafe(time.sleep, 0.3)
+        real(batch)
+    monkeypatch.setattr(aeng, "_flush", flush)
+    body = {"model": MODEL, "prompt": "Held up", "max_tokens": 6, "stream": True, "ignore_eos": True}
+    got_first = None
+    with httpx.stream("POST", srv["url"] + "/v1/completions", json=body, timeout=60,
+                      headers={"X-Request-Id": "held-loop"}) as r:
+        for line in r.iter_lines():
+            if got_first is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                got_first = eng.now()
+    assert step_end and got_first is not None
+    with open(srv["log"]) as f:
+        row = next(r for r in csv.DictReader(f) if r["request_id"] == "cmpl-held-loop")
+    first = float(row["first_token_s"])
+    assert step_end[0] + 0.3 <= first <= got_first
+    times = [float(t) for t in row["token_times_s"].split()]
+    assert times[0] == pytest.approx(first, abs=1e-6) and times == sorted(times) and len(times) == 6

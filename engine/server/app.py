@@ -419,6 +419,7 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
         latest: dict[int, object] = {}
         sent = {}          # choice index -> text already sent
         sent_lp = {}       # choice index -> logprob entries already sent
+        first_sent: set[int] = set()  # choices whose first token has been sent
 
         def event(choices: list[dict], usage_body=None) -> str:
             body = {"id": shape.rid, "object": shape.obj(True), "created": shape.created, "model": shape.model,
@@ -449,8 +450,12 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
                     lp = shape.logprobs(c.logprobs[sent_lp.get(i, 0):], len(prev) + shape.echo_len(i))
                     sent_lp[i] = len(c.logprobs)
                 if delta or c.finish_reason is not None or lp is not None:
-                    yield event([shape.delta(i, delta, c, lp)],
-                                shape.usage(list(latest.values())) if continuous else None)
+                    chunk = event([shape.delta(i, delta, c, lp)],
+                                  shape.usage(list(latest.values())) if continuous else None)
+                    if i not in first_sent:  # the log's first token time: handed to the connection
+                        first_sent.add(i)
+                        aeng.first_token_sent(out.request_id)
+                    yield chunk
             if include_usage:
                 yield event([], shape.usage([latest[i] for i in sorted(latest)]))
             yield "data: [DONE]\n\n"

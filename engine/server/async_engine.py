@@ -97,6 +97,9 @@ class AsyncEngine:
         self.num_pending_adds = 0  # engine requests queued as "add" commands, not yet seen
         self.num_failed_steps = 0    # in a row
         self.total_failed_steps = 0
+        # request id -> engine-clock time its first token's SSE chunk was handed to the
+        # connection (written by the event loop, read once at finish by the engine thread)
+        self._first_sent: dict[str, float] = {}
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -152,6 +155,14 @@ class AsyncEngine:
         finally:
             for rid in unfinished:
                 self.abort(rid, group)
+
+    def first_token_sent(self, request_id: str) -> None:
+        """A streamed request's first token has just been handed to the client's connection
+        (call from the event loop). The request log's first token time becomes this moment, the
+        time the client waits for, rather than the end of the step that produced it: the hand-
+        over to the event loop and the SSE formatting of a step's other streams lie between."""
+        if request_id in self._groups:  # not finished yet: the engine thread will read it
+            self._first_sent.setdefault(request_id, self.engine.now())
 
     def abort(self, request_id: str, group: Group | None = None) -> None:
         """Abort a request (of `group`, if given: a refused group's id may belong to another
@@ -238,8 +249,17 @@ class AsyncEngine:
 
     def _finish_record(self, rid: str) -> None:
         rec = self.engine.request_records.pop(rid, None)
-        if rec is not None and self.request_log is not None:
-            self.request_log.write(rec)
+        sent = self._first_sent.pop(rid, None)
+        if rec is None or self.request_log is None:
+            return
+        if sent is not None and rec.first_token_s is not None and sent > rec.first_token_s:
+            rec.first_token_s = sent
+            times = rec.token_times_s or []
+            for k, t in enumerate(times):  # tokens stepped before it reached the client came with it
+                if t >= sent:
+                    break
+                times[k] = sent
+        self.request_log.write(rec)
 
     def _abort(self, rid: str, timed_out: bool = False) -> None:
         eng = self.engine
@@ -311,6 +331,7 @@ class AsyncEngine:
                 if not eng.has_unfinished_requests():
                     if self.metrics is not None:  # idle: gauges say so
                         self.metrics.refresh(eng)
+                    self._first_sent.clear()  # a stamp that raced its request's finish
                     continue
                 self._step()
         except BaseException as e:  # keep the server up to report it; fail every stream
