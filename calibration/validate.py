@@ -23,6 +23,16 @@ Machine drift: the reference of calibration.probe is timed before the first engi
 every run, and a run's simulations use the profile scaled by the geometric mean of the probes
 around it over the profile's median probe, as calibrate scales its groups (validation.json
 speed_probe.runs lists the probes and factors; --no-speed-probe turns it off).
+
+Drift within a run: the probes only see the machine before and after a run, and on a shared VM
+its speed moves by 10-20% within one. validation.json `in_situ` is a second, diagnostic table
+from the same engine runs: each simulation's step times are scaled, at each simulated moment, by
+the machine's speed then, read from the engine's own decode-only steps of that run (the median of
+measured / predicted period over the decode-only steps within IN_SITU_WINDOW_S of that moment;
+decode-only steps are the probe's own kind of step). No prefill step and no request latency enter
+that speed. The difference between the two tables is what drift the probes missed; what `in_situ`
+still shows is the cost model's error on prefills and the scheduling, with drift taken out. The
+main table (the prediction a user gets) is the probe-scaled one.
 """
 from __future__ import annotations
 
@@ -44,6 +54,56 @@ from sim.workload import build_workload
 METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
 STATS = ("p50", "p90", "p99")
 NOISE_REPLICAS = 3
+IN_SITU_WINDOW_S = 10.0   # width of the window of decode-only steps that sets the speed at a moment
+IN_SITU_MIN_STEPS = 5     # fewer in the window: the nearest this many decode-only steps
+
+
+class InSituSpeed:
+    """The machine's speed during one engine run, as a function of time since the run's start:
+    measured / predicted period of the run's decode-only steps (their median around that time)."""
+
+    def __init__(self, steps, periods, model, fallback: float, grid_s: float = 0.5) -> None:
+        pts = sorted((s.start_s, p / model.step_time(_features(s))) for s, p in zip(steps, periods)
+                     if p is not None and s.num_prefill_tokens == 0 and s.num_decode_reqs > 0)
+        self.fallback = fallback
+        self.num_steps = len(pts)
+        if not pts:
+            self.grid_s, self.values = grid_s, np.array([fallback])
+            return
+        t = np.array([x for x, _ in pts])
+        r = np.array([y for _, y in pts])
+        n = int(t[-1] / grid_s) + 2
+        vals = np.empty(n)
+        half = IN_SITU_WINDOW_S / 2
+        k = min(IN_SITU_MIN_STEPS, len(t))
+        for i in range(n):
+            c = i * grid_s
+            sel = r[(t >= c - half) & (t <= c + half)]
+            if len(sel) < k:
+                sel = r[np.argsort(np.abs(t - c))[:k]]
+            vals[i] = np.median(sel)
+        self.grid_s, self.values = grid_s, vals
+
+    def __call__(self, t: float) -> float:
+        i = int(t / self.grid_s) if t > 0 else 0
+        return float(self.values[min(i, len(self.values) - 1)])
+
+    def summary(self) -> dict:
+        return {"decode_steps": self.num_steps, "min": float(self.values.min()),
+                "median": float(np.median(self.values)), "max": float(self.values.max())}
+
+
+class _ClockedNoise(NoisyCostModel):
+    """NoisyCostModel whose scale is the machine's speed at the simulation's current time."""
+
+    def __init__(self, base, seed: int, speed: InSituSpeed) -> None:
+        super().__init__(base, seed)
+        self.speed = speed
+        self.clock = lambda: 0.0
+
+    def step_time(self, f) -> float:
+        self.scale = self.speed(self.clock())
+        return super().step_time(f)
 
 
 def engine_token_ids(spec, vocab: int) -> list[int]:
@@ -117,7 +177,9 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
         from tqdm import tqdm
         bar = tqdm(total=len(runs), desc="validating", unit="run")
     per_load: dict[float, dict] = {load: {"engine": [], "sim": [], "sim_reps": [], "steps": [],
-                                          "engine_tput": [], "sim_tput": []} for load in loads}
+                                          "engine_tput": [], "sim_tput": [], "insitu_reps": [],
+                                          "insitu_tput": []} for load in loads}
+    insitu_runs: list[dict] = []
     for seed, load in runs:
         rate = load * capacity
         spec = copy.deepcopy(wl_spec)
@@ -144,6 +206,17 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
             reps.append(sim.records)
         d["sim_reps"].append(reps)
         d["sim_tput"].append(float(np.median([_summary(x)["throughput"]["output_tokens_per_s"] for x in reps])))
+        speed = InSituSpeed(res.steps, res.periods_s, base, fallback=scale)
+        insitu_runs.append({"load": load, "seed": seed, "probe_factor": round(scale, 4),
+                            **{k: round(v, 4) if isinstance(v, float) else v for k, v in speed.summary().items()}})
+        reps = []
+        for r in range(NOISE_REPLICAS):
+            model = _ClockedNoise(base, seed * 100 + r, speed)
+            sim = Simulation(wl, cfg, model, keep_token_times=True, use_steady=False)
+            model.clock = lambda env=sim.env: env.now
+            reps.append(sim.run().records)
+        d["insitu_reps"].append(reps)
+        d["insitu_tput"].append(float(np.median([_summary(x)["throughput"]["output_tokens_per_s"] for x in reps])))
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -156,31 +229,17 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
                     "speed_probe": ({"profile_median_s": ref["median_s"], "runs": factors} if ref else
                                     "off: the profile is used as measured")}
     all_rows = []
+    insitu_report: dict = {"definition": "step times scaled at each simulated moment by the machine's speed "
+                                         "then, read from the run's own decode-only steps (see module doc)",
+                           "window_s": IN_SITU_WINDOW_S, "runs": insitu_runs, "loads": {}}
+    insitu_rows = []
     for load in loads:
         d = per_load[load]
         eng = {k: _pool([_latencies(r)[k] for r in d["engine"]]) for k in METRICS}
-        rep_pools = [{k: _pool([_latencies(rs[i])[k] for rs in d["sim_reps"]]) for k in METRICS}
-                     for i in range(NOISE_REPLICAS)]
-        rows = {}
-        for k in METRICS:
-            for st in STATS:
-                e = _pct(eng[k], st)
-                vals = [v for v in (_pct(p[k], st) for p in rep_pools) if v is not None]
-                if e is None or not vals:
-                    continue
-                s = float(np.median(vals))
-                lo, hi = min(vals) / (1 + b_hi) * d_lo, max(vals) / (1 + b_lo) * d_hi
-                seed_err = []
-                for i, er in enumerate(d["engine"]):
-                    ev = _pct(_latencies(er)[k], st)
-                    sv = [_pct(_latencies(x)[k], st) for x in d["sim_reps"][i]]
-                    sv = [v for v in sv if v is not None]
-                    if ev and sv:
-                        seed_err.append(round(float(np.median(sv)) / ev - 1, 4))
-                row = {"engine": e, "sim": s, "rel_error": (s / e - 1) if e else None,
-                       "seed_rel_errors": seed_err, "interval": [lo, hi], "covered": bool(lo <= e <= hi)}
-                rows[f"{k}.{st}"] = row
-                all_rows.append(row)
+        rows, rep_pools = _rows(d, eng, "sim_reps", (b_lo, b_hi, d_lo, d_hi))
+        all_rows.extend(rows.values())
+        irows, _ = _rows(d, eng, "insitu_reps", None)
+        insitu_rows.extend(irows.values())
         steps = d["steps"]
         meas = np.array([p for _, p, _ in steps])
         pred = np.array([base.step_time(_features(s)) * k for s, _, k in steps])
@@ -191,8 +250,11 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
             "throughput_rel_error": stp / et - 1,
             "step_time_mape": float(np.mean(np.abs(pred / meas - 1))) if len(meas) else None,
             "step_time_bias": float(np.mean(pred / meas - 1)) if len(meas) else None,
-            "signed_mean_error": float(np.mean([r["rel_error"] for r in rows.values() if r["rel_error"] is not None])),
+            "signed_mean_error": _mean_err(rows.values()),
         }
+        insitu_report["loads"][str(load)] = {
+            "metrics": irows, "throughput_rel_error": float(np.mean(d["insitu_tput"])) / et - 1,
+            "signed_mean_error": _mean_err(irows.values())}
         _plot(out_dir / f"cdf-load{load}.png", eng, rep_pools[0], load)
     errs = [r["rel_error"] for r in all_rows if r["rel_error"] is not None]
     report["summary"] = {
@@ -201,10 +263,50 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
         "step_time_mape": float(np.mean([v["step_time_mape"] for v in report["loads"].values()
                                          if v["step_time_mape"] is not None])),
         "profile_cv_mape": profile["metadata"].get("cv_mape"), "profile_cv": profile["metadata"].get("cv")}
+    ierrs = [r["rel_error"] for r in insitu_rows if r["rel_error"] is not None]
+    insitu_report["summary"] = {"signed_mean_error": float(np.mean(ierrs)) if ierrs else None,
+                                "median_abs_error": float(np.median(np.abs(ierrs))) if ierrs else None,
+                                "rows": len(insitu_rows)}
+    report["in_situ"] = insitu_report
     with open(out_dir / "validation.json", "w") as f:
         json.dump(report, f, indent=1)
     _write_steps(out_dir / "engine-steps.csv", step_rows, base)
     return report
+
+
+def _mean_err(rows) -> float | None:
+    e = [r["rel_error"] for r in rows if r["rel_error"] is not None]
+    return float(np.mean(e)) if e else None
+
+
+def _rows(d: dict, eng: dict, reps_key: str, bounds) -> tuple[dict, list]:
+    """Per metric and percentile: engine, simulator (median over noise replicates) and relative
+    error of one load's runs (all seeds pooled), with the 90% interval when `bounds` (the
+    profile's group bias and probe drift ranges) is given; and the replicates' pooled values."""
+    rep_pools = [{k: _pool([_latencies(rs[i])[k] for rs in d[reps_key]]) for k in METRICS}
+                 for i in range(NOISE_REPLICAS)]
+    rows = {}
+    for k in METRICS:
+        for st in STATS:
+            e = _pct(eng[k], st)
+            vals = [v for v in (_pct(p[k], st) for p in rep_pools) if v is not None]
+            if e is None or not vals:
+                continue
+            s = float(np.median(vals))
+            seed_err = []
+            for i, er in enumerate(d["engine"]):
+                ev = _pct(_latencies(er)[k], st)
+                sv = [_pct(_latencies(x)[k], st) for x in d[reps_key][i]]
+                sv = [v for v in sv if v is not None]
+                if ev and sv:
+                    seed_err.append(round(float(np.median(sv)) / ev - 1, 4))
+            row = {"engine": e, "sim": s, "rel_error": (s / e - 1) if e else None, "seed_rel_errors": seed_err}
+            if bounds is not None:
+                b_lo, b_hi, d_lo, d_hi = bounds
+                lo, hi = min(vals) / (1 + b_hi) * d_lo, max(vals) / (1 + b_lo) * d_hi
+                row.update(interval=[lo, hi], covered=bool(lo <= e <= hi))
+            rows[f"{k}.{st}"] = row
+    return rows, rep_pools
 
 
 def _write_steps(path: Path, step_rows: list, model) -> None:
@@ -263,6 +365,15 @@ def print_table(report: dict) -> None:
     s = report["summary"]
     print(f"signed mean error {s['signed_mean_error']:+.1%}, median |error| {s['median_abs_error']:.1%}, "
           f"interval coverage {s['interval_coverage']:.0%} of {s['rows']} rows")
+    ins = report.get("in_situ")
+    if ins and ins["summary"]["signed_mean_error"] is not None:
+        print("in situ (drift within each run taken out, from its decode-only steps; diagnostic):")
+        for load, d in ins["loads"].items():
+            print(f"{float(load):>5.0%} " + " ".join(f"{n}{r['rel_error']:+.0%}" for n, r in d["metrics"].items()
+                                                   if n.endswith(("p50", "p90")) and r["rel_error"] is not None)
+                  + f"  throughput {d['throughput_rel_error']:+.1%}, signed mean {d['signed_mean_error']:+.1%}")
+        print(f"in situ signed mean error {ins['summary']['signed_mean_error']:+.1%}, "
+              f"median |error| {ins['summary']['median_abs_error']:.1%}")
 
 
 def device_is_cpu(device: str | None) -> bool:

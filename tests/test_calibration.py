@@ -141,8 +141,49 @@ def test_calibrate_and_validate_end_to_end(tmp_path):
     assert saved["speed_probe"]["profile_median_s"] == m["speed_probe"]["median_s"] and run["speed_factor"] > 0
     first = dict(zip(logged[0].split(","), logged[1].split(",")))
     assert float(first["speed_factor"]) == pytest.approx(run["speed_factor"], rel=1e-3)
+    # The in-situ diagnostic ran the same workload with the run's own decode-step speed.
+    ins = saved["in_situ"]
+    assert len(ins["runs"]) == 1 and ins["summary"]["rows"] == 15
+    assert set(ins["loads"]["0.5"]["metrics"]) == set(saved["loads"]["0.5"]["metrics"])
     # Both sides ran on one scheduler configuration: the engine's, with its KV pool.
     assert eng.scheduler_config.uncache_unscheduled_victims
+
+
+def test_in_situ_speed_by_hand():
+    """The machine's speed at a moment: the median measured / predicted period of the decode-only
+    steps within 5 s of it (prefill steps never count); the nearest 5 where fewer."""
+    from types import SimpleNamespace
+    from calibration.validate import InSituSpeed, _ClockedNoise
+
+    class Const:
+        residual_quantiles = {"p5": -0.0, "p95": 0.0}
+        metadata: dict = {}
+
+        def step_time(self, f):
+            return 0.1
+
+    def step(t, prefill=0):
+        return SimpleNamespace(start_s=t, num_reqs=1, num_prefill_reqs=int(prefill > 0), num_prefill_tokens=prefill,
+                               prefill_context_tokens=0, prefill_attn_pairs=0, num_decode_reqs=1 - int(prefill > 0),
+                               decode_context_tokens=10)
+    # Decode steps at 0..9 s take 0.1 s (speed 1), at 20..29 s 0.15 s (speed 1.5); a prefill step
+    # at 10 s took 1 s (it must not count).
+    steps = [step(float(t)) for t in range(10)] + [step(10.0, prefill=64)] + [step(float(t)) for t in range(20, 30)]
+    periods = [0.1] * 10 + [1.0] + [0.15] * 10
+    sp = InSituSpeed(steps, periods, Const(), fallback=7.0)
+    assert sp.num_steps == 20
+    assert sp(2.0) == pytest.approx(1.0)          # steps 0..7 in the window
+    assert sp(25.0) == pytest.approx(1.5)         # steps 20..29
+    assert sp(12.0) == pytest.approx(1.0)         # window [7, 17] has 3: the nearest 5 are 5..9
+    assert sp(17.0) == pytest.approx(1.5)         # window [12, 22] has 3: the nearest 5 are 20..24
+    assert sp(1000.0) == pytest.approx(1.5)       # past the end: the last value
+    assert InSituSpeed([step(0.0, prefill=8)], [0.5], Const(), fallback=7.0)(3.0) == 7.0  # no decode step
+    # The clocked model scales each step by the speed at the simulation's time.
+    m = _ClockedNoise(Const(), seed=0, speed=sp)
+    m.clock = lambda: 2.0
+    assert m.step_time(None) == pytest.approx(0.1)
+    m.clock = lambda: 25.0
+    assert m.step_time(None) == pytest.approx(0.15)
 
 
 def loaded_ok(path) -> bool:
