@@ -30,7 +30,7 @@ import numpy as np
 
 from calibration.driver import Arrival, drive, warm_up
 from calibration.fit import FEATURES, fit_cost_model
-from calibration.probe import probe_metadata, speed_around, speed_probe
+from calibration.probe import compute_probe, probe_metadata, speed_around, speed_probe
 from engine.core import SamplingParams
 from sim.cost_model import today
 
@@ -70,13 +70,18 @@ def _requests(group: dict, rng: np.random.Generator, vocab: int):
 
 
 def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None = None,
-              progress: bool = True, probe=None) -> tuple[list[dict], list[float], list[str], bool, list[float]]:
+              progress: bool = True, probe=None, compute=None,
+              extra: dict | None = None) -> tuple[list[dict], list[float], list[str], bool, list[float]]:
     """Run the groups; return (feature rows, periods, group labels, interrupted, probes).
 
     With `probe` (engine -> seconds, calibration.probe.speed_probe), the machine's speed is
     measured before every group and after the last, and each group's periods are returned divided
     by its speed factor (the geometric mean of the probes around it over the median probe);
-    steps.csv keeps the raw period and the probe time around its group (probe_s)."""
+    steps.csv keeps the raw period and the probe time around its group (probe_s). With `compute`
+    (calibration.probe.compute_probe) the compute reference is timed at the same points, and
+    steps.csv has it in compute_probe_s; `extra` (a dict) then receives the raw periods and both
+    probes around each row ("periods", "around", "around_compute", "compute_probes") for
+    fit_two_speeds."""
     rng = np.random.default_rng(seed)
     rows: list[dict] = []
     times: list[float] = []
@@ -90,21 +95,25 @@ def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None 
     if steps_csv is not None:
         f = open(steps_csv, "w", newline="")
         writer = csv.writer(f)
-        writer.writerow(["group", *FEATURES, "period_s", "step_s", "forward_s", "probe_s"])
+        writer.writerow(["group", *FEATURES, "period_s", "step_s", "forward_s", "probe_s", "compute_probe_s"])
     interrupted = False
     pending: list = []  # (group name, row, period, step) of the group whose closing probe is due
     around: list[float] = []  # per returned row: the probe time around its group (s)
+    cprobes: list[float] = []
+    around_c: list[float] = []
 
     def flush() -> None:
         local = speed_around(probes[-2], probes[-1]) if len(probes) >= 2 else (probes[-1] if probes else 1.0)
+        local_c = speed_around(cprobes[-2], cprobes[-1]) if len(cprobes) >= 2 else (cprobes[-1] if cprobes else 1.0)
         for name, row, period, s in pending:
             rows.append(row)
             times.append(period)
             labels.append(name)
             around.append(local)
+            around_c.append(local_c)
             if writer is not None:
                 writer.writerow([name, *row.values(), period, f"{s.end_s - s.start_s:.6f}",
-                                 f"{s.forward_s:.6f}", local if probes else ""])
+                                 f"{s.forward_s:.6f}", local if probes else "", local_c if cprobes else ""])
         pending.clear()
         if f is not None:
             f.flush()
@@ -112,6 +121,8 @@ def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None 
     try:
         if probe is not None:
             probes.append(probe(engine))
+        if compute is not None:
+            cprobes.append(compute(engine))
         for g in groups:
             reqs = list(_requests(g, rng, engine.vocab_size))
             first, rest = reqs[:g["concurrency"]], iter(reqs[g["concurrency"]:])
@@ -126,6 +137,8 @@ def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None 
                     pending.append((g["name"], {k: getattr(s, k) for k in FEATURES}, period, s))
             if probe is not None:
                 probes.append(probe(engine))
+            if compute is not None:
+                cprobes.append(compute(engine))
             flush()
     except KeyboardInterrupt:
         interrupted = True
@@ -136,11 +149,37 @@ def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None 
             bar.close()
         if f is not None:
             f.close()
+    if extra is not None:
+        extra.update(periods=list(times), around=list(around), around_compute=list(around_c),
+                     compute_probes=list(cprobes))
     if probes:  # each group at the machine's median speed over the whole sweep
         med = statistics.median(probes)
         times = [t * med / a for t, a in zip(times, around)]
     # Only finished groups are kept: a group cut short has no closing probe (and few steps).
     return rows, times, labels, interrupted, probes
+
+
+def prefill_share(model, row: dict) -> float:
+    """The fraction of a fitted step time that its prefill chunks add (calibration.probe.split_time
+    on a steps.csv row)."""
+    dec = row["num_reqs"] - row["num_prefill_reqs"]
+    total = model._time(row["num_reqs"], row["num_tokens"], row["num_prefill_reqs"], row["prefill_attn_pairs"],
+                        row["prefill_context_tokens"], row["decode_context_tokens"])
+    rest = model._time(dec, dec, 0, 0, 0, row["decode_context_tokens"])
+    return (total - rest) / total if total > 0 else 0.0
+
+
+def fit_two_speeds(rows, periods, around, around_c, med: float, med_c: float, **fit_kw):
+    """Fit with each step at the machine's median speed by both probes (med, med_c: the median
+    decode and compute probes; around, around_c: each row's probes around its group): a first fit
+    with whole periods divided by the decode factor tells each step's prefill share w; the second
+    divides each period by (1 - w) x decode factor + w x compute factor."""
+    first = fit_cost_model(rows, [t * med / a for t, a in zip(periods, around)], **fit_kw)
+    times = []
+    for r, t, a, c in zip(rows, periods, around, around_c):
+        w = prefill_share(first, r)
+        times.append(t / ((1 - w) * a / med + w * c / med_c))
+    return fit_cost_model(rows, times, **fit_kw)
 
 
 def measured_ranges(rows: list[dict]) -> dict:
@@ -188,8 +227,10 @@ def calibrate(engine, out: str | Path, seed: int = 0, groups: list[dict] | None 
     groups = [groups[i] for i in np.random.default_rng(seed).permutation(len(groups))]
     warm_up(engine)
     t0 = time.perf_counter()
+    extra: dict = {}
     rows, times, labels, interrupted, probes = run_sweep(
-        engine, groups, seed, out.with_suffix(".steps.csv"), progress, speed_probe if probe else None)
+        engine, groups, seed, out.with_suffix(".steps.csv"), progress, speed_probe if probe else None,
+        compute_probe if probe else None, extra)
     if len(rows) < 8 or len(set(labels)) < 2:
         raise RuntimeError(f"calibrate: only {len(rows)} steps from {len(set(labels))} groups were measured; "
                            "need at least 8 steps from 2 groups to fit")
@@ -215,8 +256,14 @@ def calibrate(engine, out: str | Path, seed: int = 0, groups: list[dict] | None 
         "group_order": [g["name"] for g in groups],
     }
     if probes:
-        meta["speed_probe"] = probe_metadata(probes)
-    prof = fit_cost_model(rows, times, metadata=meta, seed=seed, groups=labels).to_profile()
+        meta["speed_probe"] = probe_metadata(probes, extra["compute_probes"])
+        n = len(rows)  # rows of finished groups only
+        prof = fit_two_speeds(rows, extra["periods"][:n], extra["around"][:n], extra["around_compute"][:n],
+                              statistics.median(probes), statistics.median(extra["compute_probes"]),
+                              metadata=meta, seed=seed,
+                              groups=labels).to_profile()
+    else:
+        prof = fit_cost_model(rows, times, metadata=meta, seed=seed, groups=labels).to_profile()
     with open(out, "w") as f:
         json.dump(prof, f, indent=1)
     return prof
@@ -235,19 +282,28 @@ def refit(profile_path: str | Path, out: str | Path) -> dict:
     rows, times, labels = [], [], []
     with open(src) as f:
         old = json.load(f)
-    med = (old["metadata"].get("speed_probe") or {}).get("median_s")
+    sp = old["metadata"].get("speed_probe") or {}
+    med = sp.get("median_s")
+    periods, around, around_c = [], [], []
     with open(steps, newline="") as f:
         for r in csv.DictReader(f):
             rows.append({k: float(r[k]) for k in FEATURES})
             p = r.get("probe_s")  # the group's speed, where the sweep probed it
             times.append(float(r["period_s"]) * med / float(p) if p and med else float(r["period_s"]))
+            periods.append(float(r["period_s"]))
+            around.append(float(p) if p else None)
+            around_c.append(float(r["compute_probe_s"]) if r.get("compute_probe_s") else None)
             labels.append(r["group"])
     meta = dict(old["metadata"])
     for k in ("num_samples", "fit_mape", "cv", "cv_mape", "cv_p95_abs_rel_error", "cv_group_bias",
               "residual_quantiles_are"):
         meta.pop(k, None)
     meta["source"] = f"{meta.get('source', src.name)}; refit {today()} (servetwin calibrate --refit)"
-    prof = fit_cost_model(rows, times, metadata=meta, groups=labels).to_profile()
+    if "compute" in sp and med and all(a is not None for a in around) and all(c is not None for c in around_c):
+        prof = fit_two_speeds(rows, periods, around, around_c, med, sp["compute"]["median_s"],
+                              metadata=meta, groups=labels).to_profile()
+    else:
+        prof = fit_cost_model(rows, times, metadata=meta, groups=labels).to_profile()
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:
         json.dump(prof, f, indent=1)

@@ -20,6 +20,15 @@ in which all of them decode. It takes a few seconds.
   probe / profile probe for the simulator's side of that run (the factor is reported per run).
   What drift remains within a run widens the prediction interval by the spread of the ratio of
   consecutive probes measured during calibration.
+
+Two speeds, not one. Decode steps of a small model on a CPU stream the weights (memory-bound);
+prefill chunks run GEMMs (compute-bound). A noisy neighbour slows the two differently: in this
+project's validation runs, when decode steps ran 1.6-1.85x slower than at calibration, steps with
+a prefill chunk ran only ~0.8-0.85 of that factor, and scaling a whole prediction by the decode
+probe over-predicted every prefill by about 9%. `compute_probe(engine)` times a second reference,
+one COMPUTE_PROMPT-token prefill step (fresh ids each call: no prefix-cache hit); calibrate and
+validate scale the prefill part of a step (what its prefill chunks add to the fitted time,
+`split_time`) by the compute probe and the rest by the decode probe (`SplitSpeedModel`).
 """
 from __future__ import annotations
 
@@ -35,6 +44,8 @@ from engine.core import SamplingParams
 PROBE_REQUESTS = 4
 PROBE_PROMPT = 64
 PROBE_DECODES = 16
+COMPUTE_PROMPT = 256
+COMPUTE_REPEATS = 3
 _calls = itertools.count()
 
 
@@ -53,6 +64,52 @@ def speed_probe(engine, seed: int = 20261130) -> float:
     if not periods:
         raise RuntimeError("speed probe: no step with every probe request decoding was timed")
     return float(statistics.median(periods))
+
+
+def compute_probe(engine, seed: int = 20261201) -> float:
+    """Median duration (s) of a prefill-only step of COMPUTE_PROMPT tokens (fewer on an engine too
+    small for them) on `engine` now, over COMPUTE_REPEATS steps."""
+    n = next(_calls)
+    rng = np.random.default_rng(seed + n)
+    vocab = engine.vocab_size
+    tokens = max(1, min(COMPUTE_PROMPT, engine.scheduler_config.max_num_batched_tokens, engine.max_model_len - 2))
+    times = []
+    for i in range(COMPUTE_REPEATS):
+        a = Arrival(0.0, f"compute-probe-{n}-{i}", rng.integers(100, vocab - 100, tokens).tolist(),
+                    SamplingParams(max_tokens=1, ignore_eos=True, temperature=0), "compute-probe")
+        res = drive(engine, [a])
+        times.extend(s.end_s - s.start_s for s in res.steps if s.num_prefill_reqs == 1 and s.num_decode_reqs == 0)
+    if not times:
+        raise RuntimeError("compute probe: no prefill-only step was timed")
+    return float(statistics.median(times))
+
+
+def split_time(model, f) -> tuple[float, float]:
+    """(rest, prefill part) of a fitted model's step time: the same step without its prefill
+    chunks (its decodes and per-step cost), and what the prefill chunks add to it."""
+    rest = model._time(f.num_decode_reqs, f.num_decode_reqs, 0, 0, 0, f.decode_context_tokens)
+    return rest, model.step_time(f) - rest
+
+
+class SplitSpeedModel:
+    """A fitted model at a machine speed measured by both probes: the prefill part of each step
+    scaled by `compute_factor`, the rest by `decode_factor` (a callable of nothing, for a speed
+    that moves with the simulated time)."""
+
+    def __init__(self, base, decode_factor, compute_factor: float) -> None:
+        self.base = base
+        self.decode_factor = decode_factor if callable(decode_factor) else (lambda v=float(decode_factor): v)
+        self.compute_factor = float(compute_factor)
+        self.residual_quantiles = base.residual_quantiles
+        self.metadata = base.metadata
+        self.kind = base.kind
+
+    def step_time(self, f) -> float:
+        rest, pf = split_time(self.base, f)
+        return rest * self.decode_factor() + pf * self.compute_factor
+
+    def describe(self) -> dict:
+        return self.base.describe()
 
 
 def speed_around(before_s: float, after_s: float) -> float:
@@ -76,9 +133,17 @@ def drift_range(probes: list[float]) -> tuple[float, float]:
     return float(np.quantile(r, 0.05)), float(np.quantile(r, 0.95))
 
 
-def probe_metadata(probes: list[float]) -> dict:
+def probe_metadata(probes: list[float], compute: list[float] | None = None) -> dict:
     lo, hi = drift_range(probes)
-    return {"median_s": float(statistics.median(probes)), "probes_s": [round(p, 6) for p in probes],
+    extra = {}
+    if compute:
+        extra["compute"] = {"median_s": float(statistics.median(compute)),
+                            "probes_s": [round(p, 6) for p in compute],
+                            "reference": f"one {COMPUTE_PROMPT}-token prefill-only step, median of "
+                                         f"{COMPUTE_REPEATS} (calibration.probe.compute_probe)",
+                            "applied": "the prefill part of each step (split_time) by this probe, "
+                                       "the rest by the decode probe"}
+    return {**extra, "median_s": float(statistics.median(probes)), "probes_s": [round(p, 6) for p in probes],
             "drift_range": [lo, hi],
             "reference": f"{PROBE_REQUESTS} requests x {PROBE_PROMPT} prompt tokens, {PROBE_DECODES} decodes "
                          "each; median period of the steps where all decode (calibration.probe)",

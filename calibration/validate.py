@@ -22,7 +22,9 @@ DIR/cdf-load<L>.png overlays the engine's and the simulator's CDFs per load.
 Machine drift: the reference of calibration.probe is timed before the first engine run and after
 every run, and a run's simulations use the profile scaled by the geometric mean of the probes
 around it over the profile's median probe, as calibrate scales its groups (validation.json
-speed_probe.runs lists the probes and factors; --no-speed-probe turns it off).
+speed_probe.runs lists the probes and factors; --no-speed-probe turns it off). With a profile
+that also recorded the compute probe, the prefill part of each step is scaled by the compute
+probe's factor and the rest by the decode probe's (calibration.probe.SplitSpeedModel).
 
 Drift within a run: the probes only see the machine before and after a run, and on a shared VM
 its speed moves by 10-20% within one. validation.json `in_situ` is a second, diagnostic table
@@ -43,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from calibration.driver import Arrival, drive, warm_up
-from calibration.probe import speed_around, speed_probe as probe_speed
+from calibration.probe import SplitSpeedModel, compute_probe, speed_around, speed_probe as probe_speed
 from engine.core import SamplingParams
 from sim.cost_model import FittedCostModel
 from sim.intervals import NoisyCostModel, group_bias_range
@@ -92,18 +94,6 @@ class InSituSpeed:
         return {"decode_steps": self.num_steps, "min": float(self.values.min()),
                 "median": float(np.median(self.values)), "max": float(self.values.max())}
 
-
-class _ClockedNoise(NoisyCostModel):
-    """NoisyCostModel whose scale is the machine's speed at the simulation's current time."""
-
-    def __init__(self, base, seed: int, speed: InSituSpeed) -> None:
-        super().__init__(base, seed)
-        self.speed = speed
-        self.clock = lambda: 0.0
-
-    def step_time(self, f) -> float:
-        self.scale = self.speed(self.clock())
-        return super().step_time(f)
 
 
 def engine_token_ids(spec, vocab: int) -> list[int]:
@@ -168,8 +158,10 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
     b_lo, b_hi = group_bias_range(profile["metadata"])
     ref = profile["metadata"].get("speed_probe") if speed_probe else None
     d_lo, d_hi = ref["drift_range"] if ref else (1.0, 1.0)
+    cref = (ref or {}).get("compute")  # a profile that recorded the compute probe too
     factors: list[dict] = []
     before = probe_speed(engine) if ref else None  # each run's probe after is the next one's before
+    before_c = compute_probe(engine) if cref else None
     runs = [(s, load) for s in range(seeds) for load in loads]  # seeds outer: drift spreads evenly
     step_rows: list = []  # (load, seed, StepRecord, period): DIR/engine-steps.csv
     bar = None
@@ -187,21 +179,29 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
                     arrival={"type": "poisson", "rate": rate})
         wl = build_workload(spec, seed=1000 * seed + int(load * 100))
         res = drive(engine, arrivals(wl, engine.vocab_size))
-        scale = 1.0
+        scale = cscale = 1.0
         if ref:  # the machine's speed around the run, as calibrate measures it around a group
             after = probe_speed(engine)
-            scale = speed_around(before, after) / ref["median_s"]
-            factors.append({"load": load, "seed": seed, "probe_before_s": round(before, 6),
-                            "probe_after_s": round(after, 6), "speed_factor": round(scale, 4)})
+            scale = cscale = speed_around(before, after) / ref["median_s"]
+            run = {"load": load, "seed": seed, "probe_before_s": round(before, 6),
+                   "probe_after_s": round(after, 6), "speed_factor": round(scale, 4)}
             before = after
+            if cref:
+                after_c = compute_probe(engine)
+                cscale = speed_around(before_c, after_c) / cref["median_s"]
+                run.update(compute_before_s=round(before_c, 6), compute_after_s=round(after_c, 6),
+                           compute_factor=round(cscale, 4))
+                before_c = after_c
+            factors.append(run)
+        model = SplitSpeedModel(base, scale, cscale)  # = base x scale without a compute probe
         d = per_load[load]
         d["engine"].append(res.records)
         d["engine_tput"].append(_summary(res.records)["throughput"]["output_tokens_per_s"])
-        d["steps"].extend((s, p, scale) for s, p in zip(res.steps, res.periods_s) if p is not None)
-        step_rows.extend((load, seed, s, p, scale) for s, p in zip(res.steps, res.periods_s) if p is not None)
+        d["steps"].extend((s, p, model) for s, p in zip(res.steps, res.periods_s) if p is not None)
+        step_rows.extend((load, seed, s, p, model) for s, p in zip(res.steps, res.periods_s) if p is not None)
         reps = []
         for r in range(NOISE_REPLICAS):
-            sim = Simulation(wl, cfg, NoisyCostModel(base, seed=seed * 100 + r, scale=scale),
+            sim = Simulation(wl, cfg, NoisyCostModel(model, seed=seed * 100 + r),
                              keep_token_times=True).run()
             reps.append(sim.records)
         d["sim_reps"].append(reps)
@@ -211,9 +211,11 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
                             **{k: round(v, 4) if isinstance(v, float) else v for k, v in speed.summary().items()}})
         reps = []
         for r in range(NOISE_REPLICAS):
-            model = _ClockedNoise(base, seed * 100 + r, speed)
-            sim = Simulation(wl, cfg, model, keep_token_times=True, use_steady=False)
-            model.clock = lambda env=sim.env: env.now
+            clock = [lambda: 0.0]
+            moving = SplitSpeedModel(base, lambda: speed(clock[0]()), cscale)
+            sim = Simulation(wl, cfg, NoisyCostModel(moving, seed * 100 + r), keep_token_times=True,
+                             use_steady=False)
+            clock[0] = lambda env=sim.env: env.now
             reps.append(sim.run().records)
         d["insitu_reps"].append(reps)
         d["insitu_tput"].append(float(np.median([_summary(x)["throughput"]["output_tokens_per_s"] for x in reps])))
@@ -242,7 +244,7 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
         insitu_rows.extend(irows.values())
         steps = d["steps"]
         meas = np.array([p for _, p, _ in steps])
-        pred = np.array([base.step_time(_features(s)) * k for s, _, k in steps])
+        pred = np.array([m.step_time(_features(s)) for s, _, m in steps])
         et, stp = float(np.mean(d["engine_tput"])), float(np.mean(d["sim_tput"]))
         report["loads"][str(load)] = {
             "rate_requests_per_s": load * capacity, "metrics": rows,
@@ -270,7 +272,7 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
     report["in_situ"] = insitu_report
     with open(out_dir / "validation.json", "w") as f:
         json.dump(report, f, indent=1)
-    _write_steps(out_dir / "engine-steps.csv", step_rows, base)
+    _write_steps(out_dir / "engine-steps.csv", step_rows)
     return report
 
 
@@ -309,7 +311,7 @@ def _rows(d: dict, eng: dict, reps_key: str, bounds) -> tuple[dict, list]:
     return rows, rep_pools
 
 
-def _write_steps(path: Path, step_rows: list, model) -> None:
+def _write_steps(path: Path, step_rows: list) -> None:
     """The engine's steps of every run with the profile's prediction (scaled by the run's speed
     factor) beside the measured period, so the cost model's error can be studied by batch shape
     (what the sweep missed)."""
@@ -319,9 +321,10 @@ def _write_steps(path: Path, step_rows: list, model) -> None:
             "num_waiting", "kv_usage", "schedule_s", "prepare_s", "forward_s", "sample_s")
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(("load", "seed", *cols, "period_s", "predicted_s", "speed_factor"))
-        for load, seed, s, p, k in step_rows:
-            w.writerow((load, seed, *(getattr(s, c) for c in cols), p, model.step_time(_features(s)) * k, k))
+        w.writerow(("load", "seed", *cols, "period_s", "predicted_s", "speed_factor", "compute_factor"))
+        for load, seed, s, p, m in step_rows:
+            w.writerow((load, seed, *(getattr(s, c) for c in cols), p, m.step_time(_features(s)),
+                        m.decode_factor(), m.compute_factor))
 
 
 def _features(s):

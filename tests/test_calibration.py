@@ -114,7 +114,8 @@ def test_calibrate_and_validate_end_to_end(tmp_path):
     # The groups ran in a shuffled order with the speed probe before each and after the last.
     assert sorted(m["group_order"]) == sorted(g["name"] for g in groups)
     assert len(m["speed_probe"]["probes_s"]) == len(groups) + 1
-    assert steps[0].endswith(",probe_s")
+    assert len(m["speed_probe"]["compute"]["probes_s"]) == len(groups) + 1  # and the compute probe
+    assert steps[0].endswith(",probe_s,compute_probe_s")
     assert loaded_ok(tmp_path / "p.json")
     # --refit: the same steps fitted again without the engine give the same profile.
     from calibration.calibrate import refit
@@ -141,6 +142,9 @@ def test_calibrate_and_validate_end_to_end(tmp_path):
     assert saved["speed_probe"]["profile_median_s"] == m["speed_probe"]["median_s"] and run["speed_factor"] > 0
     first = dict(zip(logged[0].split(","), logged[1].split(",")))
     assert float(first["speed_factor"]) == pytest.approx(run["speed_factor"], rel=1e-3)
+    assert run["compute_factor"] == pytest.approx(
+        np.sqrt(run["compute_before_s"] * run["compute_after_s"]) / m["speed_probe"]["compute"]["median_s"], rel=1e-3)
+    assert float(first["compute_factor"]) == pytest.approx(run["compute_factor"], rel=1e-3)
     # The in-situ diagnostic ran the same workload with the run's own decode-step speed.
     ins = saved["in_situ"]
     assert len(ins["runs"]) == 1 and ins["summary"]["rows"] == 15
@@ -153,7 +157,7 @@ def test_in_situ_speed_by_hand():
     """The machine's speed at a moment: the median measured / predicted period of the decode-only
     steps within 5 s of it (prefill steps never count); the nearest 5 where fewer."""
     from types import SimpleNamespace
-    from calibration.validate import InSituSpeed, _ClockedNoise
+    from calibration.validate import InSituSpeed
 
     class Const:
         residual_quantiles = {"p5": -0.0, "p95": 0.0}
@@ -178,17 +182,79 @@ def test_in_situ_speed_by_hand():
     assert sp(17.0) == pytest.approx(1.5)         # window [12, 22] has 3: the nearest 5 are 20..24
     assert sp(1000.0) == pytest.approx(1.5)       # past the end: the last value
     assert InSituSpeed([step(0.0, prefill=8)], [0.5], Const(), fallback=7.0)(3.0) == 7.0  # no decode step
-    # The clocked model scales each step by the speed at the simulation's time.
-    m = _ClockedNoise(Const(), seed=0, speed=sp)
-    m.clock = lambda: 2.0
-    assert m.step_time(None) == pytest.approx(0.1)
-    m.clock = lambda: 25.0
-    assert m.step_time(None) == pytest.approx(0.15)
 
 
 def loaded_ok(path) -> bool:
     prof = load_profile(path)
     return FittedCostModel.from_profile(prof).step_time(random_batches(1, seed=0)[0]) > 0
+
+
+def test_split_speed_by_hand():
+    """A step's fitted time splits into the step without its prefill chunks and what they add;
+    each part is scaled by its own probe's factor."""
+    from calibration.probe import SplitSpeedModel, split_time
+    from engine.core.features import BatchFeatures
+    m = FittedCostModel(intercept_s=0.01, per_req_s=0.002, per_token_s=0.001, per_prefill_req_s=0.003,
+                        per_prefill_pair_s=1e-6, per_decode_ctx_s=1e-5, residual_quantiles={"p5": 0, "p95": 0})
+    f = BatchFeatures(num_reqs=3, num_prefill_reqs=1, num_prefill_tokens=100, prefill_attn_pairs=5050,
+                      num_decode_reqs=2, decode_context_tokens=300)
+    rest = 0.01 + 0.002 * 2 + 0.001 * 2 + 1e-5 * 300            # two decodes alone
+    added = 0.002 + 0.001 * 100 + 0.003 + 1e-6 * 5050           # one more request, 100 tokens, its pairs
+    assert split_time(m, f) == pytest.approx((rest, added))
+    assert SplitSpeedModel(m, 1.5, 1.2).step_time(f) == pytest.approx(rest * 1.5 + added * 1.2)
+    moving = [2.0]
+    assert SplitSpeedModel(m, lambda: moving[0], 1.0).step_time(f) == pytest.approx(rest * 2.0 + added)
+    # A prefill-only step: the rest is the per-step cost.
+    g = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=50, prefill_attn_pairs=1275)
+    assert split_time(m, g)[0] == pytest.approx(0.01)
+
+
+def test_two_speed_fit_undoes_a_compute_drift_the_decode_probe_misses():
+    """Steps made by a known model on a machine whose decode speed and compute speed drift apart
+    between groups: dividing whole periods by the decode probe leaves the prefill terms wrong;
+    fit_two_speeds recovers the model at the median speeds."""
+    from calibration.calibrate import fit_two_speeds
+    from calibration.fit import fit_cost_model
+    from calibration.probe import split_time
+    from engine.core.features import BatchFeatures
+    true = FittedCostModel(intercept_s=0.02, per_req_s=0.001, per_token_s=0.0005, per_prefill_req_s=0.002,
+                           per_decode_ctx_s=1e-5)
+    rng = np.random.default_rng(0)
+    rows, periods, around, around_c, labels = [], [], [], [], []
+    speeds = [(1.0, 1.0), (1.6, 1.1), (1.2, 1.0), (1.0, 1.3)]  # (decode, compute) factor per group
+    for gi, (fd, fc) in enumerate(speeds):
+        for _ in range(60):
+            dec = int(rng.integers(0, 8))
+            pre = int(rng.integers(0, 2)) if dec else 1
+            ptok = int(rng.integers(16, 200)) if pre else 0
+            f = BatchFeatures(num_reqs=dec + pre, num_prefill_reqs=pre, num_prefill_tokens=ptok,
+                              num_decode_reqs=dec, decode_context_tokens=dec * int(rng.integers(20, 300)))
+            rest, add = split_time(true, f)
+            rows.append({"num_reqs": f.num_reqs, "num_tokens": ptok + dec, "num_prefill_reqs": pre,
+                         "prefill_attn_pairs": 0, "prefill_context_tokens": 0,
+                         "decode_context_tokens": f.decode_context_tokens})
+            periods.append(rest * fd + add * fc)
+            around.append(0.1 * fd)
+            around_c.append(0.5 * fc)
+            labels.append(f"g{gi}")
+    probes, cprobes = [0.1 * fd for fd, _ in speeds], [0.5 * fc for _, fc in speeds]
+    med, med_c = np.median(probes), np.median(cprobes)
+    two = fit_two_speeds(rows, periods, around, around_c, med, med_c, groups=labels, knots=[], caps=[])
+    one = fit_cost_model(rows, [t * med / a for t, a in zip(periods, around)], groups=labels, knots=[], caps=[])
+
+    def err(m):  # worst relative error on the steps, against the true model at the median speeds
+        out = []
+        for r in rows:
+            t = true._time(*(r[k] for k in ("num_reqs", "num_tokens", "num_prefill_reqs", "prefill_attn_pairs",
+                                            "prefill_context_tokens", "decode_context_tokens")))
+            dec = r["num_reqs"] - r["num_prefill_reqs"]
+            rest = true._time(dec, dec, 0, 0, 0, r["decode_context_tokens"])
+            want = rest * med / 0.1 + (t - rest) * med_c / 0.5
+            got = m._time(*(r[k] for k in ("num_reqs", "num_tokens", "num_prefill_reqs", "prefill_attn_pairs",
+                                           "prefill_context_tokens", "decode_context_tokens")))
+            out.append(abs(got / want - 1))
+        return max(out)
+    assert err(two) < 0.02 < err(one)
 
 
 def test_speed_probe_drift_range_by_hand():
