@@ -187,11 +187,14 @@ class Replica:
                 continue
             if self.use_steady and not self._plain_next:
                 until = self.sim.next_arrival_s
+                # Async: an arrival during step n waits for step n+1 too, so the run goes on through
+                # it; not with deadlines pending (one could fall due before step n+1 starts).
+                then = 1 if self.async_admission and not self.deadlines else 0
                 if self.deadlines and self.deadlines[0][0] < until:
                     until = self.deadlines[0][0]
                 if self.inbox:  # held back: one step, then they are admitted
-                    until = min(until, math.nextafter(now, math.inf))
-                adv = sched.advance(TOKEN, self.cost.step_time, now, until, watch=_disconnect_point)
+                    until, then = min(until, math.nextafter(now, math.inf)), 0
+                adv = sched.advance(TOKEN, self.cost.step_time, now, until, watch=_disconnect_point, then=then)
                 if adv is not None:
                     yield from self._fast_steps(now, adv)
                     continue

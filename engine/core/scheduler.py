@@ -433,7 +433,8 @@ class Scheduler:
 
     # ------------------------------------------------------------ fast steps
     def advance(self, token_id: int, step_time: Callable[[BatchFeatures], float], start: float,
-                until: float, watch: Callable[[Request], int | None] | None = None) -> Advance | None:
+                until: float, watch: Callable[[Request], int | None] | None = None,
+                then: int = 0) -> Advance | None:
         """Steps back to back, for a driver that samples `token_id` for every request (the
         simulator): the steps schedule() + update_from_output(out, {id: [token_id] for each
         sampling request}) would take, while the clock, which starts at `start` and advances
@@ -452,6 +453,10 @@ class Scheduler:
         which a request finished or reached its `watch(request)` num_tokens, and before a step
         fast steps cannot take (a preemption, a partial prefill chunk, more decodes than the
         token budget): then `left` is set and the next step must be a plain one.
+        With `then` > 0, that many more steps are taken once the clock has reached `until`
+        (unless the run stops earlier for a reason above): a driver whose next outside event
+        cannot change the step after it (async scheduling: an arrival during step n first runs
+        in step n+2) lets the run go on through that step.
         The features passed to step_time are valid during the call only.
         """
         lazy = self._lazy
@@ -472,7 +477,12 @@ class Scheduler:
         n_sum = ctx_sum = 0
         decode_f = BatchFeatures()  # reused for pure decode steps
         t = start
-        while t < until:
+        more = then
+        while True:
+            if t >= until:
+                if more <= 0:
+                    break
+                more -= 1
             step = self._fast_step(lazy, watch)
             if step is None:
                 res.left = self.sync()
