@@ -158,3 +158,21 @@ def test_advance_runs_until_the_outside_event_and_stops_at_a_finish():
     # Blocks of 4 tokens: 17 computed tokens occupy 5 blocks.
     assert len(s.kv_cache_manager.get_block_ids("a")) == 5
     s.check_invariants()
+
+
+def test_advance_then_takes_that_many_steps_past_until():
+    """Steps of 1.0 from 0.0 with until=2.5: steps start at 0, 1, 2 (the last one ends at 3.0,
+    past until); then=1 adds the step starting at 3.0, then=2 two; a finish still stops the run."""
+    def fresh(max_tokens=50):
+        s = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512,
+                                      block_size=16, num_gpu_blocks=200))
+        s.add_request(Request("r", [1] * 20, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        plain_step(s)
+        return s
+    one = lambda f: 1.0  # noqa: E731
+    assert fresh().advance(TOKEN, one, 0.0, 2.5).ends == [1.0, 2.0, 3.0]
+    assert fresh().advance(TOKEN, one, 0.0, 2.5, then=1).ends == [1.0, 2.0, 3.0, 4.0]
+    assert fresh().advance(TOKEN, one, 0.0, 2.5, then=2).ends == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert fresh().advance(TOKEN, one, 0.0, 0.0, then=1).ends == [1.0]  # until already reached: one step
+    # max_tokens=4: the prefill gave token 1, tokens 2-4 end the request at the third step.
+    assert fresh(4).advance(TOKEN, one, 0.0, 2.5, then=2).ends == [1.0, 2.0, 3.0]
