@@ -30,8 +30,9 @@ import numpy as np
 
 from calibration.driver import Arrival, drive, warm_up
 from calibration.fit import FEATURES, fit_cost_model
-from calibration.probe import compute_probe, probe_metadata, speed_around, speed_probe
+from calibration.probe import compute_probe, probe_metadata, speed_around, speed_probe, split_time
 from engine.core import SamplingParams
+from engine.core.features import BatchFeatures
 from sim.cost_model import today
 
 PROMPT_BANDS = {"short": (16, 64), "medium": (64, 256), "long": (256, 768)}
@@ -162,11 +163,14 @@ def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None 
 def prefill_share(model, row: dict) -> float:
     """The fraction of a fitted step time that its prefill chunks add (calibration.probe.split_time
     on a steps.csv row)."""
-    dec = row["num_reqs"] - row["num_prefill_reqs"]
-    total = model._time(row["num_reqs"], row["num_tokens"], row["num_prefill_reqs"], row["prefill_attn_pairs"],
-                        row["prefill_context_tokens"], row["decode_context_tokens"])
-    rest = model._time(dec, dec, 0, 0, 0, row["decode_context_tokens"])
-    return (total - rest) / total if total > 0 else 0.0
+    dec = int(row["num_reqs"] - row["num_prefill_reqs"])
+    f = BatchFeatures(num_reqs=int(row["num_reqs"]), num_prefill_reqs=int(row["num_prefill_reqs"]),
+                      num_prefill_tokens=int(row["num_tokens"]) - dec, num_decode_reqs=dec,
+                      prefill_attn_pairs=int(row["prefill_attn_pairs"]),
+                      prefill_context_tokens=int(row["prefill_context_tokens"]),
+                      decode_context_tokens=int(row["decode_context_tokens"]))
+    rest, added = split_time(model, f)
+    return added / (rest + added) if rest + added > 0 else 0.0
 
 
 def fit_two_speeds(rows, periods, around, around_c, med: float, med_c: float, **fit_kw):
@@ -257,8 +261,7 @@ def calibrate(engine, out: str | Path, seed: int = 0, groups: list[dict] | None 
     }
     if probes:
         meta["speed_probe"] = probe_metadata(probes, extra["compute_probes"])
-        n = len(rows)  # rows of finished groups only
-        prof = fit_two_speeds(rows, extra["periods"][:n], extra["around"][:n], extra["around_compute"][:n],
+        prof = fit_two_speeds(rows, extra["periods"], extra["around"], extra["around_compute"],
                               statistics.median(probes), statistics.median(extra["compute_probes"]),
                               metadata=meta, seed=seed,
                               groups=labels).to_profile()

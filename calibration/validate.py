@@ -67,7 +67,6 @@ class InSituSpeed:
     def __init__(self, steps, periods, model, fallback: float, grid_s: float = 0.5) -> None:
         pts = sorted((s.start_s, p / model.step_time(_features(s))) for s, p in zip(steps, periods)
                      if p is not None and s.num_prefill_tokens == 0 and s.num_decode_reqs > 0)
-        self.fallback = fallback
         self.num_steps = len(pts)
         if not pts:
             self.grid_s, self.values = grid_s, np.array([fallback])
@@ -266,7 +265,7 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
                                          if v["step_time_mape"] is not None])),
         "profile_cv_mape": profile["metadata"].get("cv_mape"), "profile_cv": profile["metadata"].get("cv")}
     ierrs = [r["rel_error"] for r in insitu_rows if r["rel_error"] is not None]
-    insitu_report["summary"] = {"signed_mean_error": float(np.mean(ierrs)) if ierrs else None,
+    insitu_report["summary"] = {"signed_mean_error": _mean_err(insitu_rows),
                                 "median_abs_error": float(np.median(np.abs(ierrs))) if ierrs else None,
                                 "rows": len(insitu_rows)}
     report["in_situ"] = insitu_report

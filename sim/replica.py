@@ -274,7 +274,6 @@ class Replica:
         t = adv.ends[-1] if k else now
         if k:
             self._last_start = adv.ends[-2] if k > 1 else now
-        if k:
             self._record_step(step0, now, t, k, adv.features)
         if adv.left is not None:
             self._sync_lazy_records(adv.left)
