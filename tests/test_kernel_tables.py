@@ -147,3 +147,29 @@ def test_shipped_all_reduce_never_gets_faster_with_more_bytes():
     assert all(b >= a for a, b in zip(times, times[1:]))
     steps = [k.gpu_time(decode_step(b, 1024)) for b in (4, 8, 16, 32, 64)]
     assert all(b >= a for a, b in zip(steps, steps[1:]))
+
+
+def test_a_step_past_the_cuda_graph_sizes_takes_at_least_the_host_launches():
+    """vLLM captures CUDA graphs up to 512 tokens; a larger step is launched kernel by kernel, so
+    it cannot take less than num_layers x eager_layer_launch_s. Smaller steps keep their kernel
+    times, and breakdown() still sums to gpu_time()."""
+    from sim.kernel_model import Overheads
+    m = get_model("llama-3.1-70b").with_dtypes(weight_dtype="fp8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        k = KernelCostModel(m, "b200", 8, overheads=Overheads(eager_layer_launch_s=1e-3))
+        k0 = KernelCostModel(m, "b200", 8, overheads=Overheads(eager_layer_launch_s=0.0))
+    floor = m.num_layers * 1e-3                                   # 80 layers x 1 ms
+    big, small = prefill_step(1024), prefill_step(512)
+    assert k0.gpu_time(big) < floor                               # the kernels alone: a TP8 1k prefill is quick
+    assert k.gpu_time(big) == pytest.approx(floor)
+    assert sum(k.breakdown(big).values()) == pytest.approx(k.gpu_time(big))
+    assert k.breakdown(big)["eager_launch"] == pytest.approx(floor - k0.gpu_time(big))
+    assert k.gpu_time(small) == k0.gpu_time(small)               # 512 tokens: inside a graph
+    assert k.gpu_time(decode_step(64, 2000)) == k0.gpu_time(decode_step(64, 2000))
+    assert k.gpu_time(decode_step(600, 2000)) >= floor            # 600 decodes: past the graphs too
+    # A step whose kernels outlast the launches is not changed.
+    huge = prefill_step(8192)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert k0.gpu_time(huge) > floor and k.gpu_time(huge) == k0.gpu_time(huge)
