@@ -100,8 +100,21 @@ PROTOCOLS = {"inferencemax": {"min_ratio": 0.8, "prompts_per_slot": 10, "warmup"
              "gap-analysis": FIXED, "fixed": FIXED}
 
 
+# The server each source ran, where its recipe is public. InferenceMAX's vLLM recipes (its README,
+# "Server Configurations"): `vllm serve ... --max-num-seqs $CONC --max-num-batched-tokens 8192
+# --async-scheduling --no-enable-prefix-caching`, and on B200 also `--kv-cache-dtype fp8` (H200:
+# the bf16 default). Other rows: vLLM's defaults (the scenario's).
+def server(case: dict) -> tuple[dict, dict]:
+    """(deployment extras, scheduler settings) of the row's server."""
+    if case["source"] == "inferencemax" and case["backend"] == "vllm":
+        dep = {"kv_dtype": "fp8"} if case["system"] == "b200_sxm" else {}
+        return dep, {"max_num_seqs": case["concurrency"], "max_num_batched_tokens": 8192,
+                     "enable_prefix_caching": False}
+    return {}, {}
+
+
 def simulate(case: dict, prompts_per_slot: int = 4, cost_model: dict | None = None,
-             range_ratio: float = 0.0, protocol: str = "fixed") -> dict:
+             range_ratio: float = 0.0, protocol: str = "fixed", recipe: bool = True) -> dict:
     c = case["concurrency"]
     proto = PROTOCOLS[case["source"] if protocol == "auto" else protocol]
     num = max((proto["prompts_per_slot"] or prompts_per_slot) * c, 16)
@@ -111,10 +124,13 @@ def simulate(case: dict, prompts_per_slot: int = 4, cost_model: dict | None = No
         bench["min_ratio"] = proto["min_ratio"]
     elif range_ratio:
         bench["range_ratio"] = range_ratio
+    dep, sched = server(case) if recipe else ({}, {})
     data = {"name": "silicon-check", "seed": 0,
             "deployment": {"model": case["model"], "device": DEVICES[case["system"]], "tp": case["tp"],
-                           "weight_dtype": case["weight_dtype"]},
+                           "weight_dtype": case["weight_dtype"], **dep},
             "workload": {"benchmark": bench}}
+    if sched:
+        data["scheduler"] = sched
     if cost_model:
         data["cost_model"] = cost_model
     with warnings.catch_warnings():
@@ -155,6 +171,9 @@ def main(argv=None) -> None:
                     help="the benchmark client per row: auto (from the row's data source: InferenceMAX's "
                          "client for its rows, fixed lengths for AIConfigurator's gap analysis) or fixed "
                          "lengths for every row")
+    ap.add_argument("--no-recipe", dest="recipe", action="store_false",
+                    help="simulate every row with vLLM's default server settings instead of the "
+                         "source's published server recipe (see server())")
     a = ap.parse_args(argv)
     if not a.csv or not Path(a.csv).exists():
         sys.exit("silicon_check: no silicon_sample.csv (install the aisimulate wheel or give --csv)")
@@ -174,7 +193,8 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     for c in cases:
         try:
-            sim = simulate(c, a.prompts_per_slot, range_ratio=a.range_ratio, protocol=a.protocol)
+            sim = simulate(c, a.prompts_per_slot, range_ratio=a.range_ratio, protocol=a.protocol,
+                           recipe=a.recipe)
         except Exception as e:  # a deployment that does not fit, say: report, do not hide
             skipped.append({**c, "error": str(e)[:200]})
             continue
