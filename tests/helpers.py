@@ -1,6 +1,8 @@
 """Small drivers shared by the scheduler tests."""
 from __future__ import annotations
 
+import zlib
+
 from engine.core import Request, SamplingParams, Scheduler, SchedulerConfig
 
 
@@ -14,8 +16,11 @@ def make_scheduler(**kw) -> Scheduler:
 
 def make_request(rid: str, n_prompt: int = 0, max_tokens: int = 16, tokens=None, priority: int = 0,
                  arrival: float = 0.0, eos=None, **sp) -> Request:
-    tokens = list(tokens) if tokens is not None else [1000 + (hash(rid) % 1000) * 10 + i % 10
-                                                      for i in range(n_prompt)]
+    # The prompt is a function of the id: crc32, not hash(), which is salted per process, so two
+    # ids whose prompts would collide (a prefix-cache hit no test expects) collide in every run or
+    # in none, instead of once in a thousand runs.
+    base = zlib.crc32(rid.encode()) % 4000
+    tokens = list(tokens) if tokens is not None else [1000 + base * 10 + i % 10 for i in range(n_prompt)]
     sp.setdefault("ignore_eos", eos is None)
     return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, **sp), arrival_time=arrival,
                    priority=priority, eos_token_id=eos)
