@@ -232,14 +232,16 @@ class Overheads:
     - sampler_s: greedy sampling, logits to fp32 and a step's input/output copies, an
       order-of-magnitude figure (~50-100 us), not fitted.
     - elementwise_latency_s: one small kernel inside a CUDA graph, end to end (~1-3 us).
-    - cudagraph_max_tokens, eager_layer_launch_s: a step of more tokens than vLLM captures in CUDA
-      graphs (max_cudagraph_capture_size, 512 by default) runs its compiled forward without a
-      graph. The host then launches every kernel of every layer, and the GPU cannot finish the
-      step before the last launch, so such a step takes at least num_layers x
-      eager_layer_launch_s. Without this floor, a 1k-token prefill of Llama-3.1-70B at TP8 costs
-      its kernels alone (~10 ms), and TTFT at TP4/TP8 came out half of what vLLM serves.
-      AIConfigurator's vLLM backend adds a per-request dispatch cost of 0.8 ms per layer for the
-      same reason.
+    - cudagraph_max_tokens, eager_layer_launch_s: a step with a prefill chunk and more tokens
+      than vLLM captures in CUDA graphs (max_cudagraph_capture_size, 512 by default) runs its
+      compiled forward without a graph. The host then launches every kernel of every layer, and
+      the GPU cannot finish the step before the last launch, so such a step takes at least
+      num_layers x eager_layer_launch_s. Without this floor, a 1k-token prefill of Llama-3.1-70B
+      at TP8 costs its kernels alone (~10 ms), and TTFT at TP4/TP8 came out half of what vLLM
+      serves. AIConfigurator's vLLM backend adds a per-request dispatch cost of 0.8 ms per layer
+      for the same reason. Decode-only steps past the graph sizes (more than 512 running
+      requests) are not floored: the figure was fitted on prefill steps, and no data here says
+      what a graph-less decode step costs on the host.
 
     elementwise_latency_s (1.5 us) and eager_layer_launch_s (1.0 ms) were chosen against the
     allowed vLLM B200 serving rows (`python bench/silicon_check.py --backend vllm --system
@@ -484,7 +486,7 @@ class KernelCostModel(CostModel):
             head, sampler, gather = self._by_rows(S)
             ar += gather
         t = 0 + tk["gemm"] + tk["elementwise"] + ar + att + head + sampler
-        if T > self.ovh.cudagraph_max_tokens:
+        if T > self.ovh.cudagraph_max_tokens and f.num_prefill_reqs:
             floor = L * self.ovh.eager_layer_launch_s
             return floor if floor > t else t
         return t
@@ -512,7 +514,7 @@ class KernelCostModel(CostModel):
             head, sampler, gather = self._by_rows(S)
             out["lm_head"], out["sampler"] = head, sampler
             out["allreduce"] += gather
-        if T > self.ovh.cudagraph_max_tokens:  # the host's launches outlast the kernels
+        if T > self.ovh.cudagraph_max_tokens and f.num_prefill_reqs:  # host launches outlast the kernels
             out["eager_launch"] = max(0.0, L * self.ovh.eager_layer_launch_s - sum(out.values()))
         return out
 
@@ -532,11 +534,7 @@ class KernelCostModel(CostModel):
             self._replay(hit)
         pre, head, sampler = hit[0]
         att = 0.0 + self.model.num_layers * self._look("generation_attention", self.g_gen, n, max(ctx / n, 1.0))
-        t = pre + att + head + sampler
-        if n > self.ovh.cudagraph_max_tokens:
-            floor = self.model.num_layers * self.ovh.eager_layer_launch_s
-            return floor if floor > t else t
-        return t
+        return pre + att + head + sampler
 
     def _by_tokens(self, T: int) -> dict[str, float]:
         """The terms that depend on the step's token count alone (GEMMs, elementwise kernels,
