@@ -253,6 +253,18 @@ class Overheads:
     eager_layer_launch_s: float = 1.0e-3
 
 
+def _overheads(d: dict) -> Overheads:
+    """Overheads from a scenario's `cost_model.overheads` mapping; an unknown key or a value that
+    is not a number >= 0 is refused, naming it."""
+    known = Overheads.__dataclass_fields__
+    for k, v in d.items():
+        if k not in known:
+            raise ValueError(f"cost_model.overheads.{k}: unknown (expected one of {', '.join(known)})")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise ValueError(f"cost_model.overheads.{k}={v!r}: must be a number >= 0")
+    return Overheads(**d)
+
+
 _BUILT: dict = {}
 
 
@@ -279,7 +291,7 @@ class KernelCostModel(CostModel):
         if tp < 1 or m.num_heads % tp:
             raise ValueError(f"deployment.tp={tp}: must be >= 1 and divide num_heads={m.num_heads}")
         self.tp = tp
-        self.ovh = overheads if isinstance(overheads, Overheads) else Overheads(**(overheads or {}))
+        self.ovh = overheads if isinstance(overheads, Overheads) else _overheads(overheads or {})
         self.fallbacks: dict[str, int] = {}
         self.lookups = 0
         self._warned: set[str] = set()

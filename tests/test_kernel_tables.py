@@ -174,3 +174,11 @@ def test_a_step_past_the_cuda_graph_sizes_takes_at_least_the_host_launches():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert k0.gpu_time(huge) > floor and k.gpu_time(huge) == k0.gpu_time(huge)
+
+
+@pytest.mark.parametrize("bad, where", [({"eager_launch": 1e-3}, "overheads.eager_launch: unknown"),
+                                        ({"eager_layer_launch_s": -1}, "overheads.eager_layer_launch_s=-1"),
+                                        ({"sampler_s": "fast"}, "overheads.sampler_s='fast'")])
+def test_overheads_refuse_unknown_keys_and_bad_values_naming_them(bad, where):
+    with pytest.raises(ValueError, match=where):
+        KernelCostModel(get_model("llama-3.1-8b"), "h100-sxm", 1, overheads=bad)
