@@ -103,9 +103,11 @@ def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None 
     cprobes: list[float] = []
     around_c: list[float] = []
 
+    def last_around(ps: list[float]) -> float:  # the speed around the group just run
+        return speed_around(ps[-2], ps[-1]) if len(ps) >= 2 else (ps[-1] if ps else 1.0)
+
     def flush() -> None:
-        local = speed_around(probes[-2], probes[-1]) if len(probes) >= 2 else (probes[-1] if probes else 1.0)
-        local_c = speed_around(cprobes[-2], cprobes[-1]) if len(cprobes) >= 2 else (cprobes[-1] if cprobes else 1.0)
+        local, local_c = last_around(probes), last_around(cprobes)
         for name, row, period, s in pending:
             rows.append(row)
             times.append(period)

@@ -24,7 +24,7 @@ import bisect
 import json
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
@@ -252,16 +252,26 @@ class Overheads:
     cudagraph_max_tokens: int = 512
     eager_layer_launch_s: float = 1.0e-3
 
+    def __post_init__(self) -> None:
+        for k, v in self.__dict__.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"cost_model.overheads.{k}={v!r}: must be a number >= 0")
+
+    def launch_floor(self, num_tokens: int, num_prefill_reqs: int, num_layers: int) -> float:
+        """The least time of a step's GPU work set by the host's launches: 0 for a step inside
+        a CUDA graph (or decode-only, see above)."""
+        if num_tokens > self.cudagraph_max_tokens and num_prefill_reqs:
+            return num_layers * self.eager_layer_launch_s
+        return 0.0
+
 
 def _overheads(d: dict) -> Overheads:
-    """Overheads from a scenario's `cost_model.overheads` mapping; an unknown key or a value that
-    is not a number >= 0 is refused, naming it."""
+    """Overheads from a scenario's `cost_model.overheads` mapping; an unknown key is refused,
+    naming it (values are checked by Overheads itself)."""
     known = Overheads.__dataclass_fields__
-    for k, v in d.items():
+    for k in d:
         if k not in known:
             raise ValueError(f"cost_model.overheads.{k}: unknown (expected one of {', '.join(known)})")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-            raise ValueError(f"cost_model.overheads.{k}={v!r}: must be a number >= 0")
     return Overheads(**d)
 
 
@@ -498,10 +508,8 @@ class KernelCostModel(CostModel):
             head, sampler, gather = self._by_rows(S)
             ar += gather
         t = 0 + tk["gemm"] + tk["elementwise"] + ar + att + head + sampler
-        if T > self.ovh.cudagraph_max_tokens and f.num_prefill_reqs:
-            floor = L * self.ovh.eager_layer_launch_s
-            return floor if floor > t else t
-        return t
+        floor = self.ovh.launch_floor(T, f.num_prefill_reqs, L)
+        return floor if floor > t else t
 
     def breakdown(self, f: BatchFeatures) -> dict[str, float]:
         """Seconds of each GPU term of the step (their sum is gpu_time)."""
@@ -526,8 +534,9 @@ class KernelCostModel(CostModel):
             head, sampler, gather = self._by_rows(S)
             out["lm_head"], out["sampler"] = head, sampler
             out["allreduce"] += gather
-        if T > self.ovh.cudagraph_max_tokens and f.num_prefill_reqs:  # host launches outlast the kernels
-            out["eager_launch"] = max(0.0, L * self.ovh.eager_layer_launch_s - sum(out.values()))
+        floor = self.ovh.launch_floor(T, f.num_prefill_reqs, L)
+        if floor:  # the host's launches may outlast the kernels
+            out["eager_launch"] = max(0.0, floor - sum(out.values()))
         return out
 
     def _decode_time(self, n: int, ctx: int) -> float:
