@@ -2,7 +2,7 @@
 clients see?
 
 Starts `servetwin serve` (default model, CPU) with a request log, runs guidellm and aiperf against
-it (streaming chat, synthetic prompts, fixed concurrency), and matches every request the client
+it (streaming chat, synthetic prompts, fixed concurrency and, with --rate, fixed request rates), and matches every request the client
 measured with the server's log row: guidellm by the response id, aiperf by the X-Request-Id it
 sends (the server makes it the response id). Prints JSON per client and concurrency: requests
 matched, median client TTFT, median server TTFT, and the median and p90 of the per-request
@@ -12,7 +12,7 @@ Each tool lives in its own virtualenv (they pin different dependencies):
 
     python3 -m venv /work/venvs/guidellm && /work/venvs/guidellm/bin/pip install guidellm
     python3 -m venv /work/venvs/aiperf && /work/venvs/aiperf/bin/pip install aiperf
-    python bench/server_clients.py [--venvs /work/venvs] [--concurrency 1 8] [--requests 32]
+    python bench/server_clients.py [--venvs /work/venvs] [--concurrency 1 8] [--rate 1] [--requests 32]
 
 A tool whose venv is missing is skipped with a note in the output.
 """
@@ -47,10 +47,14 @@ def server_ttft_s(log: Path) -> dict[str, float]:
                 for r in csv.DictReader(f) if r["first_token_s"]}
 
 
-def run_guidellm(venv: Path, url: str, model_dir: str, conc: int, n: int, isl: int, osl: int, out: Path) -> dict[str, float]:
-    path = out / f"guidellm-c{conc}.json"
+def run_guidellm(venv: Path, url: str, model_dir: str, load: tuple[str, float], n: int, isl: int, osl: int,
+                 out: Path) -> dict[str, float]:
+    kind, value = load
+    path = out / f"guidellm-{kind}{value:g}.json"
+    profile = (f"kind=concurrent,streams={int(value)}" if kind == "concurrency"
+               else f"kind=constant,rate={value:g}")
     cmd = [str(venv / "bin" / "guidellm"), "run", "--backend", f"kind=openai_http,target={url}",
-           "--profile", f"kind=concurrent,streams={conc}", "--constraint", f"kind=max_requests,count={n}",
+           "--profile", profile, "--constraint", f"kind=max_requests,count={n}",
            "--data", f"kind=synthetic_text,prompt_tokens={isl},output_tokens={osl}",
            "--tokenizer", f"kind=hf_auto,model={model_dir}", "--output", f"kind=json,path={path}",
            "--disable-console"]
@@ -59,10 +63,14 @@ def run_guidellm(venv: Path, url: str, model_dir: str, conc: int, n: int, isl: i
     return {r["response_id"]: r["time_to_first_token_ms"] / 1e3 for r in reqs}
 
 
-def run_aiperf(venv: Path, url: str, model_dir: str, conc: int, n: int, isl: int, osl: int, out: Path) -> dict[str, float]:
-    art = out / f"aiperf-c{conc}"
+def run_aiperf(venv: Path, url: str, model_dir: str, load: tuple[str, float], n: int, isl: int, osl: int,
+               out: Path) -> dict[str, float]:
+    kind, value = load
+    art = out / f"aiperf-{kind}{value:g}"
+    how = (["--concurrency", str(int(value))] if kind == "concurrency"
+           else ["--request-rate", f"{value:g}", "--request-rate-mode", "constant"])
     cmd = [str(venv / "bin" / "aiperf"), "profile", "--model", "default", "--tokenizer", model_dir,
-           "--url", url, "--endpoint-type", "chat", "--streaming", "--concurrency", str(conc),
+           "--url", url, "--endpoint-type", "chat", "--streaming", *how,
            "--request-count", str(n), "--synthetic-input-tokens-mean", str(isl),
            "--output-tokens-mean", str(osl), "--artifact-dir", str(art), "--ui-type", "none"]
     subprocess.run(cmd, check=True, capture_output=True)
@@ -91,7 +99,9 @@ def compare(client: dict[str, float], server: dict[str, float]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--venvs", default="/work/venvs", type=Path)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 8])
+    ap.add_argument("--rate", type=float, nargs="*", default=[],
+                    help="also fixed-rate runs at these request rates (req/s, constant intervals)")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--isl", type=int, default=128)
     ap.add_argument("--osl", type=int, default=32)
@@ -123,10 +133,10 @@ def main() -> int:
             if not (venv / "bin" / tool).exists():
                 results["runs"].append({"client": tool, "skipped": f"no {venv}/bin/{tool}; see this script's docstring"})
                 continue
-            for conc in a.concurrency:
-                client = fn(venv, url, model_dir, conc, a.requests, a.isl, a.osl, out)
-                results["runs"].append({"client": tool, "concurrency": conc,
-                                        **compare(client, server_ttft_s(log))})
+            loads = [("concurrency", c) for c in a.concurrency] + [("rate", r) for r in a.rate]
+            for kind, value in loads:
+                client = fn(venv, url, model_dir, (kind, value), a.requests, a.isl, a.osl, out)
+                results["runs"].append({"client": tool, kind: value, **compare(client, server_ttft_s(log))})
     finally:
         srv.terminate()
         srv.wait(30)

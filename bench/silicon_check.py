@@ -12,6 +12,11 @@ and TPOT. Prints JSON:
 median |error| and signed bias (median of (sim - silicon) / silicon), overall and by backend,
 system, model, TP and concurrency.
 
+With `--aisimulate PATH` (NVIDIA's AISimulate, in its own venv: see bench/sim_speed.py), every row
+also runs through AISimulate's `predict` with the very requests ServeTwin's scenario draws (a
+Mooncake trace replayed at the row's concurrency), the same server settings and quantisation, and
+the summaries carry its errors under `aisimulate`, side by side.
+
 HELD OUT: rows of the `vllm` backend on h100_sxm and h200_sxm are dropped as the file is read,
 before anything looks at them; they are kept for independent checks and never used here.
 The rows used are other frameworks on H100/H200 (TensorRT-LLM, SGLang: faster or slower engines
@@ -113,8 +118,9 @@ def server(case: dict) -> tuple[dict, dict]:
     return {}, {}
 
 
-def simulate(case: dict, prompts_per_slot: int = 4, cost_model: dict | None = None,
-             range_ratio: float = 0.0, protocol: str = "fixed", recipe: bool = True) -> dict:
+def scenario_data(case: dict, prompts_per_slot: int = 4, cost_model: dict | None = None,
+                  range_ratio: float = 0.0, protocol: str = "fixed", recipe: bool = True) -> dict:
+    """The ServeTwin scenario (as YAML data) of a row: its benchmark client and server."""
     c = case["concurrency"]
     proto = PROTOCOLS[case["source"] if protocol == "auto" else protocol]
     num = max((proto["prompts_per_slot"] or prompts_per_slot) * c, 16)
@@ -133,6 +139,12 @@ def simulate(case: dict, prompts_per_slot: int = 4, cost_model: dict | None = No
         data["scheduler"] = sched
     if cost_model:
         data["cost_model"] = cost_model
+    return data
+
+
+def simulate(case: dict, prompts_per_slot: int = 4, cost_model: dict | None = None,
+             range_ratio: float = 0.0, protocol: str = "fixed", recipe: bool = True) -> dict:
+    data = scenario_data(case, prompts_per_slot, cost_model, range_ratio, protocol, recipe)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sc = parse_scenario(data)
@@ -140,6 +152,69 @@ def simulate(case: dict, prompts_per_slot: int = 4, cost_model: dict | None = No
     s = res.summary
     return {"ttft_ms": s["ttft_s"]["mean"] * 1e3, "tpot_ms": s["tpot_s"]["mean"] * 1e3,
             "preemptions": s.get("preemptions", 0)}
+
+
+# ------------------------------------------------------------------ the peer: AISimulate
+# The same rows through NVIDIA's AISimulate (its own venv; see bench/sim_speed.py), as its
+# `predict` takes them: the very request lengths ServeTwin's scenario draws (warm-up requests
+# included: AISimulate has no warm-up phase), as a Mooncake trace replayed at the row's
+# concurrency, on the row's backend, GPU and TP, with the same server settings (token budget,
+# max_num_seqs, fp8 KV where the recipe has it) and the row's GEMM quantisation.
+AIS_MODELS = {"llama-3.1-8b": "meta-llama/Meta-Llama-3.1-8B", "llama-3.1-70b": "meta-llama/Meta-Llama-3.1-70B",
+              "qwen3-32b": "Qwen/Qwen3-32B"}
+AIS_QUANT = {"bfloat16": None, "fp8": "fp8", "fp8_block": "fp8_block"}
+AIS_BLOCK = 512  # tokens per hash id in the trace (as bench/sim_speed.py writes it)
+
+
+def aisimulate_config(case: dict, data: dict, tmp: Path) -> Path:
+    """An AISimulate prediction config for the row, with the workload of ServeTwin's scenario
+    `data` written as a Mooncake trace beside it."""
+    from scenarios.schema import parse_scenario
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sc = parse_scenario(data)
+    wl, cfg = sc.workload, sc.scheduler_config
+    trace = tmp / "trace.jsonl"
+    next_id = 0
+    with open(trace, "w") as f:  # unique hash ids: no prefix is shared, as in the benchmark
+        for p, o in zip(wl.prompt_len.tolist(), wl.output_len.tolist()):
+            k = -(-p // AIS_BLOCK)
+            f.write(json.dumps({"timestamp": 0.0, "input_length": p, "output_length": o,
+                                "hash_ids": list(range(next_id, next_id + k))}) + "\n")
+            next_id += k
+    timing = {}
+    if AIS_QUANT[case["weight_dtype"]]:
+        timing["gemm_quant_mode"] = AIS_QUANT[case["weight_dtype"]]
+    if data["deployment"].get("kv_dtype") == "fp8":
+        timing["kvcache_quant_mode"] = "fp8"
+    worker = {"parallelism": {"tensor": case["tp"]},
+              "scheduler": {"max_batched_tokens": cfg.max_num_batched_tokens, "max_sequences": cfg.max_num_seqs}}
+    if timing:
+        worker["timing"] = timing
+    config = {"traffic": {"source": {"type": "trace", "paths": [str(trace)], "format": "mooncake",
+                                     "block_size": AIS_BLOCK},
+                          "load": {"type": "concurrency", "concurrency": case["concurrency"]}},
+              "engine": {"mode": "aggregated", "model": AIS_MODELS[case["model"]], "hardware": case["system"],
+                         "backend": case["backend"], "workers": {"aggregated": worker}}}
+    path = tmp / "config.yaml"
+    import yaml
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def aisimulate(exe: str, case: dict, data: dict) -> dict:
+    """AISimulate's mean TTFT and TPOT (ms) for the row."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="silicon-ais-") as d:
+        tmp = Path(d)
+        config = aisimulate_config(case, data, tmp)
+        p = subprocess.run([exe, "predict", "--config", str(config), "--output-dir", str(tmp / "out"),
+                            "--overwrite"], capture_output=True, text=True)
+        if p.returncode:
+            raise RuntimeError(f"aisimulate predict failed ({p.returncode}): {p.stderr[-300:]}")
+        s = json.loads((tmp / "out" / "prediction.json").read_text())
+    return {"ttft_ms": s["mean_ttft_ms"], "tpot_ms": s["mean_tpot_ms"]}
 
 
 def summarize_errors(rows: list[dict], keys: tuple[str, ...]) -> dict:
@@ -152,6 +227,12 @@ def summarize_errors(rows: list[dict], keys: tuple[str, ...]) -> dict:
         out[g] = {"n": len(rs), **{f"{m}_median_abs_err": round(float(np.median(np.abs(v))), 3)
                                    for m, v in e.items()},
                   **{f"{m}_bias": round(float(np.median(v)), 3) for m, v in e.items()}}
+        peer = [r for r in rs if "ais_err_ttft" in r]
+        if peer:  # AISimulate on the same rows (those it ran)
+            p = {m: np.array([r[f"ais_err_{m}"] for r in peer]) for m in ("ttft", "tpot")}
+            out[g]["aisimulate"] = {"n": len(peer), **{f"{m}_median_abs_err": round(float(np.median(np.abs(v))), 3)
+                                                     for m, v in p.items()},
+                                    **{f"{m}_bias": round(float(np.median(v)), 3) for m, v in p.items()}}
     return out
 
 
@@ -171,6 +252,10 @@ def main(argv=None) -> None:
                     help="the benchmark client per row: auto (from the row's data source: InferenceMAX's "
                          "client for its rows, fixed lengths for AIConfigurator's gap analysis) or fixed "
                          "lengths for every row")
+    ap.add_argument("--aisimulate", metavar="PATH",
+                    help="also run the rows through AISimulate (its `aisimulate` executable, in its own venv, "
+                         "e.g. /work/aisim-venv/bin/aisimulate) with the same request lengths, concurrency and "
+                         "server settings, and report its errors beside ServeTwin's (`aisimulate` keys)")
     ap.add_argument("--no-recipe", dest="recipe", action="store_false",
                     help="simulate every row with vLLM's default server settings instead of the "
                          "source's published server recipe (see server())")
@@ -202,6 +287,17 @@ def main(argv=None) -> None:
              "preemptions": sim["preemptions"]}
         r["err_ttft"] = (sim["ttft_ms"] - c["ttft_ms"]) / c["ttft_ms"]
         r["err_tpot"] = (sim["tpot_ms"] - c["tpot_ms"]) / c["tpot_ms"]
+        if a.aisimulate:
+            data = scenario_data(c, a.prompts_per_slot, range_ratio=a.range_ratio, protocol=a.protocol,
+                                 recipe=a.recipe)
+            try:
+                peer = aisimulate(a.aisimulate, c, data)
+            except (RuntimeError, KeyError) as e:  # a model or system it does not have: say so
+                r["ais_error"] = str(e)[:200]
+            else:
+                r["ais_ttft_ms"], r["ais_tpot_ms"] = round(peer["ttft_ms"], 2), round(peer["tpot_ms"], 3)
+                r["ais_err_ttft"] = (peer["ttft_ms"] - c["ttft_ms"]) / c["ttft_ms"]
+                r["ais_err_tpot"] = (peer["tpot_ms"] - c["tpot_ms"]) / c["tpot_ms"]
         rows.append(r)
     report = {
         "source": a.csv, "held_out": f"backend={HELD_OUT_BACKEND} on {sorted(HELD_OUT_SYSTEMS)} (dropped unread)",

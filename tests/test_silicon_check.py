@@ -1,0 +1,93 @@
+"""bench/silicon_check.py: the held-out rows never leave the CSV reader, a row becomes the case its
+source measured, and the peer (AISimulate) is given the very requests and server ServeTwin runs.
+No AISimulate install is needed: these check what the bench writes for it."""
+import csv
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import silicon_check as sc  # noqa: E402
+from scenarios.schema import parse_scenario  # noqa: E402
+
+COLUMNS = ["backend", "system", "model_path", "mode", "gemm_quant_mode", "pp_size", "attention_dp_size",
+           "batch_size", "tp_size", "isl", "osl", "silicon_ttft_ms", "silicon_tpot_ms", "silicon_data_source"]
+
+
+def row(**kw) -> dict:
+    base = {"backend": "vllm", "system": "b200_sxm", "model_path": "meta-llama/Llama-3.1-70B", "mode": "agg",
+            "gemm_quant_mode": "fp8", "pp_size": "1", "attention_dp_size": "1", "batch_size": "8",
+            "tp_size": "4", "isl": "1024", "osl": "1024", "silicon_ttft_ms": "110", "silicon_tpot_ms": "8.2",
+            "silicon_data_source": "inferencemax-db"}
+    return {**base, **kw}
+
+
+def write_csv(path: Path, rows: list[dict]) -> str:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    return str(path)
+
+
+def test_held_out_rows_are_dropped_while_reading(tmp_path):
+    rows = [row(), row(system="h100_sxm"), row(system="h200_sxm"), row(backend="trtllm", system="h100_sxm"),
+            row(backend=" VLLM ", system="h200_sxm")]
+    kept = sc.allowed_rows(write_csv(tmp_path / "s.csv", rows))
+    assert [(r["backend"].strip().lower(), r["system"]) for r in kept] == [("vllm", "b200_sxm"),
+                                                                           ("trtllm", "h100_sxm")]
+
+
+def test_a_row_becomes_its_case_and_unsupported_rows_are_skipped():
+    case = sc.usable(row())
+    assert case == {"backend": "vllm", "system": "b200_sxm", "model": "llama-3.1-70b", "weight_dtype": "fp8",
+                    "tp": 4, "concurrency": 8, "isl": 1024, "osl": 1024, "ttft_ms": 110.0, "tpot_ms": 8.2,
+                    "source": "inferencemax"}
+    assert sc.usable(row(silicon_data_source="source_file=x-gap-analysis.csv"))["source"] == "gap-analysis"
+    assert sc.usable(row(model_path="deepseek-ai/DeepSeek-R1")) is None      # MoE: not modelled
+    assert sc.usable(row(mode="disagg")) is None
+    assert sc.usable(row(gemm_quant_mode="nvfp4")) is None
+    assert sc.usable(row(attention_dp_size="2")) is None
+    assert sc.usable(row(silicon_ttft_ms="")) is None
+
+
+def test_the_peer_gets_the_same_requests_and_the_published_server(tmp_path):
+    case = sc.usable(row(batch_size="16"))
+    data = sc.scenario_data(case, protocol="auto")
+    wl = parse_scenario(data).workload
+    config = yaml.safe_load(sc.aisimulate_config(case, data, tmp_path).read_text())
+    trace = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    # InferenceMAX's client: 10 x CONC prompts, lengths uniform in [0.8 L, L]
+    assert len(trace) == 10 * 16
+    assert [t["input_length"] for t in trace] == wl.prompt_len.tolist()
+    assert [t["output_length"] for t in trace] == wl.output_len.tolist()
+    assert min(t["input_length"] for t in trace) >= int(0.8 * 1024) and max(t["input_length"] for t in trace) <= 1024
+    ids = [i for t in trace for i in t["hash_ids"]]
+    assert len(ids) == len(set(ids))                                      # nothing shared: no prefix hits
+    assert all(len(t["hash_ids"]) == -(-t["input_length"] // sc.AIS_BLOCK) for t in trace)
+    assert config["traffic"]["load"] == {"type": "concurrency", "concurrency": 16}
+    eng = config["engine"]
+    assert (eng["model"], eng["hardware"], eng["backend"]) == ("meta-llama/Meta-Llama-3.1-70B", "b200_sxm", "vllm")
+    w = eng["workers"]["aggregated"]
+    assert w["parallelism"] == {"tensor": 4}
+    # InferenceMAX's vLLM B200 recipe: --max-num-seqs CONC --max-num-batched-tokens 8192, fp8 KV
+    assert w["scheduler"] == {"max_batched_tokens": 8192, "max_sequences": 16}
+    assert w["timing"] == {"gemm_quant_mode": "fp8", "kvcache_quant_mode": "fp8"}
+
+
+def test_a_bf16_gap_analysis_row_runs_fixed_lengths_on_default_settings(tmp_path):
+    case = sc.usable(row(backend="trtllm", system="h100_sxm", model_path="meta-llama/Llama-3.1-8B-Instruct",
+                         gemm_quant_mode="", tp_size="2", isl="2048", osl="128",
+                         silicon_data_source="source_file=/x/aic-auto-gap-analysis/y.csv"))
+    data = sc.scenario_data(case, protocol="auto")
+    config = yaml.safe_load(sc.aisimulate_config(case, data, tmp_path).read_text())
+    trace = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert {(t["input_length"], t["output_length"]) for t in trace} == {(2048, 128)}
+    assert len(trace) == 4 * 8 + 8                                        # 4 per slot, and the warm-up
+    w = config["engine"]["workers"]["aggregated"]
+    assert "timing" not in w                                              # bf16 weights and KV
+    cfg = parse_scenario(data).scheduler_config
+    assert w["scheduler"] == {"max_batched_tokens": cfg.max_num_batched_tokens, "max_sequences": cfg.max_num_seqs}
