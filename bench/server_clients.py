@@ -13,6 +13,11 @@ Each tool lives in its own virtualenv (they pin different dependencies):
     python3 -m venv /work/venvs/guidellm && /work/venvs/guidellm/bin/pip install guidellm
     python3 -m venv /work/venvs/aiperf && /work/venvs/aiperf/bin/pip install aiperf
     python bench/server_clients.py [--venvs /work/venvs] [--concurrency 1 8] [--rate 1] [--requests 32]
+                                   [--warmup 8] [--aiperf-workers 4]
+
+On a 2-core machine aiperf starts one worker process (its rule: min(concurrency, 0.75 x CPUs - 1)),
+which parses every stream's chunks in turn; `--aiperf-workers` gives it a few, as it would start on
+a client machine with more cores.
 
 A tool whose venv is missing is skipped with a note in the output.
 """
@@ -48,13 +53,17 @@ def server_ttft_s(log: Path) -> dict[str, float]:
 
 
 def run_guidellm(venv: Path, url: str, model_dir: str, load: tuple[str, float], n: int, isl: int, osl: int,
-                 out: Path) -> dict[str, float]:
+                 out: Path, warmup: int = 0) -> dict[str, float]:
     kind, value = load
     path = out / f"guidellm-{kind}{value:g}.json"
     profile = (f"kind=concurrent,streams={int(value)}" if kind == "concurrency"
                else f"kind=constant,rate={value:g}")
+    total = n + 2 * warmup
+    if warmup:  # guidellm takes its phases as a fraction of the requests: int(fraction * total) == warmup
+        frac = (warmup + 0.5) / total
+        profile += f",warmup={frac:.6f},cooldown={frac:.6f}"
     cmd = [str(venv / "bin" / "guidellm"), "run", "--backend", f"kind=openai_http,target={url}",
-           "--profile", profile, "--constraint", f"kind=max_requests,count={n}",
+           "--profile", profile, "--constraint", f"kind=max_requests,count={total}",
            "--data", f"kind=synthetic_text,prompt_tokens={isl},output_tokens={osl}",
            "--tokenizer", f"kind=hf_auto,model={model_dir}", "--output", f"kind=json,path={path}",
            "--disable-console"]
@@ -64,7 +73,7 @@ def run_guidellm(venv: Path, url: str, model_dir: str, load: tuple[str, float], 
 
 
 def run_aiperf(venv: Path, url: str, model_dir: str, load: tuple[str, float], n: int, isl: int, osl: int,
-               out: Path) -> dict[str, float]:
+               out: Path, warmup: int = 0, workers: int | None = None) -> dict[str, float]:
     kind, value = load
     art = out / f"aiperf-{kind}{value:g}"
     how = (["--concurrency", str(int(value))] if kind == "concurrency"
@@ -73,6 +82,10 @@ def run_aiperf(venv: Path, url: str, model_dir: str, load: tuple[str, float], n:
            "--url", url, "--endpoint-type", "chat", "--streaming", *how,
            "--request-count", str(n), "--synthetic-input-tokens-mean", str(isl),
            "--output-tokens-mean", str(osl), "--artifact-dir", str(art), "--ui-type", "none"]
+    if workers:
+        cmd += ["--workers-max", str(workers)]
+    if warmup:
+        cmd += ["--warmup-request-count", str(warmup)]
     subprocess.run(cmd, check=True, capture_output=True)
     got = {}
     for line in (art / "profile_export.jsonl").read_text().splitlines():
@@ -100,6 +113,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--venvs", default="/work/venvs", type=Path)
     ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 8])
+    ap.add_argument("--aiperf-workers", type=int, default=None,
+                    help="aiperf --workers-max (default: aiperf's own choice, one worker on 2 cores, which "
+                         "parses every stream's chunks in one process)")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="warm-up requests each tool runs first (guidellm also as many cool-down requests "
+                         "last): phases the tools leave out of their own summaries. Every request the tools "
+                         "list, these included, is still matched and compared")
     ap.add_argument("--rate", type=float, nargs="*", default=[],
                     help="also fixed-rate runs at these request rates (req/s, constant intervals)")
     ap.add_argument("--requests", type=int, default=32)
@@ -116,7 +136,8 @@ def main() -> int:
     servetwin = Path(sys.executable).parent / "servetwin"
     srv = subprocess.Popen([str(servetwin), "serve", "--port", str(port), "--request-log", str(log)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    results: dict = {"isl": a.isl, "osl": a.osl, "requests": a.requests, "runs": []}
+    results: dict = {"isl": a.isl, "osl": a.osl, "requests": a.requests, "warmup": a.warmup,
+                     "aiperf_workers": a.aiperf_workers, "runs": []}
     try:
         deadline = time.time() + 180
         while True:
@@ -135,7 +156,10 @@ def main() -> int:
                 continue
             loads = [("concurrency", c) for c in a.concurrency] + [("rate", r) for r in a.rate]
             for kind, value in loads:
-                client = fn(venv, url, model_dir, (kind, value), a.requests, a.isl, a.osl, out)
+                extra = {"warmup": a.warmup}
+                if tool == "aiperf":
+                    extra["workers"] = a.aiperf_workers
+                client = fn(venv, url, model_dir, (kind, value), a.requests, a.isl, a.osl, out, **extra)
                 results["runs"].append({"client": tool, kind: value, **compare(client, server_ttft_s(log))})
     finally:
         srv.terminate()
