@@ -430,3 +430,49 @@ def test_log_first_token_is_when_the_client_was_sent_it(srv, monkeypatch):
     assert step_end[0] + 0.3 <= first <= got_first
     times = [float(t) for t in row["token_times_s"].split()]
     assert times[0] == pytest.approx(first, abs=1e-6) and times == sorted(times) and len(times) == 6
+
+
+def test_log_row_of_a_stream_that_finished_before_its_first_chunk_went_out(srv, monkeypatch):
+    """The event loop is held from the step of a streamed request's first token until the engine
+    has finished the request (the race of a loop stalled past a short request's last step): the
+    row is still written, once the first chunk goes out, with that hand-over as its first token
+    time and the tokens and end it came with no earlier."""
+    import csv
+    aeng = srv["app"].state.async_engine
+    eng = srv["engine"]
+    rid = "cmpl-finished-first"
+    finished = threading.Event()
+    real_finish, real_flush = aeng._finish_record, aeng._flush
+    step_end = []
+
+    def finish(r):
+        real_finish(r)
+        if r == rid:
+            finished.set()
+
+    def flush(batch):
+        for loop, items in batch.items():
+            for _, (_, out) in items:
+                if not step_end and out.request_id == rid:
+                    step_end.append(out.metrics.first_token_s)
+                    loop.call_soon_threadsafe(finished.wait, 60)  # the loop waits for the finish
+        real_flush(batch)
+    monkeypatch.setattr(aeng, "_finish_record", finish)
+    monkeypatch.setattr(aeng, "_flush", flush)
+    body = {"model": MODEL, "prompt": "Finished first", "max_tokens": 3, "stream": True, "ignore_eos": True}
+    got_first = None
+    with httpx.stream("POST", srv["url"] + "/v1/completions", json=body, timeout=60,
+                      headers={"X-Request-Id": "finished-first"}) as r:
+        for line in r.iter_lines():
+            if got_first is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                got_first = eng.now()
+    assert finished.is_set() and step_end and got_first is not None
+    with open(srv["log"]) as f:
+        rows = [r for r in csv.DictReader(f) if r["request_id"] == rid]
+    assert len(rows) == 1
+    row = rows[0]
+    first, last, end = (float(row[k]) for k in ("first_token_s", "last_token_s", "finish_s"))
+    times = [float(t) for t in row["token_times_s"].split()]
+    assert step_end[0] < first <= got_first
+    assert len(times) == 3 and times == sorted(times) and times[0] == pytest.approx(first, abs=1e-6)
+    assert first <= last and first <= end                       # nothing before the first token

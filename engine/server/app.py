@@ -367,7 +367,7 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
                       echo: list[str] | None = None):
         check_capacity(kids)
         try:
-            group = aeng.submit(kids, arrival)  # same event-loop turn as check_capacity(): counted at once
+            group = aeng.submit(kids, arrival, stream=bool(req.stream))  # same event-loop turn as check_capacity(): counted at once
         except EngineDead as e:
             raise APIError(503, str(e), None, type="server_error", headers={"Retry-After": "1"}) from None
         gen = aeng.outputs(group)

@@ -71,6 +71,8 @@ class Group:
     deadline: float
     children: list[Child]
     index: dict[str, int] = field(default_factory=dict)  # request id -> position in children
+    stream: bool = False  # its chunks are streamed: the log waits for the first one's hand-over
+    closed: bool = False  # its consumer has stopped reading (set under AsyncEngine._log_lock)
 
     def put(self, item) -> None:
         try:
@@ -97,9 +99,15 @@ class AsyncEngine:
         self.num_pending_adds = 0  # engine requests queued as "add" commands, not yet seen
         self.num_failed_steps = 0    # in a row
         self.total_failed_steps = 0
-        # request id -> engine-clock time its first token's SSE chunk was handed to the
-        # connection (written by the event loop, read once at finish by the engine thread)
+        # A streamed request's log row takes its first token time from the moment its first
+        # chunk was handed to the connection (the event loop) and the rest at finish (the engine
+        # thread), in either order: request id -> that moment, for requests not finished yet,
+        # and request id -> finished record, for streamed requests whose first chunk is not out
+        # yet (the event loop was held up past the request's last step). Both, and the log
+        # writes, under _log_lock.
+        self._log_lock = threading.Lock()
         self._first_sent: dict[str, float] = {}
+        self._unsent: dict[str, object] = {}
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -109,6 +117,8 @@ class AsyncEngine:
         self._stop.set()
         self._cmds.put(("wake",))
         self._thread.join(timeout)
+        for rid in list(self._unsent):  # rows still waiting for a first chunk: as stepped
+            self._write_unsent(rid)
 
     @property
     def alive(self) -> bool:
@@ -119,15 +129,17 @@ class AsyncEngine:
         """Requests queued but not running (read from the HTTP side: approximate, by design)."""
         return len(self.engine.scheduler.waiting) + self.num_pending_adds
 
-    def submit(self, children: list[Child], arrival_s: float | None = None) -> Group:
+    def submit(self, children: list[Child], arrival_s: float | None = None, stream: bool = False) -> Group:
         """Queue an HTTP request's engine requests now (so they count as waiting at once);
         `arrival_s` is on the engine clock (engine.now()), stamped when the HTTP request was
-        received. Consume the outputs with `outputs()`. Call from the event loop."""
+        received; `stream`: the caller streams the outputs and calls first_token_sent() as each
+        request's first chunk goes out. Consume the outputs with `outputs()`. Call from the
+        event loop."""
         if not self.alive:
             raise EngineDead(f"engine loop is not running: {self.error!r}")
         group = Group(asyncio.get_running_loop(), asyncio.Queue(),
                       time.monotonic() + self.request_timeout_s, children,
-                      {c.request_id: i for i, c in enumerate(children)})
+                      {c.request_id: i for i, c in enumerate(children)}, stream)
         with self._pending_lock:
             self.num_pending_adds += len(children)
         self._cmds.put(("add", group, arrival_s))
@@ -155,14 +167,32 @@ class AsyncEngine:
         finally:
             for rid in unfinished:
                 self.abort(rid, group)
+            if group.stream:  # a stream that ends before a first chunk went out: log as stepped
+                with self._log_lock:
+                    group.closed = True
+                for c in group.children:
+                    self._write_unsent(c.request_id)
 
     def first_token_sent(self, request_id: str) -> None:
         """A streamed request's first token has just been handed to the client's connection
         (call from the event loop). The request log's first token time becomes this moment, the
         time the client waits for, rather than the end of the step that produced it: the hand-
-        over to the event loop and the SSE formatting of a step's other streams lie between."""
-        if request_id in self._groups:  # not finished yet: the engine thread will read it
-            self._first_sent.setdefault(request_id, self.engine.now())
+        over to the event loop and the SSE formatting of a step's other streams lie between.
+        If the request has finished meanwhile, its row is written now."""
+        t = self.engine.now()
+        with self._log_lock:
+            rec = self._unsent.pop(request_id, None)
+            if rec is None:
+                self._first_sent.setdefault(request_id, t)
+                return
+            self._write(rec, t)
+
+    def _write_unsent(self, request_id: str) -> None:
+        with self._log_lock:
+            rec = self._unsent.pop(request_id, None)
+            self._first_sent.pop(request_id, None)
+            if rec is not None:
+                self._write(rec, None)
 
     def abort(self, request_id: str, group: Group | None = None) -> None:
         """Abort a request (of `group`, if given: a refused group's id may belong to another
@@ -248,10 +278,23 @@ class AsyncEngine:
                 pass
 
     def _finish_record(self, rid: str) -> None:
+        """The request has finished (or been aborted or failed): write its log row, or, for a
+        streamed request whose first chunk has not been handed to its connection yet, keep it
+        until first_token_sent() (or the end of its stream) writes it."""
         rec = self.engine.request_records.pop(rid, None)
-        sent = self._first_sent.pop(rid, None)
-        if rec is None or self.request_log is None:
-            return
+        g = self._groups.get(rid)
+        with self._log_lock:
+            sent = self._first_sent.pop(rid, None)
+            if rec is None or self.request_log is None:
+                return
+            if sent is None and rec.first_token_s is not None and g is not None and g.stream and not g.closed:
+                self._unsent[rid] = rec
+                return
+            self._write(rec, sent)
+
+    def _write(self, rec, sent: float | None) -> None:
+        """Write a log row; `sent`: when its first chunk was handed to the connection (under
+        _log_lock)."""
         if sent is not None and rec.first_token_s is not None and sent > rec.first_token_s:
             rec.first_token_s = sent
             times = rec.token_times_s or []
@@ -259,6 +302,11 @@ class AsyncEngine:
                 if t >= sent:
                     break
                 times[k] = sent
+            # all of them, and the end, when the request finished before its first chunk went out
+            if rec.last_token_s is not None and rec.last_token_s < sent:
+                rec.last_token_s = sent
+            if rec.finish_s is not None and rec.finish_s < sent:
+                rec.finish_s = sent
         self.request_log.write(rec)
 
     def _abort(self, rid: str, timed_out: bool = False) -> None:
