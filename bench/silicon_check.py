@@ -28,7 +28,6 @@ import argparse
 import csv
 import glob
 import json
-import math
 import sys
 import time
 import warnings

@@ -398,13 +398,23 @@ def test_fuzz_never_500_never_stops(srv):
     assert httpx.get(url + "/health").json() == {"status": "ok"}
 
 
+def stream_first_text_at(srv, body: dict, request_id: str) -> float | None:
+    """Stream a completion to its end; the engine-clock time its first text chunk was read."""
+    got_first = None
+    with httpx.stream("POST", srv["url"] + "/v1/completions", json=body, timeout=60,
+                      headers={"X-Request-Id": request_id}) as r:
+        for line in r.iter_lines():
+            if got_first is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                got_first = srv["engine"].now()
+    return got_first
+
+
 def test_log_first_token_is_when_the_client_was_sent_it(srv, monkeypatch):
     """The event loop is held up for 0.3 s right after the step that produced a streamed
     request's first token: the client gets that token 0.3 s after the step ended, and the request
     log's first token time says so (>= the step's end + 0.3 s), no later than the client read it."""
     import csv
     aeng = srv["app"].state.async_engine
-    eng = srv["engine"]
     real = aeng._flush
     step_end = []
 
@@ -417,12 +427,7 @@ def test_log_first_token_is_when_the_client_was_sent_it(srv, monkeypatch):
         real(batch)
     monkeypatch.setattr(aeng, "_flush", flush)
     body = {"model": MODEL, "prompt": "Held up", "max_tokens": 6, "stream": True, "ignore_eos": True}
-    got_first = None
-    with httpx.stream("POST", srv["url"] + "/v1/completions", json=body, timeout=60,
-                      headers={"X-Request-Id": "held-loop"}) as r:
-        for line in r.iter_lines():
-            if got_first is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-                got_first = eng.now()
+    got_first = stream_first_text_at(srv, body, "held-loop")
     assert step_end and got_first is not None
     with open(srv["log"]) as f:
         row = next(r for r in csv.DictReader(f) if r["request_id"] == "cmpl-held-loop")
@@ -439,7 +444,6 @@ def test_log_row_of_a_stream_that_finished_before_its_first_chunk_went_out(srv, 
     time and the tokens and end it came with no earlier."""
     import csv
     aeng = srv["app"].state.async_engine
-    eng = srv["engine"]
     rid = "cmpl-finished-first"
     finished = threading.Event()
     real_finish, real_flush = aeng._finish_record, aeng._flush
@@ -460,12 +464,7 @@ def test_log_row_of_a_stream_that_finished_before_its_first_chunk_went_out(srv, 
     monkeypatch.setattr(aeng, "_finish_record", finish)
     monkeypatch.setattr(aeng, "_flush", flush)
     body = {"model": MODEL, "prompt": "Finished first", "max_tokens": 3, "stream": True, "ignore_eos": True}
-    got_first = None
-    with httpx.stream("POST", srv["url"] + "/v1/completions", json=body, timeout=60,
-                      headers={"X-Request-Id": "finished-first"}) as r:
-        for line in r.iter_lines():
-            if got_first is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-                got_first = eng.now()
+    got_first = stream_first_text_at(srv, body, "finished-first")
     assert finished.is_set() and step_end and got_first is not None
     with open(srv["log"]) as f:
         rows = [r for r in csv.DictReader(f) if r["request_id"] == rid]
