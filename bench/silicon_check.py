@@ -28,7 +28,9 @@ import argparse
 import csv
 import glob
 import json
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections import defaultdict
@@ -38,7 +40,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import yaml  # noqa: E402
+
 from scenarios.schema import parse_scenario, run_scenario  # noqa: E402
+from sim_speed import MOONCAKE_BLOCK as AIS_BLOCK, write_mooncake_trace  # noqa: E402  (bench/)
 
 HELD_OUT_BACKEND = "vllm"
 HELD_OUT_SYSTEMS = {"h100_sxm", "h200_sxm"}
@@ -143,7 +148,11 @@ def scenario_data(case: dict, prompts_per_slot: int = 4, cost_model: dict | None
 
 def simulate(case: dict, prompts_per_slot: int = 4, cost_model: dict | None = None,
              range_ratio: float = 0.0, protocol: str = "fixed", recipe: bool = True) -> dict:
-    data = scenario_data(case, prompts_per_slot, cost_model, range_ratio, protocol, recipe)
+    return simulate_data(scenario_data(case, prompts_per_slot, cost_model, range_ratio, protocol, recipe))
+
+
+def simulate_data(data: dict) -> dict:
+    """Mean TTFT and TPOT (ms) and preemptions of a scenario_data() scenario."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sc = parse_scenario(data)
@@ -162,25 +171,17 @@ def simulate(case: dict, prompts_per_slot: int = 4, cost_model: dict | None = No
 AIS_MODELS = {"llama-3.1-8b": "meta-llama/Meta-Llama-3.1-8B", "llama-3.1-70b": "meta-llama/Meta-Llama-3.1-70B",
               "qwen3-32b": "Qwen/Qwen3-32B"}
 AIS_QUANT = {"bfloat16": None, "fp8": "fp8", "fp8_block": "fp8_block"}
-AIS_BLOCK = 512  # tokens per hash id in the trace (as bench/sim_speed.py writes it)
 
 
 def aisimulate_config(case: dict, data: dict, tmp: Path) -> Path:
     """An AISimulate prediction config for the row, with the workload of ServeTwin's scenario
     `data` written as a Mooncake trace beside it."""
-    from scenarios.schema import parse_scenario
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sc = parse_scenario(data)
     wl, cfg = sc.workload, sc.scheduler_config
     trace = tmp / "trace.jsonl"
-    next_id = 0
-    with open(trace, "w") as f:  # unique hash ids: no prefix is shared, as in the benchmark
-        for p, o in zip(wl.prompt_len.tolist(), wl.output_len.tolist()):
-            k = -(-p // AIS_BLOCK)
-            f.write(json.dumps({"timestamp": 0.0, "input_length": p, "output_length": o,
-                                "hash_ids": list(range(next_id, next_id + k))}) + "\n")
-            next_id += k
+    write_mooncake_trace(trace, wl, timestamps=False)  # replayed at the row's concurrency
     timing = {}
     if AIS_QUANT[case["weight_dtype"]]:
         timing["gemm_quant_mode"] = AIS_QUANT[case["weight_dtype"]]
@@ -196,15 +197,12 @@ def aisimulate_config(case: dict, data: dict, tmp: Path) -> Path:
               "engine": {"mode": "aggregated", "model": AIS_MODELS[case["model"]], "hardware": case["system"],
                          "backend": case["backend"], "workers": {"aggregated": worker}}}
     path = tmp / "config.yaml"
-    import yaml
     path.write_text(yaml.safe_dump(config))
     return path
 
 
 def aisimulate(exe: str, case: dict, data: dict) -> dict:
     """AISimulate's mean TTFT and TPOT (ms) for the row."""
-    import subprocess
-    import tempfile
     with tempfile.TemporaryDirectory(prefix="silicon-ais-") as d:
         tmp = Path(d)
         config = aisimulate_config(case, data, tmp)
@@ -222,17 +220,18 @@ def summarize_errors(rows: list[dict], keys: tuple[str, ...]) -> dict:
         groups[" ".join(f"{k}={r[k]}" for k in keys) if keys else "all"].append(r)
     out = {}
     for g, rs in sorted(groups.items()):
-        e = {m: np.array([r[f"err_{m}"] for r in rs]) for m in ("ttft", "tpot")}
-        out[g] = {"n": len(rs), **{f"{m}_median_abs_err": round(float(np.median(np.abs(v))), 3)
-                                   for m, v in e.items()},
-                  **{f"{m}_bias": round(float(np.median(v)), 3) for m, v in e.items()}}
+        out[g] = _errors(rs, "err_")
         peer = [r for r in rs if "ais_err_ttft" in r]
         if peer:  # AISimulate on the same rows (those it ran)
-            p = {m: np.array([r[f"ais_err_{m}"] for r in peer]) for m in ("ttft", "tpot")}
-            out[g]["aisimulate"] = {"n": len(peer), **{f"{m}_median_abs_err": round(float(np.median(np.abs(v))), 3)
-                                                     for m, v in p.items()},
-                                    **{f"{m}_bias": round(float(np.median(v)), 3) for m, v in p.items()}}
+            out[g]["aisimulate"] = _errors(peer, "ais_err_")
     return out
+
+
+def _errors(rs: list[dict], key: str) -> dict:
+    """n, median |error| and bias (median signed error) of TTFT and TPOT under rows' key + metric."""
+    e = {m: np.array([r[key + m] for r in rs]) for m in ("ttft", "tpot")}
+    return {"n": len(rs), **{f"{m}_median_abs_err": round(float(np.median(np.abs(v))), 3) for m, v in e.items()},
+            **{f"{m}_bias": round(float(np.median(v)), 3) for m, v in e.items()}}
 
 
 def main(argv=None) -> None:
@@ -276,9 +275,10 @@ def main(argv=None) -> None:
     rows, skipped = [], []
     t0 = time.perf_counter()
     for c in cases:
+        data = scenario_data(c, a.prompts_per_slot, range_ratio=a.range_ratio, protocol=a.protocol,
+                             recipe=a.recipe)
         try:
-            sim = simulate(c, a.prompts_per_slot, range_ratio=a.range_ratio, protocol=a.protocol,
-                           recipe=a.recipe)
+            sim = simulate_data(data)
         except Exception as e:  # a deployment that does not fit, say: report, do not hide
             skipped.append({**c, "error": str(e)[:200]})
             continue
@@ -287,8 +287,6 @@ def main(argv=None) -> None:
         r["err_ttft"] = (sim["ttft_ms"] - c["ttft_ms"]) / c["ttft_ms"]
         r["err_tpot"] = (sim["tpot_ms"] - c["tpot_ms"]) / c["tpot_ms"]
         if a.aisimulate:
-            data = scenario_data(c, a.prompts_per_slot, range_ratio=a.range_ratio, protocol=a.protocol,
-                                 recipe=a.recipe)
             try:
                 peer = aisimulate(a.aisimulate, c, data)
             except (RuntimeError, KeyError) as e:  # a model or system it does not have: say so

@@ -121,6 +121,20 @@ def servetwin_run(path: Path, n: int, tmp: Path, pure: bool = False) -> dict:
 
 
 # ----------------------------------------------------------------- AISimulate
+def write_mooncake_trace(path: Path, wl, timestamps: bool = True) -> None:
+    """A workload's requests as a Mooncake trace for AISimulate: arrival times in ms (all 0 with
+    `timestamps=False`, for a concurrency load), prompt and output lengths, and hash ids unique
+    to each request (one per MOONCAKE_BLOCK prompt tokens: no prefix is shared)."""
+    arrivals = wl.arrival_s.tolist() if timestamps else [0.0] * len(wl)
+    next_id = 0
+    with open(path, "w") as f:
+        for a, p, o in zip(arrivals, wl.prompt_len.tolist(), wl.output_len.tolist()):
+            k = -(-p // MOONCAKE_BLOCK)
+            f.write(json.dumps({"timestamp": round(a * 1e3, 6), "input_length": p, "output_length": o,
+                                "hash_ids": list(range(next_id, next_id + k))}) + "\n")
+            next_id += k
+
+
 def aisimulate_setup(data: dict, tmp: Path) -> Path:
     """The same workload as a Mooncake trace (unique hash ids per request) and a prediction
     config with the same KV pool, budget and max_num_seqs."""
@@ -128,13 +142,7 @@ def aisimulate_setup(data: dict, tmp: Path) -> Path:
     sc = parse_scenario(data)
     wl, cfg = sc.workload, sc.scheduler_config
     trace = tmp / f"aisim-{len(wl)}.jsonl"
-    next_id = 0
-    with open(trace, "w") as f:
-        for a, p, o in zip(wl.arrival_s.tolist(), wl.prompt_len.tolist(), wl.output_len.tolist()):
-            k = -(-p // MOONCAKE_BLOCK)
-            f.write(json.dumps({"timestamp": round(a * 1e3, 6), "input_length": p, "output_length": o,
-                                "hash_ids": list(range(next_id, next_id + k))}) + "\n")
-            next_id += k
+    write_mooncake_trace(trace, wl)
     config = {
         "traffic": {"source": {"type": "trace", "paths": [str(trace)], "format": "mooncake",
                                "block_size": MOONCAKE_BLOCK},
