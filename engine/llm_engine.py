@@ -176,6 +176,7 @@ class LLMEngine:
             _tune_cpu_malloc()
         t_load = time.perf_counter()
         self.model, self.tokenizer, self.hf_config = load_model(model, self.device, self.dtype)
+        self.model.pack_linears()  # oneDNN-prepacked GEMMs on the CPU (fp32); a no-op elsewhere
         self.model_name = model
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size

@@ -128,6 +128,51 @@ def test_default_mixed_batch_matches_single_runs(smol):
     assert_logits_close(out2[1], hf_logits(hf, b)[20:], atol=2e-3)
 
 
+def test_default_packed_linears_match_transformers(smol):
+    """The engine's CPU path (oneDNN-prepacked projections and LM head) on a mixed step: same
+    logits as transformers, and as the plain F.linear path to fp32 rounding."""
+    from engine.model.llama import Linear, can_pack_linears
+
+    model, tokenizer, hf = smol
+    assert can_pack_linears("cpu", torch.float32) and not can_pack_linears("cpu", torch.bfloat16)
+    a = _prompt(tokenizer, "Name a prime number larger than ten.")
+    b = _prompt(tokenizer, "Describe a cat in two sentences.")
+    plain = PagedDriver(model, seed=2).step({0: a, 1: b[:17]})
+    try:
+        assert model.pack_linears() == 4 * model.config.num_layers + 1  # qkv, o, gate_up, down + head
+        packed_driver = PagedDriver(model, seed=2)
+        packed = packed_driver.step({0: a, 1: b[:17]})
+        nxt = int(packed[0][-1].argmax())
+        step2 = packed_driver.step({0: [nxt], 1: b[17:]})
+    finally:
+        for m in model.modules():
+            if isinstance(m, Linear):
+                m.unpack()
+    for sid in (0, 1):
+        torch.testing.assert_close(packed[sid], plain[sid], atol=5e-4, rtol=0)
+    assert_logits_close(packed[0], hf_logits(hf, a), atol=2e-3)
+    assert_logits_close(step2[0], hf_logits(hf, a + [nxt])[-1:], atol=2e-3)
+    assert_logits_close(step2[1], hf_logits(hf, b)[17:], atol=2e-3)
+
+
+def test_load_weights_drops_packed_copies():
+    """A packed copy is a snapshot: loading new weights must not leave the old one in use."""
+    from engine.model.llama import Linear
+
+    net = build_random_model(dict(TINY, model_type="llama"), seed=0)
+    assert net.pack_linears() == 2 * 4 + 1
+    x = torch.randn(3, TINY["hidden_size"])
+    head = net.lm_head
+    before = head(x)
+    torch.manual_seed(1)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).float()
+    net.load_weights(hf.state_dict().items())
+    assert all(m._packed is None for m in net.modules() if isinstance(m, Linear))
+    after = head(x)
+    torch.testing.assert_close(after, torch.nn.functional.linear(x, head.weight), atol=1e-5, rtol=0)
+    assert not torch.allclose(after, before)
+
+
 # ---------------------------------------------------------------- tiny random configs
 
 TINY = dict(

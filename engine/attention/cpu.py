@@ -12,14 +12,17 @@ longest context in the batch, with advanced indexing, in every layer. Here:
   parallel row copy per block), several times faster than advanced indexing;
 - prefill chunks with no cached context use SDPA's causal kernel with native GQA (half the work
   of an explicit mask); chunks on top of cached context use an explicit mask;
-- KV writes use index_copy_.
+- KV writes use index_copy_;
+- with the compiled kernel (engine/attention/cpu_kernel.py, built on first use; fp32), decodes
+  skip all of the above: each (sequence, KV head) reads its rows once, in place, through the
+  block table, instead of the gather's read, write and read again.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from engine.attention import reference
+from engine.attention import cpu_kernel, reference
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 
@@ -40,17 +43,24 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
 class _Plan:
     """Everything about one step's batch that does not depend on the layer."""
 
-    __slots__ = ("decodes", "prefills")
+    __slots__ = ("decodes", "prefills", "kernel", "kernel_decodes")
 
-    def __init__(self, md: AttentionMetadata) -> None:
+    def __init__(self, md: AttentionMetadata, kernel: bool = False) -> None:
         qsl, seq_lens, _ = md.host_lists()
         bs = md.block_size
         tables = md.block_tables.to(torch.int64)
         n = len(seq_lens)
         dec = [i for i in range(n) if qsl[i + 1] - qsl[i] == 1]
+        # For the compiled kernel: (token rows, block tables, context lengths) of every decode.
+        self.kernel = kernel
+        self.kernel_decodes = None
+        if dec and kernel:
+            idx = torch.tensor(dec)
+            self.kernel_decodes = (torch.tensor([qsl[i] for i in dec]), tables.index_select(0, idx).contiguous(),
+                                   torch.tensor([seq_lens[i] for i in dec], dtype=torch.int64))
         # Decode buckets: (token rows, flat block ids, batch, blocks per seq, length, mask or None).
         self.decodes = []
-        if dec:
+        if dec and not kernel:
             dec.sort(key=lambda i: seq_lens[i])
             k = max(1, min(MAX_DECODE_BUCKETS, len(dec) // MIN_BUCKET_SIZE))
             size = -(-len(dec) // k)
@@ -87,6 +97,14 @@ class CPUPagedAttention:
         self._md: AttentionMetadata | None = None  # kept alive, so identity is a safe cache key
         self._plan: _Plan | None = None
 
+    @staticmethod
+    def _kernel(query: torch.Tensor, kv_cache: torch.Tensor):
+        """The compiled decode kernel's ops, if it applies to these tensors (else None)."""
+        if (query.dtype != torch.float32 or kv_cache.dtype != torch.float32 or query.device.type != "cpu"
+                or not query.is_contiguous() or not kv_cache.is_contiguous()):
+            return None
+        return cpu_kernel.load()
+
     def backend(self) -> AttentionBackend:
         return AttentionBackend(write_kv, self.attention, "torch-cpu")
 
@@ -96,8 +114,9 @@ class CPUPagedAttention:
         bs = md.block_size
         if kv_cache.shape[2] != bs:
             raise ValueError(f"kv_cache block_size={kv_cache.shape[2]} != metadata.block_size={bs}")
-        if md is not self._md:
-            self._plan = _Plan(md)
+        kernel = self._kernel(query, kv_cache)
+        if md is not self._md or self._plan.kernel != (kernel is not None):
+            self._plan = _Plan(md, kernel is not None)
             self._md = md
         plan = self._plan
         num_blocks, _, hkv, d = kv_cache.shape[1:]
@@ -106,6 +125,9 @@ class CPUPagedAttention:
         k_rows = kv_cache[0].view(num_blocks, -1)
         v_rows = kv_cache[1].view(num_blocks, -1)
         out = torch.empty_like(query)
+        if plan.kernel_decodes is not None:
+            rows, tables, lens = plan.kernel_decodes
+            kernel.paged_decode(out, query, kv_cache[0], kv_cache[1], rows, tables, lens, scale)
         for rows, flat, b, nblk, length, mask in plan.decodes:
             k = k_rows.index_select(0, flat).view(b, nblk * bs, hkv, d)[:, :length].transpose(1, 2)
             v = v_rows.index_select(0, flat).view(b, nblk * bs, hkv, d)[:, :length].transpose(1, 2)
