@@ -153,9 +153,9 @@ class RMSNorm(nn.Module):
 class Linear(nn.Linear):
     """`nn.Linear` that can run from a oneDNN-prepacked copy of its weight (`pack`, CPU fp32).
 
-    On the CPU, oneDNN's prepacked GEMM is 1.2-3x faster than `F.linear` at the row counts of
-    serving steps (most at 8-64 rows and for the wide LM head); `bench/engine_throughput.py`
-    measures the engine with it. The packed copy is a snapshot: `unpack()` before changing the
+    On this project's CPU, oneDNN's prepacked GEMM was up to 4x faster than `F.linear` at 8-64
+    rows (most for the wide MLP and LM head), 10-15% at 2,048 rows and about even at one row;
+    `bench/engine_throughput.py` measures the engine with it. The packed copy is a snapshot: `unpack()` before changing the
     weight (`load_weights` does), `pack()` again after.
     """
 
