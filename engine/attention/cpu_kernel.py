@@ -1,6 +1,7 @@
 """The compiled CPU decode-attention kernel (paged_decode_cpu.cpp): built on first use, cached.
 
-`load()` returns the extension module, or None when it cannot be had: the torch path in
+`load()` returns the op namespace the library registers (`torch.ops.servetwin`, whose
+`paged_decode` the CPU backend calls), or None when it cannot be had: the torch path in
 `engine.attention.cpu` is then used, with one warning saying why. Set `SERVETWIN_CPU_KERNEL=0` to
 use the torch path on purpose (to compare the two, or on a machine without a C++ compiler).
 
@@ -15,14 +16,14 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 import torch
 
 SOURCE = Path(__file__).with_name("paged_decode_cpu.cpp")
 ENV = "SERVETWIN_CPU_KERNEL"
 
-_module: ModuleType | None = None
+_module: Any = None  # torch.ops.servetwin once built
 _tried = False
 
 
@@ -52,8 +53,8 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = where + os.pathsep + path
 
 
-def load() -> ModuleType | None:
-    """The built kernel module, or None (torch fallback); tries once per process."""
+def load() -> Any:
+    """`torch.ops.servetwin` with the kernel loaded, or None (torch fallback); tries once per process."""
     global _module, _tried
     if _tried:
         return _module
