@@ -91,7 +91,11 @@ def test_grouped_cv_flags_an_overfit_model():
     assert q == sorted(q) and q[0] < 0 < q[-1]
 
 
-def test_calibrate_and_validate_end_to_end(tmp_path):
+def _hashed_blocks(eng) -> int:
+    return sum(b.block_hash is not None for b in eng.scheduler.kv_cache_manager.block_pool.blocks)
+
+
+def test_calibrate_and_validate_end_to_end(tmp_path, monkeypatch):
     """A tiny sweep and a tiny validation on the real engine: the profile says what it measured
     and how, and validation.json holds every row with its error, interval and spread. No
     assertion on how fast this machine is."""
@@ -125,8 +129,20 @@ def test_calibrate_and_validate_end_to_end(tmp_path):
     scen = {"workload": {"num_requests": 4, "arrival": {"type": "poisson", "rate": 1},
                          "prompt_len": {"type": "uniform", "min": 16, "max": 48},
                          "output_len": {"type": "uniform", "min": 4, "max": 8}}}
+    import calibration.validate as val_mod
+    drive_calls: list[int] = []  # hashed blocks in the engine's prefix cache as each run starts
+
+    real_drive = val_mod.drive
+
+    def spy(engine, arrivals, *a, **k):
+        drive_calls.append(_hashed_blocks(engine))
+        return real_drive(engine, arrivals, *a, **k)
+    monkeypatch.setattr(val_mod, "drive", spy)
+    assert _hashed_blocks(eng) > 0  # calibration left cached blocks behind
     rep = validate(eng, prof, scen, tmp_path / "val", loads=(0.5,), seeds=1, duration_s=1, min_requests=3,
                    progress=False)
+    # The capacity burst and the run started as the simulator does: nothing cached.
+    assert drive_calls == [0, 0]
     saved = json.loads((tmp_path / "val" / "validation.json").read_text())
     assert saved["summary"]["rows"] == rep["summary"]["rows"] == 15  # 5 metrics x p50/p90/p99
     row = saved["loads"]["0.5"]["metrics"]["ttft_s.p90"]
@@ -151,6 +167,25 @@ def test_calibrate_and_validate_end_to_end(tmp_path):
     assert set(ins["loads"]["0.5"]["metrics"]) == set(saved["loads"]["0.5"]["metrics"])
     # Both sides ran on one scheduler configuration: the engine's, with its KV pool.
     assert eng.scheduler_config.uncache_unscheduled_victims
+
+
+def test_cold_prefix_cache_undoes_the_hits_a_rerun_would_get():
+    """Every generated workload gives its first request the same synthetic ids, so a second run on
+    the same engine hits the first run's blocks unless the cache is emptied, as validate does."""
+    from calibration.driver import drive
+    from calibration.validate import arrivals, cold_prefix_cache
+    from engine.llm_engine import LLMEngine
+    eng = LLMEngine(model="default", device="cpu", max_num_batched_tokens=128, max_num_seqs=4, num_gpu_blocks=64)
+    spec = {"num_requests": 2, "arrival": {"type": "poisson", "rate": 1000},
+            "prompt_len": {"type": "fixed", "value": 40}, "output_len": {"type": "fixed", "value": 2}}
+
+    def first_cached(seed):
+        res = drive(eng, arrivals(build_workload(spec, seed), eng.vocab_size))
+        return res.records[0].num_cached_tokens
+    assert first_cached(1) == 0
+    assert first_cached(2) == 32  # another seed, the same ids: two full blocks of 16 hit
+    cold_prefix_cache(eng)
+    assert _hashed_blocks(eng) == 0 and first_cached(3) == 0
 
 
 def test_in_situ_speed_by_hand():
