@@ -239,7 +239,8 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
                     "loads": {}, "seeds": seeds, "noise_replicas": NOISE_REPLICAS,
                     "interval": "90%: noise replicates x the profile's 5-95% held-out group bias"
                                 + (" x the 5-95% ratio of consecutive speed probes" if ref else ""),
-                    "speed_probe": ({"profile_median_s": ref["median_s"], "runs": factors} if ref else
+                    "speed_probe": ({"profile_median_s": ref["median_s"], "runs": factors,
+                                     **speed_extrapolation(factors, ref)} if ref else
                                     "off: the profile is used as measured")}
     all_rows = []
     insitu_report: dict = {"definition": "step times scaled at each simulated moment by the machine's speed "
@@ -285,6 +286,30 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
         json.dump(report, f, indent=1)
     _write_steps(out_dir / "engine-steps.csv", step_rows)
     return report
+
+
+def calibrated_speed_range(ref: dict, key: str = "median_s") -> tuple[float, float]:
+    """The machine speeds a profile measured, as factors of its median probe: slowest and fastest
+    probe over the median (ref: the profile's metadata.speed_probe, or its "compute" part)."""
+    p = ref.get("probes_s") or [ref[key]]
+    return min(p) / ref[key], max(p) / ref[key]
+
+
+def speed_extrapolation(factors: list[dict], ref: dict) -> dict:
+    """Which validation runs met the machine at a speed the calibration never saw. Scaling a
+    profile by a probe factor is exact only for work that slows down uniformly; outside the
+    calibrated range it is an extrapolation (on this project's VM the decode steps of larger
+    batches sped up less than the probe when the machine ran far faster than at calibration)."""
+    lo, hi = calibrated_speed_range(ref)
+    out = {"calibrated_range": [round(lo, 4), round(hi, 4)],
+           "runs_outside": [f"load {r['load']} seed {r['seed']}" for r in factors
+                            if not lo <= r["speed_factor"] <= hi]}
+    if "compute" in ref:
+        clo, chi = calibrated_speed_range(ref["compute"])
+        out["compute_calibrated_range"] = [round(clo, 4), round(chi, 4)]
+        out["runs_outside_compute"] = [f"load {r['load']} seed {r['seed']}" for r in factors
+                                       if "compute_factor" in r and not clo <= r["compute_factor"] <= chi]
+    return out
 
 
 def _mean_err(rows) -> float | None:
@@ -376,6 +401,13 @@ def print_table(report: dict) -> None:
                   f"{r['rel_error']:>+9.1%}  {' '.join(f'{x:+.0%}' for x in r['seed_rel_errors'])}")
         print(f"{float(load):>5.0%} throughput rel err {d['throughput_rel_error']:+.1%}, "
               f"step-time MAPE {d['step_time_mape']:.1%} (bias {d['step_time_bias']:+.1%})")
+    sp = report.get("speed_probe")
+    if isinstance(sp, dict) and sp.get("runs_outside"):
+        f = [r["speed_factor"] for r in sp["runs"]]
+        lo, hi = sp["calibrated_range"]
+        print(f"warning: {len(sp['runs_outside'])} of {len(sp['runs'])} runs met the machine at a decode speed the "
+              f"profile never measured (probe factors {min(f):.2f}-{max(f):.2f}, calibrated {lo:.2f}-{hi:.2f}): "
+              "their simulations extrapolate the profile; recalibrate on the machine as it is now")
     s = report["summary"]
     print(f"signed mean error {s['signed_mean_error']:+.1%}, median |error| {s['median_abs_error']:.1%}, "
           f"interval coverage {s['interval_coverage']:.0%} of {s['rows']} rows")

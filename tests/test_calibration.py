@@ -6,10 +6,8 @@ import pytest
 
 from calibration.fit import fit_cost_model
 from calibration.synthetic_profile import random_batches
-from engine.core import SchedulerConfig
 from engine.core.features import BatchFeatures
 from sim.cost_model import AnalyticCostModel, FittedCostModel, load_profile
-from sim.simulation import Simulation
 from sim.workload import build_workload
 
 
@@ -299,6 +297,25 @@ def test_speed_probe_drift_range_by_hand():
     assert lo == pytest.approx(np.quantile([1.0, 1.2, 0.08 / 0.12, 1.25], 0.05))
     assert hi == pytest.approx(np.quantile([1.0, 1.2, 0.08 / 0.12, 1.25], 0.95))
     assert drift_range([0.1, 0.2]) == (1.0, 1.0)
+
+
+def test_validate_flags_runs_at_a_speed_the_calibration_never_saw(capsys):
+    """Probes of 0.08-0.125 s around a median of 0.1: factors 0.8-1.25 were measured; a run at
+    0.6 (the machine much faster than at calibration) or 1.3 is flagged, one at 1.0 is not."""
+    from calibration.validate import print_table, speed_extrapolation
+    ref = {"median_s": 0.1, "probes_s": [0.08, 0.1, 0.125],
+           "compute": {"median_s": 1.0, "probes_s": [0.9, 1.0, 1.1]}}
+    runs = [{"load": 0.3, "seed": 0, "speed_factor": 1.0, "compute_factor": 1.05},
+            {"load": 0.9, "seed": 0, "speed_factor": 0.6, "compute_factor": 0.85},
+            {"load": 0.3, "seed": 1, "speed_factor": 1.3, "compute_factor": 1.0}]
+    out = speed_extrapolation(runs, ref)
+    assert out["calibrated_range"] == [0.8, 1.25] and out["compute_calibrated_range"] == [0.9, 1.1]
+    assert out["runs_outside"] == ["load 0.9 seed 0", "load 0.3 seed 1"]
+    assert out["runs_outside_compute"] == ["load 0.9 seed 0"]
+    report = {"loads": {}, "speed_probe": {"runs": runs, **out},
+              "summary": {"signed_mean_error": 0.0, "median_abs_error": 0.0, "interval_coverage": 1.0, "rows": 0}}
+    print_table(report)
+    assert "2 of 3 runs met the machine at a decode speed the profile never measured" in capsys.readouterr().out
 
 
 def test_sweep_divides_each_group_by_the_speed_around_it(tmp_path):
