@@ -288,11 +288,11 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
     return report
 
 
-def calibrated_speed_range(ref: dict, key: str = "median_s") -> tuple[float, float]:
+def calibrated_speed_range(ref: dict) -> tuple[float, float]:
     """The machine speeds a profile measured, as factors of its median probe: slowest and fastest
     probe over the median (ref: the profile's metadata.speed_probe, or its "compute" part)."""
-    p = ref.get("probes_s") or [ref[key]]
-    return min(p) / ref[key], max(p) / ref[key]
+    p = ref.get("probes_s") or [ref["median_s"]]
+    return min(p) / ref["median_s"], max(p) / ref["median_s"]
 
 
 def speed_extrapolation(factors: list[dict], ref: dict) -> dict:
@@ -300,15 +300,15 @@ def speed_extrapolation(factors: list[dict], ref: dict) -> dict:
     profile by a probe factor is exact only for work that slows down uniformly; outside the
     calibrated range it is an extrapolation (on this project's VM the decode steps of larger
     batches sped up less than the probe when the machine ran far faster than at calibration)."""
+    def outside(key: str, lo: float, hi: float) -> list[str]:
+        return [f"load {x['load']} seed {x['seed']}" for x in factors if key in x and not lo <= x[key] <= hi]
+
     lo, hi = calibrated_speed_range(ref)
-    out = {"calibrated_range": [round(lo, 4), round(hi, 4)],
-           "runs_outside": [f"load {r['load']} seed {r['seed']}" for r in factors
-                            if not lo <= r["speed_factor"] <= hi]}
+    out = {"calibrated_range": [round(lo, 4), round(hi, 4)], "runs_outside": outside("speed_factor", lo, hi)}
     if "compute" in ref:
-        clo, chi = calibrated_speed_range(ref["compute"])
-        out["compute_calibrated_range"] = [round(clo, 4), round(chi, 4)]
-        out["runs_outside_compute"] = [f"load {r['load']} seed {r['seed']}" for r in factors
-                                       if "compute_factor" in r and not clo <= r["compute_factor"] <= chi]
+        lo, hi = calibrated_speed_range(ref["compute"])
+        out["compute_calibrated_range"] = [round(lo, 4), round(hi, 4)]
+        out["runs_outside_compute"] = outside("compute_factor", lo, hi)
     return out
 
 
