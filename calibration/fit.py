@@ -67,7 +67,9 @@ def fit_cost_model(rows: Sequence[dict], times_s: Sequence[float], knots: Sequen
     Without groups, contiguous blocks of rows are held out (blocked k-fold).
 
     `residual_quantiles` are quantiles of the out-of-sample relative residuals (prediction /
-    measurement - 1); metadata["cv"] says how they were obtained, and metadata["cv_group_bias"]
+    measurement - 1), `residual_quantiles_by_kind` the same for steps with a prefill chunk
+    ("prefill") and decode-only steps ("decode"), each kind with at least MIN_KIND_RESIDUALS
+    steps; metadata["cv"] says how they were obtained, and metadata["cv_group_bias"]
     lists each held-out group's mean relative residual (the spread of systematic error between
     regimes, which prediction intervals use).
     """
@@ -105,8 +107,15 @@ def fit_cost_model(rows: Sequence[dict], times_s: Sequence[float], knots: Sequen
         cv_rel[test] = (X[test] @ c - y[test]) / y[test]
         group_bias.append(float(np.mean(cv_rel[test])))
     ok = ~np.isnan(cv_rel)
+    prefill = np.asarray([r["num_prefill_reqs"] > 0 for r in rows])[ok]
     cv_rel = cv_rel[ok]
-    model.residual_quantiles = {f"p{q:02d}": float(np.quantile(cv_rel, q / 100)) for q in range(0, 101, 5)}
+    model.residual_quantiles = _quantiles(cv_rel)
+    # Per kind of step: a prefill chunk's time scatters less around the fit than a small decode
+    # step's (and the mean ratio measured/predicted differs with it), so a simulated step draws
+    # its noise from its own kind's residuals where the sweep has enough of them.
+    model.residual_quantiles_by_kind = {k: _quantiles(cv_rel[sel]) for k, sel in
+                                        (("prefill", prefill), ("decode", ~prefill))
+                                        if sel.sum() >= MIN_KIND_RESIDUALS}
     model.metadata.update({
         "num_samples": int(len(y)),
         "fit_mape": float(np.mean(np.abs(rel))),
@@ -117,6 +126,13 @@ def fit_cost_model(rows: Sequence[dict], times_s: Sequence[float], knots: Sequen
         "residual_quantiles_are": "out-of-sample (cross-validated) relative residuals, prediction/measured - 1",
     })
     return model
+
+
+MIN_KIND_RESIDUALS = 20  # fewer steps of a kind: its steps draw from the pooled residuals
+
+
+def _quantiles(rel: np.ndarray) -> dict[str, float]:
+    return {f"p{q:02d}": float(np.quantile(rel, q / 100)) for q in range(0, 101, 5)}
 
 
 def _coef_vector(m: FittedCostModel, knots: Sequence[float], caps: Sequence[float] = ()) -> np.ndarray:

@@ -101,6 +101,7 @@ class SplitSpeedModel:
         self.decode_factor = decode_factor if callable(decode_factor) else (lambda v=float(decode_factor): v)
         self.compute_factor = float(compute_factor)
         self.residual_quantiles = base.residual_quantiles
+        self.residual_quantiles_by_kind = getattr(base, "residual_quantiles_by_kind", {})
         self.metadata = base.metadata
         self.kind = base.kind
 

@@ -69,6 +69,9 @@ class FittedCostModel(CostModel):
     per_prefill_ctx_s: float = 0.0
     per_decode_ctx_s: float = 0.0
     residual_quantiles: dict[str, float] = field(default_factory=dict)  # relative residuals
+    # The same, per kind of step ("prefill": with a prefill chunk, "decode": decode only); empty
+    # in profiles fitted before they were kept.
+    residual_quantiles_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)
     metadata: dict = field(default_factory=dict)
     kind = "fitted"
 
@@ -87,8 +90,12 @@ class FittedCostModel(CostModel):
         d = asdict(self)
         meta = d.pop("metadata")
         rq = d.pop("residual_quantiles")
-        return {"format": PROFILE_FORMAT, "kind": "fitted", "metadata": meta,
+        by_kind = d.pop("residual_quantiles_by_kind")
+        prof = {"format": PROFILE_FORMAT, "kind": "fitted", "metadata": meta,
                 "coefficients": d, "residual_quantiles": rq}
+        if by_kind:
+            prof["residual_quantiles_by_kind"] = by_kind
+        return prof
 
     @classmethod
     def from_profile(cls, prof: dict) -> "FittedCostModel":
@@ -96,6 +103,7 @@ class FittedCostModel(CostModel):
         c["hinges"] = [tuple(h) for h in c.get("hinges", [])]
         c["saturations"] = [tuple(h) for h in c.get("saturations", [])]
         return cls(**c, residual_quantiles=prof.get("residual_quantiles", {}),
+                   residual_quantiles_by_kind=prof.get("residual_quantiles_by_kind", {}),
                    metadata=prof.get("metadata", {}))
 
 
@@ -171,7 +179,9 @@ def load_profile(name_or_path: str | Path) -> dict:
     return prof
 
 
-_COEFFICIENTS = {f.name for f in fields(FittedCostModel)} - {"residual_quantiles", "metadata"}
+_COEFFICIENTS = {f.name for f in fields(FittedCostModel)} - {"residual_quantiles", "residual_quantiles_by_kind",
+                                                              "metadata"}
+STEP_KINDS = ("prefill", "decode")  # residual_quantiles_by_kind: steps with a prefill chunk, decode-only steps
 
 
 def check_profile(prof, where: str) -> None:
@@ -209,6 +219,14 @@ def check_profile(prof, where: str) -> None:
     rq = prof.get("residual_quantiles", {})
     if not isinstance(rq, dict) or not all(_number(x) for x in rq.values()):
         bad("residual_quantiles", rq, "an object of quantile name -> number")
+    by_kind = prof.get("residual_quantiles_by_kind", {})
+    if not isinstance(by_kind, dict):
+        bad("residual_quantiles_by_kind", by_kind, f"an object of step kind ({', '.join(STEP_KINDS)}) -> quantiles")
+    for k, q in by_kind.items():
+        if k not in STEP_KINDS:
+            bad(f"residual_quantiles_by_kind.{k}", q, f"unknown step kind; known: {list(STEP_KINDS)}")
+        if not isinstance(q, dict) or not all(_number(x) for x in q.values()):
+            bad(f"residual_quantiles_by_kind.{k}", q, "an object of quantile name -> number")
     for key in ("model", "device"):
         if key in prof["metadata"] and not isinstance(prof["metadata"][key], str):
             bad(f"metadata.{key}", prof["metadata"][key], "must be a string")

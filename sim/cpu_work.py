@@ -121,6 +121,10 @@ class WithCpuWork:
     def residual_quantiles(self) -> dict:
         return getattr(self.base, "residual_quantiles", {})
 
+    @property
+    def residual_quantiles_by_kind(self) -> dict:
+        return getattr(self.base, "residual_quantiles_by_kind", {})
+
     def gpu_time(self, f: BatchFeatures) -> float:
         return self._gpu(f)
 

@@ -25,31 +25,53 @@ STATS = ("p50", "p90", "p95", "p99")
 class NoisyCostModel:
     """A fitted model whose step times scatter as the profiled engine's did: each step takes the
     prediction times a ratio measured/predicted drawn from the profile's out-of-sample residual
-    quantiles (interpolated between them)."""
+    quantiles (interpolated between them). With `residual_quantiles_by_kind` in the profile, a
+    step with a prefill chunk draws from the prefill steps' residuals and a decode-only step from
+    the decode steps' (their mean ratios differ: about 1.01 against 1.03 on the CPU profile, so
+    one pooled distribution would lengthen prefill steps); otherwise every step draws from the
+    pooled ones."""
 
     kind = "fitted+noise"
 
     def __init__(self, base, seed: int, scale: float = 1.0) -> None:
         q = base.residual_quantiles
-        levels = sorted(q, key=lambda k: int(k[1:]))
-        if len(levels) < 2:
+        if len(q) < 2:
             raise ValueError("cost_model.profile: residual_quantiles has fewer than 2 levels; "
                              "recalibrate with servetwin calibrate")
-        # residual r = predicted / measured - 1, so measured / predicted = 1 / (1 + r): the
-        # p-quantile of r is the (1 - p)-quantile of the ratio.
-        p = np.array([int(k[1:]) / 100 for k in levels])
-        self._u = (1.0 - p)[::-1]
-        self._ratio = np.array([1.0 / (1.0 + q[k]) for k in levels])[::-1]
+        self._u, self._ratio = _ratio_table(q)
+        by_kind = getattr(base, "residual_quantiles_by_kind", None) or {}
+        self._prefill = _ratio_table(by_kind["prefill"]) if len(by_kind.get("prefill", ())) >= 2 else None
+        self._decode = _ratio_table(by_kind["decode"]) if len(by_kind.get("decode", ())) >= 2 else None
         self.base = base
         self.rng = np.random.default_rng(seed)
         self.scale = scale
         self.metadata = base.metadata
 
+    def ratio_table(self, f) -> tuple[np.ndarray, np.ndarray]:
+        """(uniform levels, ratio measured/predicted) the noise of a step with features f draws from."""
+        table = self._prefill if f.num_prefill_reqs else self._decode
+        return table if table is not None else (self._u, self._ratio)
+
     def step_time(self, f) -> float:
-        return self.base.step_time(f) * self.scale * float(np.interp(self.rng.random(), self._u, self._ratio))
+        u, ratio = self.ratio_table(f)
+        return self.base.step_time(f) * self.scale * float(np.interp(self.rng.random(), u, ratio))
+
+    def mean_ratio(self, f) -> float:
+        """The mean of the ratio a step with features f is multiplied by (times scale)."""
+        u, ratio = self.ratio_table(f)
+        return self.scale * float(np.sum((ratio[1:] + ratio[:-1]) * np.diff(u)) / 2)  # step_time's interp
 
     def describe(self) -> dict:
         return {"kind": self.kind, **self.metadata}
+
+
+def _ratio_table(q: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Residual quantiles {"p05": r, ...} (r = predicted / measured - 1) as (uniform levels
+    ascending, ratio measured / predicted = 1 / (1 + r)): the p-quantile of r is the
+    (1 - p)-quantile of the ratio."""
+    levels = sorted(q, key=lambda k: int(k[1:]))
+    p = np.array([int(k[1:]) / 100 for k in levels])
+    return (1.0 - p)[::-1], np.array([1.0 / (1.0 + q[k]) for k in levels])[::-1]
 
 
 def has_residuals(cost_model) -> bool:

@@ -89,6 +89,41 @@ def test_grouped_cv_flags_an_overfit_model():
     assert q == sorted(q) and q[0] < 0 < q[-1]
 
 
+def test_fit_keeps_residuals_per_kind_of_step():
+    """Prefill steps scatter 2% around the truth, decode steps 20%: the per-kind out-of-sample
+    residuals keep the two spreads apart, the pooled ones mix them."""
+    truth = FittedCostModel(intercept_s=0.004, per_req_s=2e-5, per_token_s=1e-6, per_decode_ctx_s=5e-8)
+    rng = np.random.default_rng(5)
+    rows, times, groups = [], [], []
+    for g in range(6):
+        for _ in range(200):
+            if g % 2:
+                n = int(rng.integers(1, 32))
+                b = BatchFeatures(num_reqs=n, num_decode_reqs=n, decode_context_tokens=n * int(rng.integers(16, 900)))
+                sd = 0.2
+            else:
+                b = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=int(rng.integers(64, 2048)))
+                sd = 0.02
+            rows.append(b.as_dict())
+            times.append(truth.step_time(b) * float(np.exp(rng.normal(0, sd))))
+            groups.append(f"g{g}")
+    fit = fit_cost_model(rows, times, groups=groups)
+    by_kind = fit.residual_quantiles_by_kind
+    assert set(by_kind) == {"prefill", "decode"}
+
+    def spread(q):
+        return q["p90"] - q["p10"]
+
+    # Independent expectation: the 10-90% spread of r = exp(-e) - 1, e ~ N(0, sd), is about 2.56 sd.
+    assert spread(by_kind["prefill"]) == pytest.approx(2.56 * 0.02, rel=0.3)
+    assert spread(by_kind["decode"]) == pytest.approx(2 * np.sinh(1.2816 * 0.2), rel=0.3)
+    assert spread(by_kind["prefill"]) < spread(fit.residual_quantiles) < spread(by_kind["decode"])
+    # A sweep with too few prefill steps keeps only the decode kind.
+    few = fit_cost_model(rows[200:400] + rows[:10] + rows[600:800], times[200:400] + times[:10] + times[600:800],
+                         groups=groups[200:400] + groups[:10] + groups[600:800])
+    assert set(few.residual_quantiles_by_kind) == {"decode"}
+
+
 def _hashed_blocks(eng) -> int:
     return sum(b.block_hash is not None for b in eng.scheduler.kv_cache_manager.block_pool.blocks)
 

@@ -38,6 +38,8 @@ def write(tmp_path, name, obj) -> str:
     ({"coefficients": {"per_banana_s": 1.0}}, "coefficients.per_banana_s"),
     ({"coefficients": {"hinges": [[256]]}}, "coefficients.hinges"),
     ({"residual_quantiles": {"p50": "a"}}, "residual_quantiles"),
+    ({"residual_quantiles_by_kind": {"mixed": {"p50": 0.0}}}, "residual_quantiles_by_kind.mixed"),
+    ({"residual_quantiles_by_kind": {"decode": {"p50": None}}}, "residual_quantiles_by_kind.decode"),
 ])
 def test_corrupt_profile_is_refused_naming_the_field(tmp_path, patch, field):
     prof = {**GOOD, **patch}
@@ -111,6 +113,31 @@ def test_noisy_cost_model_draws_the_residual_distribution():
     # r = pred / measured - 1 is uniform on [-0.2, 0.2] here, so measured / pred = 1 / (1 + r):
     for q in (0.1, 0.5, 0.9):
         assert np.quantile(ratio, q) == pytest.approx(1 / (1 + (0.2 - 0.4 * q)), rel=0.01)
+
+
+def test_noisy_cost_model_draws_each_kind_of_step_from_its_own_residuals(tmp_path):
+    # Prefill steps: r uniform on [-0.05, 0.05]; decode steps: r uniform on [-0.3, 0.3].
+    prof = {**GOOD, "residual_quantiles_by_kind": {
+        "prefill": {f"p{q:02d}": (q - 50) / 1000 for q in range(0, 101, 5)},
+        "decode": {f"p{q:02d}": (q - 50) * 0.006 for q in range(0, 101, 5)}}}
+    base = FittedCostModel.from_profile(load_profile(write(tmp_path, "p.json", prof)))
+    assert FittedCostModel.from_profile(base.to_profile()).residual_quantiles_by_kind == prof["residual_quantiles_by_kind"]
+    noisy = NoisyCostModel(base, seed=1)
+    from engine.core.features import BatchFeatures
+    dec = BatchFeatures(num_reqs=4, num_decode_reqs=4, decode_context_tokens=400)
+    pre = BatchFeatures(num_reqs=2, num_prefill_reqs=1, num_decode_reqs=1, num_prefill_tokens=200,
+                        prefill_attn_pairs=20000, decode_context_tokens=100)
+    for f, half in ((dec, 0.3), (pre, 0.05)):
+        ratio = np.array([noisy.step_time(f) for _ in range(20000)]) / base.step_time(f)
+        for q in (0.1, 0.5, 0.9):
+            assert np.quantile(ratio, q) == pytest.approx(1 / (1 + half * (1 - 2 * q)), rel=0.01)
+        # E[1 / (1 + r)] for r uniform on [-h, h] is ln((1 + h) / (1 - h)) / (2h).
+        expect = np.log((1 + half) / (1 - half)) / (2 * half)
+        assert noisy.mean_ratio(f) == pytest.approx(expect, rel=2e-3)
+        assert ratio.mean() == pytest.approx(expect, rel=5e-3)
+    # Without per-kind residuals both kinds draw from the pooled ones.
+    pooled = NoisyCostModel(FittedCostModel.from_profile(GOOD), seed=1)
+    assert pooled.mean_ratio(dec) == pooled.mean_ratio(pre) == pytest.approx(np.log(1.2 / 0.8) / 0.4, rel=2e-3)
 
 
 def test_simulate_prints_and_saves_intervals(tmp_path, capsys):
