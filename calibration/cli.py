@@ -36,6 +36,9 @@ def add_calibration_args(sub) -> None:
                    help="fractions of the engine's measured capacity (default 0.3 0.6 0.9 and overload 1.2)")
     p.add_argument("--seeds", type=int, default=3, help="workload seeds per load (default 3)")
     p.add_argument("--duration-s", type=float, default=20.0, help="arrival window of each run (s)")
+    p.add_argument("--min-requests", type=int, default=None,
+                   help="requests per run at least (a light load's window grows to hold them; "
+                        "default calibration.validate.MIN_REQUESTS)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: the profile's, else torch's)")
     p.add_argument("--no-speed-probe", action="store_true",
