@@ -92,6 +92,18 @@ def test_penalties_formulas():
             assert float(got[r, t]) == pytest.approx(x, abs=1e-5), (r, t)
 
 
+def test_greedy_takes_the_first_of_tied_maxima():
+    # Ties in a wide row (the kernel splits it across threads): the first maximal index wins, as
+    # torch.argmax and vLLM's greedy sampler pick; mixed with a sampled row too.
+    logits = torch.zeros(3, 49152)
+    logits[0, [7, 9000, 40000]] = 2.0
+    logits[1, [30000, 20000]] = float("inf")
+    greedy = Row(SamplingParams(temperature=0))
+    assert Sampler()(logits.clone(), [greedy, greedy, greedy]) == [7, 20000, 0]
+    got = Sampler(make_generator(0))(logits.clone(), [greedy, Row(SamplingParams(temperature=1.0)), greedy])
+    assert got[0] == 7 and got[2] == 0
+
+
 def test_penalties_change_greedy_choice():
     logits = torch.tensor([[0.0, 5.0, 4.9, 1.0]])
     sampler = Sampler()

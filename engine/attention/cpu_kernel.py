@@ -35,6 +35,8 @@ def _cflags() -> list[str]:
         cpu = ""
     if " avx2" in cpu and " fma" in cpu:
         flags += ["-mavx2", "-mfma"]
+    if " avx512f" in cpu:
+        flags += ["-mavx512f"]
     return flags
 
 

@@ -6,6 +6,11 @@
 // read). Here each (sequence, KV head) task reads its K and V rows once, in place, through the
 // block table; its g = Hq / Hkv query heads share every row it reads (exact GQA).
 //
+// With AVX-512, head_dim 64 (SmolLM2; other head dims take the AVX2 path) and up to 4
+// query heads per KV head, decode_task64 does a task in three vector passes instead: K rows read
+// once for all query heads, a vectorised exp, and V rows read once for all query heads (the AVX2
+// path reads V once per query head).
+//
 // Built on first use by engine/attention/cpu_kernel.py (torch.utils.cpp_extension); the torch
 // path stays the fallback and the reference.
 
@@ -18,7 +23,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -87,6 +92,113 @@ inline void weighted_sum(float* __restrict acc, const float* const* rows, const 
   }
 }
 
+#if defined(__AVX512F__)
+// exp(x) for 16 floats (Cephes' expf polynomial, about 1 ulp; x clamped to +-88.38, where it
+// underflows to 0 or saturates).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
+  const __m512i n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(n));
+}
+
+// One (sequence, KV head) task with head_dim 64 and G query heads per KV head, in three passes
+// over the context: scores (each K row read once for all G heads, the queries in registers),
+// softmax with a vectorised exp, and one pass over V accumulating all G heads at once (each V
+// row read once). o: the first of the G heads' output rows (consecutive, 64 floats apart).
+template <int G>
+void decode_task64(const float* __restrict qh, const float* const* krow, const float* const* vrow, int64_t len,
+                   float sc, float* __restrict s, float* __restrict o) {
+  __m512 q[G][4];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < 4; ++c) q[j][c] = _mm512_loadu_ps(qh + j * 64 + 16 * c);
+  for (int64_t t = 0; t < len; ++t) {
+    const float* k = krow[t];
+    if (t + 8 < len) {  // rows are scattered over blocks: fetch ahead of the prefetcher
+      for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(krow[t + 8] + 16 * c), _MM_HINT_T0);
+    }
+    const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32),
+                 k3 = _mm512_loadu_ps(k + 48);
+    for (int j = 0; j < G; ++j) {
+      __m512 a = _mm512_mul_ps(q[j][0], k0);
+      a = _mm512_fmadd_ps(q[j][1], k1, a);
+      a = _mm512_fmadd_ps(q[j][2], k2, a);
+      a = _mm512_fmadd_ps(q[j][3], k3, a);
+      s[j * len + t] = _mm512_reduce_add_ps(a) * sc;
+    }
+  }
+  float inv[G];
+  const int64_t full = len & ~int64_t(15);
+  const __mmask16 tail = static_cast<__mmask16>((1u << (len - full)) - 1u);
+  for (int j = 0; j < G; ++j) {
+    float* sj = s + j * len;
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < full; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sj + t));
+    if (tail) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail, sj + full));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < full; t += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sj + t), m));
+      _mm512_storeu_ps(sj + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (tail) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sj + full), m));
+      _mm512_mask_storeu_ps(sj + full, tail, e);
+      sum = _mm512_mask_add_ps(sum, tail, sum, e);
+    }
+    inv[j] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  __m512 acc[G][4];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const float* v = vrow[t];
+    if (t + 8 < len) {
+      for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(vrow[t + 8] + 16 * c), _MM_HINT_T0);
+    }
+    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                 v3 = _mm512_loadu_ps(v + 48);
+    for (int j = 0; j < G; ++j) {
+      const __m512 p = _mm512_set1_ps(s[j * len + t]);
+      acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
+      acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
+      acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
+      acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);
+    }
+  }
+  for (int j = 0; j < G; ++j) {
+    const __m512 w = _mm512_set1_ps(inv[j]);
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + j * 64 + 16 * c, _mm512_mul_ps(acc[j][c], w));
+  }
+}
+
+using Task64 = void (*)(const float*, const float* const*, const float* const*, int64_t, float, float*, float*);
+
+inline Task64 task64_for(int64_t g, int64_t d) {
+  if (d != 64) return nullptr;
+  switch (g) {
+    case 1: return decode_task64<1>;
+    case 2: return decode_task64<2>;
+    case 3: return decode_task64<3>;
+    case 4: return decode_task64<4>;
+    default: return nullptr;
+  }
+}
+#endif
+
 }  // namespace
 
 // out[rows[i], h*g + j, :] = softmax(scale * q . K_i) V_i for sequence i, KV head h, j < g.
@@ -119,6 +231,9 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
     TORCH_CHECK(sl[i] >= 1 && sl[i] <= max_blocks * bs, "paged_decode: seq_lens[", i, "]=", sl[i],
                 " does not fit its block table");
 
+#if defined(__AVX512F__)
+  const Task64 task64 = task64_for(g, d);
+#endif
   at::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s;                   // [g, L] scores, then unnormalised probabilities
     std::vector<const float*> krow, vrow;  // [L] this task's K and V rows in the cache
@@ -135,6 +250,12 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
         krow[t] = kc + at;
         vrow[t] = vc + at;
       }
+#if defined(__AVX512F__)
+      if (task64 != nullptr) {
+        task64(qh, krow.data(), vrow.data(), len, sc, s.data(), o + (r[i] * hq + h * g) * d);
+        continue;
+      }
+#endif
       for (int64_t t = 0; t < len; ++t) {
         if (t + 8 < len) {  // rows are scattered over blocks: fetch ahead of the prefetcher
           for (int64_t x = 0; x < d; x += 16) __builtin_prefetch(krow[t + 8] + x);

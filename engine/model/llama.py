@@ -118,12 +118,18 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, 1, D] of the positions: the same for every layer, so the model computes
+        them once per forward."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -193,12 +199,12 @@ class Attention(nn.Module):
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-        md: AttentionMetadata, backend: AttentionBackend,
+        md: AttentionMetadata, backend: AttentionBackend, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(
-            positions, q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
+            positions, q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim), cos_sin
         )
         backend.write_kv(k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache, md.slot_mapping)
         o = backend.attention(q, kv_cache, md, self.scale)
@@ -224,12 +230,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, kv_cache, md, backend):
+    def forward(self, positions, hidden, residual, kv_cache, md, backend, cos_sin=None):
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, md, backend)
+        hidden = self.self_attn(positions, hidden, kv_cache, md, backend, cos_sin)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -285,8 +291,9 @@ class LlamaForCausalLM(nn.Module):
         if self.attn_backend is None:
             self.attn_backend = get_attention_backend(input_ids.device)
         hidden, residual = self.model.embed_tokens(input_ids), None
+        cos_sin = self.model.layers[0].self_attn.rotary_emb.cos_sin(positions, hidden.dtype) if len(kv_caches) else None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata, self.attn_backend)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata, self.attn_backend, cos_sin)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
