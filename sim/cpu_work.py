@@ -116,6 +116,30 @@ class WithCpuWork:
             self._cpu = self.cpu.time
         self.kind = getattr(base, "kind", "base")
         self.metadata = dict(getattr(base, "metadata", {}))
+        # decode_step_time(n, ctx), the fast steps' shortcut for a decode-only step: where the
+        # base has one for its GPU time (kernel tables) and the CPU work of such a step depends
+        # on n alone (CpuWork, or the base's own default), else step_time(features) is used.
+        gpu_decode = getattr(base, "_decode_time", None) if self._gpu == getattr(base, "gpu_time", None) else None
+        if cpu is not None:
+            cpu_decode = self._cpu_decode
+        else:
+            cpu_decode = getattr(base, "_decode_cpu", None) if self._cpu == getattr(base, "cpu_time", None) else None
+        if gpu_decode is not None and cpu_decode is not None:
+            self._gpu_decode, self._cpu_decode_of = gpu_decode, cpu_decode
+            self._memo_c: dict[int, float] = {}
+            self.decode_step_time = self._decode_step_time
+
+    def _cpu_decode(self, n: int, ctx: int) -> float:
+        c = self._memo_c.get(n)
+        if c is None:
+            c = self._memo_c[n] = self.cpu.time(BatchFeatures(num_reqs=n, num_decode_reqs=n))
+        return c
+
+    def _decode_step_time(self, n: int, ctx: int) -> float:
+        """step_time of a step of n decodes reading ctx KV tokens, without building its features."""
+        g = self._gpu_decode(n, ctx)
+        c = self._cpu_decode_of(n, ctx)
+        return (c if c > g else g) if self.async_scheduling else c + g
 
     @property
     def residual_quantiles(self) -> dict:

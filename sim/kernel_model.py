@@ -309,6 +309,7 @@ class KernelCostModel(CostModel):
         self._memo_t: dict = {}   # token count -> (terms, lookups): breakdown's per-T terms
         self._memo_s: dict = {}   # sampled rows -> ((lm_head, sampler, gather), lookups)
         self._memo_d: dict = {}   # decodes in a decode-only step -> its terms but attention
+        self._memo_c: dict = {}   # decodes in a decode-only step -> default CPU work
         self._cpu_work = None
         self.kv_heads = m.kv_heads_per_gpu(tp)
         self.q_heads = m.num_heads // tp
@@ -541,21 +542,77 @@ class KernelCostModel(CostModel):
 
     def _decode_time(self, n: int, ctx: int) -> float:
         """gpu_time of a step of n decodes reading ctx KV tokens: the terms that depend on n
-        alone are memoised as one sum (counters replayed), the attention is looked up."""
+        alone are memoised as one sum (counters replayed), the attention is looked up.
+
+        A simulated run asks this for most of its steps, so the attention lookup is Grid._call2
+        with the batch axis resolved once per n (same corners, same order, the same float); a
+        query outside the measured axes, or on a cell with an unmeasured corner, goes through
+        _look (roofline scaling, fallback count, warning)."""
         hit = self._memo_d.get(n)
         if hit is None:
-            before = (self.lookups, dict(self.fallbacks))
-            tk = self._by_tokens(n)
-            head, sampler, gather = self._by_rows(n)
-            pre = 0 + tk["gemm"] + tk["elementwise"] + (tk["allreduce"] + gather)
-            hit = ((pre, head, sampler), *self._delta(before))
-            if len(self._memo_d) < 65536:
-                self._memo_d[n] = hit
-        else:
-            self._replay(hit)
-        pre, head, sampler = hit[0]
-        att = 0.0 + self.model.num_layers * self._look("generation_attention", self.g_gen, n, max(ctx / n, 1.0))
+            hit = self._decode_terms(n)  # counts its lookups as it makes them
+        elif hit[3]:
+            self.lookups += hit[3]
+            if hit[4]:
+                for k, v in hit[4].items():
+                    self.fallbacks[k] += v
+        pre, head, sampler, _n, _fb, row = hit
+        y = ctx / n
+        if y < 1.0:
+            y = 1.0
+        if row is not None:
+            v, lg, cell_ok, f, a, b, i, grid = row
+            if v[0] <= y <= v[-1]:
+                j = bisect.bisect_right(v, y) - 1
+                if j > len(v) - 2:
+                    j = len(v) - 2
+                g = (math.log(y) - lg[j]) / (lg[j + 1] - lg[j])
+                if cell_ok[j] or grid._corners_measured((i, j), (f, g)):
+                    acc = 0.0
+                    acc += ((1.0 - f) * (1.0 - g)) * a[j]
+                    acc += (f * (1.0 - g)) * b[j]
+                    acc += ((1.0 - f) * g) * a[j + 1]
+                    acc += (f * g) * b[j + 1]
+                    self.lookups += 1
+                    return pre + (0.0 + self.model.num_layers * (math.exp(acc) * 1e-6)) + head + sampler
+        att = 0.0 + self.model.num_layers * self._look("generation_attention", self.g_gen, n, y)
         return pre + att + head + sampler
+
+    def _decode_terms(self, n: int) -> tuple:
+        """_decode_time's memo entry for n decodes: (GEMM, elementwise and all-reduce sum, LM head,
+        sampler, lookups and fallbacks to replay, the attention grid's row at batch n or None)."""
+        before = (self.lookups, dict(self.fallbacks))
+        tk = self._by_tokens(n)
+        head, sampler, gather = self._by_rows(n)
+        pre = 0 + tk["gemm"] + tk["elementwise"] + (tk["allreduce"] + gather)
+        num_lookups, fallbacks = self._delta(before)
+        grid, row = self.g_gen, None
+        if grid._fast == grid._call2:
+            v0 = grid.values[0]
+            if v0[0] <= n <= v0[-1]:
+                _xc, i, f = grid._first(n)
+                row = (grid.values[1], grid.logs[1], grid._cell_ok[i], f, grid._L[i], grid._L[i + 1], i, grid)
+        hit = (pre, head, sampler, num_lookups, fallbacks, row)
+        if len(self._memo_d) < 65536:
+            self._memo_d[n] = hit
+        return hit
+
+    def decode_step_time(self, n: int, ctx: int) -> float:
+        """step_time of a step of n decodes reading ctx KV tokens (the simulator's fast steps ask
+        this instead of building features): gpu_time plus cpu_time, as step_time adds them."""
+        return self._decode_time(n, ctx) + self._decode_cpu(n, ctx)
+
+    def _decode_cpu(self, n: int, ctx: int) -> float:
+        """cpu_time of a decode-only step of n requests reading ctx KV tokens; memoised per n with
+        the default CpuWork, which does not depend on the context read."""
+        if self.cpu_model is not None:  # a hook may read anything
+            return self.cpu_model(BatchFeatures(num_reqs=n, num_decode_reqs=n, decode_context_tokens=ctx))
+        c = self._memo_c.get(n)
+        if c is None:
+            c = self.cpu_time(BatchFeatures(num_reqs=n, num_decode_reqs=n))
+            if len(self._memo_c) < 65536:
+                self._memo_c[n] = c
+        return c
 
     def _by_tokens(self, T: int) -> dict[str, float]:
         """The terms that depend on the step's token count alone (GEMMs, elementwise kernels,

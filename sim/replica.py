@@ -58,6 +58,8 @@ class Replica:
         self.index = index
         self.scheduler = Scheduler(config)
         self.cost = cost_model
+        # A decode-only step's time without building its features, where the cost model has it.
+        self._decode_time = getattr(cost_model, "decode_step_time", None)
         self.use_steady = sim.use_steady
         self.book = Book(sim.keep_token_times)
         self.inbox: list[SimRequest] = []
@@ -194,7 +196,8 @@ class Replica:
                     until = self.deadlines[0][0]
                 if self.inbox:  # held back: one step, then they are admitted
                     until, then = min(until, math.nextafter(now, math.inf)), 0
-                adv = sched.advance(TOKEN, self.cost.step_time, now, until, watch=_disconnect_point, then=then)
+                adv = sched.advance(TOKEN, self.cost.step_time, now, until, watch=_disconnect_point, then=then,
+                                    decode_time=self._decode_time)
                 if adv is not None:
                     yield from self._fast_steps(now, adv)
                     continue

@@ -3,6 +3,7 @@ interpolated (log-log), points outside them fall back to the roofline and say so
 import math
 import warnings
 
+import numpy as np
 import pytest
 
 from engine.core.features import BatchFeatures
@@ -182,3 +183,30 @@ def test_a_step_past_the_cuda_graph_sizes_takes_at_least_the_host_launches():
 def test_overheads_refuse_unknown_keys_and_bad_values_naming_them(bad, where):
     with pytest.raises(ValueError, match=where):
         KernelCostModel(get_model("llama-3.1-8b"), "h100-sxm", 1, overheads=bad)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_step_time_is_step_time_of_the_same_decode_step(async_scheduling):
+    """The fast steps' shortcut for a decode-only step gives step_time's float to the bit and
+    counts the same lookups and fallbacks, inside the tables, at their edges and past them
+    (batch 2048 and contexts of 1M tokens are outside the shipped tables)."""
+    from sim.cpu_work import CpuWork, WithCpuWork
+
+    def make():
+        k = KernelCostModel(get_model("llama-3.1-8b"), "h100-sxm", 1)
+        return k, WithCpuWork(k, None, async_scheduling), WithCpuWork(k, CpuWork(step_s=2e-3), async_scheduling)
+
+    rng = np.random.default_rng(0)
+    cases = [(1, 1), (1, 5), (3, 3 * 700), (64, 64 * 1155), (2048, 2048 * 100), (7, 7 * 1_000_000)]
+    cases += [(int(n), int(n * c)) for n, c in zip(rng.integers(1, 600, 200), rng.uniform(0.5, 9000, 200))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (ka, *wa), (kb, *wb) = make(), make()
+        for _ in range(2):  # the second pass hits every memo
+            for n, ctx in cases:
+                f = BatchFeatures(num_reqs=n, num_decode_reqs=n, decode_context_tokens=ctx)
+                assert kb.decode_step_time(n, ctx) == ka.step_time(f)
+                for a, b in zip(wa, wb):
+                    assert b.decode_step_time(n, ctx) == a.step_time(f)
+    assert kb.lookups == ka.lookups and kb.fallbacks == ka.fallbacks
+    assert ka.fallbacks.get("generation_attention", 0) > 0  # the cases reach past the tables

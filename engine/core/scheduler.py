@@ -434,7 +434,7 @@ class Scheduler:
     # ------------------------------------------------------------ fast steps
     def advance(self, token_id: int, step_time: Callable[[BatchFeatures], float], start: float,
                 until: float, watch: Callable[[Request], int | None] | None = None,
-                then: int = 0) -> Advance | None:
+                then: int = 0, decode_time: Callable[[int, int], float] | None = None) -> Advance | None:
         """Steps back to back, for a driver that samples `token_id` for every request (the
         simulator): the steps schedule() + update_from_output(out, {id: [token_id] for each
         sampling request}) would take, while the clock, which starts at `start` and advances
@@ -457,7 +457,9 @@ class Scheduler:
         (unless the run stops earlier for a reason above): a driver whose next outside event
         cannot change the step after it (async scheduling: an arrival during step n first runs
         in step n+2) lets the run go on through that step.
-        The features passed to step_time are valid during the call only.
+        The features passed to step_time are valid during the call only. `decode_time(n, ctx)`,
+        if given, is step_time of a step of n decodes reading ctx KV tokens and nothing else (it
+        must equal step_time on those features); such steps then build no features.
         """
         lazy = self._lazy
         entered: list[Request] = []
@@ -489,9 +491,12 @@ class Scheduler:
                 break
             n, ctx, f = step
             if f is None:
-                decode_f.num_reqs = decode_f.num_decode_reqs = n
-                decode_f.decode_context_tokens = ctx
-                t += step_time(decode_f)
+                if decode_time is not None:
+                    t += decode_time(n, ctx)
+                else:
+                    decode_f.num_reqs = decode_f.num_decode_reqs = n
+                    decode_f.decode_context_tokens = ctx
+                    t += step_time(decode_f)
                 n_sum += n
                 ctx_sum += ctx
             else:
