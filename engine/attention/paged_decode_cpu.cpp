@@ -283,9 +283,182 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
   });
 }
 
+// ------------------------------------------------------------------------------------------
+// Fused elementwise ops of a Llama layer (fp32, CPU), used by engine/model/llama.py when this
+// library is loaded: each replaces a chain of 3-10 torch ops (a dispatch, an allocation and a
+// pass over memory each) with one pass. Rows are split over torch's OpenMP pool.
+
+namespace {
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp(x) for 8 floats (Cephes' expf polynomial, as exp16 above).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
+  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+#endif
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), name, ": a float32 CPU tensor");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": [rows, width] with contiguous rows");
+}
+
+// One row of RMSNorm: o = w * (r / sqrt(mean(r^2) + eps)).
+inline void rms_row(float* __restrict o, const float* __restrict r, const float* __restrict w, int64_t h, float eps) {
+  int64_t i = 0;
+  float ss = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; i + 16 <= h; i += 16) {
+    const __m256 x0 = _mm256_loadu_ps(r + i), x1 = _mm256_loadu_ps(r + i + 8);
+    a0 = _mm256_fmadd_ps(x0, x0, a0);
+    a1 = _mm256_fmadd_ps(x1, x1, a1);
+  }
+  ss = hsum(_mm256_add_ps(a0, a1));
+#endif
+  for (; i < h; ++i) ss += r[i] * r[i];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
+  i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 vi = _mm256_set1_ps(inv);
+  for (; i + 8 <= h; i += 8)
+    _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(r + i), vi)));
+#endif
+  for (; i < h; ++i) o[i] = w[i] * (r[i] * inv);
+}
+
+}  // namespace
+
+// out = RMSNorm(x) * weight, row by row. x, out: [T, H]; weight: [H].
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
+  check_rows(out, "rms_norm: out");
+  check_rows(x, "rms_norm: x");
+  const int64_t t = x.size(0), h = x.size(1);
+  TORCH_CHECK(out.size(0) == t && out.size(1) == h && weight.is_contiguous() && weight.numel() == h &&
+                  weight.scalar_type() == at::kFloat, "rms_norm: shapes out [T, H], x [T, H], weight [H]");
+  float* o = out.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const int64_t so = out.stride(0), sx = x.stride(0);
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, t, 16, [&](int64_t b, int64_t end) {
+    for (int64_t i = b; i < end; ++i) rms_row(o + i * so, xp + i * sx, w, h, e);
+  });
+}
+
+// residual += x, then out = RMSNorm(residual) * weight (the pre-norm residual stream, one pass).
+void add_rms_norm(at::Tensor out, at::Tensor residual, at::Tensor x, at::Tensor weight, double eps) {
+  check_rows(out, "add_rms_norm: out");
+  check_rows(residual, "add_rms_norm: residual");
+  check_rows(x, "add_rms_norm: x");
+  const int64_t t = x.size(0), h = x.size(1);
+  TORCH_CHECK(out.size(0) == t && out.size(1) == h && residual.size(0) == t && residual.size(1) == h &&
+                  weight.is_contiguous() && weight.numel() == h && weight.scalar_type() == at::kFloat,
+              "add_rms_norm: shapes out, residual, x [T, H], weight [H]");
+  float* o = out.data_ptr<float>();
+  float* r = residual.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const int64_t so = out.stride(0), sr = residual.stride(0), sx = x.stride(0);
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, t, 16, [&](int64_t b, int64_t end) {
+    for (int64_t i = b; i < end; ++i) {
+      float* ri = r + i * sr;
+      const float* xi = xp + i * sx;
+      for (int64_t j = 0; j < h; ++j) ri[j] += xi[j];
+      rms_row(o + i * so, ri, w, h, e);
+    }
+  });
+}
+
+// out = silu(gate) * up for gate_up = [gate | up] ([T, 2I]); out: [T, I].
+void silu_mul(at::Tensor out, at::Tensor gate_up) {
+  check_rows(out, "silu_mul: out");
+  check_rows(gate_up, "silu_mul: gate_up");
+  const int64_t t = gate_up.size(0), n = out.size(1);
+  TORCH_CHECK(out.size(0) == t && gate_up.size(1) == 2 * n, "silu_mul: out [T, I], gate_up [T, 2I]");
+  float* o = out.data_ptr<float>();
+  const float* g = gate_up.data_ptr<float>();
+  const int64_t so = out.stride(0), sg = gate_up.stride(0);
+  at::parallel_for(0, t, 4, [&](int64_t b, int64_t end) {
+    for (int64_t i = b; i < end; ++i) {
+      float* oi = o + i * so;
+      const float* gi = g + i * sg;
+      const float* ui = gi + n;
+      int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      const __m256 one = _mm256_set1_ps(1.0f);
+      for (; j + 8 <= n; j += 8) {
+        const __m256 x = _mm256_loadu_ps(gi + j);
+        const __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)));
+        _mm256_storeu_ps(oi + j, _mm256_mul_ps(_mm256_div_ps(x, den), _mm256_loadu_ps(ui + j)));
+      }
+#endif
+      for (; j < n; ++j) oi[j] = gi[j] / (1.0f + std::exp(-gi[j])) * ui[j];
+    }
+  });
+}
+
+// Rotate-half RoPE (HF Llama): for each head of x [T, H, D] (rows of heads contiguous, any token
+// stride), out = x * cos + rotate_half(x) * sin with cos, sin [T, D] (the two halves equal, as
+// the model's cos_sin builds them); out: [T, H, D] contiguous.
+void rope(at::Tensor out, at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat, "rope: float32 tensors");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && out.is_contiguous() &&
+                  out.sizes() == x.sizes(), "rope: x [T, H, D] with contiguous heads, out like x and contiguous");
+  const int64_t t = x.size(0), nh = x.size(1), d = x.size(2), half = d / 2;
+  TORCH_CHECK(d % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() && cos.numel() == t * d &&
+                  sin.numel() == t * d, "rope: cos and sin [T, D] contiguous, D even");
+  float* o = out.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t sx = x.stride(0);
+  at::parallel_for(0, t, 16, [&](int64_t b, int64_t end) {
+    for (int64_t i = b; i < end; ++i) {
+      const float* c = cp + i * d;
+      const float* s = sp + i * d;
+      for (int64_t h = 0; h < nh; ++h) {
+        const float* xi = xp + i * sx + h * d;
+        float* oi = o + (i * nh + h) * d;
+        for (int64_t j = 0; j < half; ++j) {
+          const float a = xi[j], bb = xi[j + half];
+          oi[j] = a * c[j] - bb * s[j];
+          oi[j + half] = bb * c[j + half] + a * s[j + half];
+        }
+      }
+    }
+  });
+}
+
 TORCH_LIBRARY(servetwin, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor rows, "
         "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("silu_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def("rope(Tensor(a!) out, Tensor x, Tensor cos, Tensor sin) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(servetwin, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(servetwin, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rope", &rope);
+}

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention import cpu_kernel
 from engine.attention.backend import AttentionBackend, get_attention_backend
 from engine.attention.metadata import AttentionMetadata
 
@@ -108,6 +109,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     raise NotImplementedError(f"rope_scaling type={kind!r} is not supported (supported: None, 'linear', 'llama3')")
 
 
+def _fused(x: torch.Tensor):
+    """The compiled CPU library's fused elementwise ops (engine/attention/paged_decode_cpu.cpp:
+    rms_norm, add_rms_norm, silu_mul, rope) where they apply to x (fp32 on the CPU, no autograd),
+    else None (the torch ops below, the reference)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
+        return None
+    return cpu_kernel.load()
+
+
 class RotaryEmbedding(nn.Module):
     """Non-interleaved (rotate-half) RoPE, the HF Llama convention, computed per step from positions.
 
@@ -130,6 +140,12 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, q.dtype)
+        ops = _fused(q)
+        if ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+            qo, ko = torch.empty(q.shape), torch.empty(k.shape)
+            ops.rope(qo, q, cos, sin)
+            ops.rope(ko, k, cos, sin)
+            return qo, ko
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -147,6 +163,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """With `residual`, it is updated in place by the fused CPU op (the caller passes the
+        layer stack's own residual stream) and returned; the torch path returns a new tensor."""
+        ops = _fused(x)
+        if ops is not None and x.dim() == 2 and x.stride(-1) == 1:
+            out = torch.empty(x.shape)
+            if residual is None:
+                ops.rms_norm(out, x, self.weight, self.eps)
+                return out
+            if residual.dtype == torch.float32 and residual.dim() == 2 and residual.stride(-1) == 1:
+                ops.add_rms_norm(out, residual, x, self.weight, self.eps)
+                return out, residual
         if residual is not None:
             x = x + residual
             residual = x
@@ -218,7 +245,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = _fused(gate_up)
+        if ops is not None and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+            act = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2))
+            ops.silu_mul(act, gate_up)
+            return self.down_proj(act)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
