@@ -119,11 +119,11 @@ class WithCpuWork:
         # decode_step_time(n, ctx), the fast steps' shortcut for a decode-only step: where the
         # base has one for its GPU time (kernel tables) and the CPU work of such a step depends
         # on n alone (CpuWork, or the base's own default), else step_time(features) is used.
-        gpu_decode = getattr(base, "_decode_time", None) if self._gpu == getattr(base, "gpu_time", None) else None
+        gpu_decode = getattr(base, "decode_gpu_time", None) if self._gpu == getattr(base, "gpu_time", None) else None
         if cpu is not None:
             cpu_decode = self._cpu_decode
         else:
-            cpu_decode = getattr(base, "_decode_cpu", None) if self._cpu == getattr(base, "cpu_time", None) else None
+            cpu_decode = getattr(base, "decode_cpu_time", None) if self._cpu == getattr(base, "cpu_time", None) else None
         if gpu_decode is not None and cpu_decode is not None:
             self._gpu_decode, self._cpu_decode_of = gpu_decode, cpu_decode
             self._memo_c: dict[int, float] = {}

@@ -488,7 +488,7 @@ class KernelCostModel(CostModel):
     def gpu_time(self, f: BatchFeatures) -> float:
         """sum(breakdown(f).values()), in the same order, without building the dict."""
         if not f.num_prefill_tokens and not f.num_prefill_reqs and f.num_decode_reqs:
-            return self._decode_time(f.num_decode_reqs, f.decode_context_tokens)
+            return self.decode_gpu_time(f.num_decode_reqs, f.decode_context_tokens)
         T = f.num_prefill_tokens + f.num_decode_reqs
         if T == 0:
             return 0.0
@@ -540,7 +540,7 @@ class KernelCostModel(CostModel):
             out["eager_launch"] = max(0.0, floor - sum(out.values()))
         return out
 
-    def _decode_time(self, n: int, ctx: int) -> float:
+    def decode_gpu_time(self, n: int, ctx: int) -> float:
         """gpu_time of a step of n decodes reading ctx KV tokens: the terms that depend on n
         alone are memoised as one sum (counters replayed), the attention is looked up.
 
@@ -579,7 +579,7 @@ class KernelCostModel(CostModel):
         return pre + att + head + sampler
 
     def _decode_terms(self, n: int) -> tuple:
-        """_decode_time's memo entry for n decodes: (GEMM, elementwise and all-reduce sum, LM head,
+        """decode_gpu_time's memo entry for n decodes: (GEMM, elementwise and all-reduce sum, LM head,
         sampler, lookups and fallbacks to replay, the attention grid's row at batch n or None)."""
         before = (self.lookups, dict(self.fallbacks))
         tk = self._by_tokens(n)
@@ -600,9 +600,9 @@ class KernelCostModel(CostModel):
     def decode_step_time(self, n: int, ctx: int) -> float:
         """step_time of a step of n decodes reading ctx KV tokens (the simulator's fast steps ask
         this instead of building features): gpu_time plus cpu_time, as step_time adds them."""
-        return self._decode_time(n, ctx) + self._decode_cpu(n, ctx)
+        return self.decode_gpu_time(n, ctx) + self.decode_cpu_time(n, ctx)
 
-    def _decode_cpu(self, n: int, ctx: int) -> float:
+    def decode_cpu_time(self, n: int, ctx: int) -> float:
         """cpu_time of a decode-only step of n requests reading ctx KV tokens; memoised per n with
         the default CpuWork, which does not depend on the context read."""
         if self.cpu_model is not None:  # a hook may read anything

@@ -8,14 +8,18 @@ Requests end by their workload output length (ignore_eos) or by cancellation.
 Speed: the replica asks the scheduler to `advance()` up to the next outside event (an arrival or
 a deadline): it takes the steps in which every running request decodes in O(events) per step
 instead of O(running requests), with the code of its plain steps, and the replica waits once on
-SimPy's clock for all of them. It stops early after a step in which a request finished or a
-client hangs up. Timestamps are identical to stepping one by one with schedule()
+SimPy's clock for all of them. It stops early after a step in which a client hangs up, or in
+which a request finished when a finish can bring an outside event (Simulation.quiet_finishes is
+false: a closed loop, a warm-up, a load-aware router); otherwise the finishes of a run are
+recorded at their steps' ends and reported to the simulation (on_finish) when the run ends. Timestamps are identical to stepping one by one with schedule()
 (tests/test_sim.py, tests/test_sim_fuzz.py check it).
 
 steps.csv: a plain step is one row; the steps of one advance() call are one row with num_steps
-> 1 whose feature columns (num_reqs ... num_preempted) and forward_s are sums over those steps,
-and num_running, num_waiting and kv_usage are as after its last step. Rows stay one per outside
-event at most, so memory is bounded by the events, not by the steps.
+> 1 (one row per finish it went on through, and one for the steps after the last) whose feature
+columns (num_reqs ... num_preempted) and forward_s are sums over those steps, and num_running,
+num_waiting and kv_usage are as after its last step. The rows are the same whether a run stops
+at a finish or goes on through it, one per outside event or finish at most, so memory is bounded
+by the events, not by the steps.
 """
 from __future__ import annotations
 
@@ -61,6 +65,9 @@ class Replica:
         # A decode-only step's time without building its features, where the cost model has it.
         self._decode_time = getattr(cost_model, "decode_step_time", None)
         self.use_steady = sim.use_steady
+        # Whether a finish can cause an outside event (a closed loop's next send, a warm-up phase
+        # ending, a load-aware router's choice); if not, fast steps run on through finishes.
+        self._stop_at_finish = not getattr(sim, "quiet_finishes", False)
         self.book = Book(sim.keep_token_times)
         self.inbox: list[SimRequest] = []
         self.inbox_s: list[float] = []  # when each inbox request reached the engine
@@ -197,7 +204,7 @@ class Replica:
                 if self.inbox:  # held back: one step, then they are admitted
                     until, then = min(until, math.nextafter(now, math.inf)), 0
                 adv = sched.advance(TOKEN, self.cost.step_time, now, until, watch=_disconnect_point, then=then,
-                                    decode_time=self._decode_time)
+                                    decode_time=self._decode_time, stop_at_finish=self._stop_at_finish)
                 if adv is not None:
                     yield from self._fast_steps(now, adv)
                     continue
@@ -277,7 +284,14 @@ class Replica:
         t = adv.ends[-1] if k else now
         if k:
             self._last_start = adv.ends[-2] if k > 1 else now
-            self._record_step(step0, now, t, k, adv.features)
+            prev, start = 0, now
+            for cut in adv.cuts:  # finishes the run went on through: a row ends at each
+                end = adv.ends[cut.num_steps - 1]
+                self._record_step(step0 + prev, start, end, cut.num_steps - prev, cut.features,
+                                  (cut.num_running, cut.num_waiting, cut.num_free_blocks))
+                prev, start = cut.num_steps, end
+            if k > prev:
+                self._record_step(step0 + prev, start, t, k - prev, adv.features)
         if adv.left is not None:
             self._sync_lazy_records(adv.left)
             self._late = None
@@ -290,19 +304,22 @@ class Replica:
             self.sim.on_finish(self, sreq, None)
 
     # --------------------------------------------------------------- records
-    def _record_step(self, step: int, start: float, end: float, num_steps: int, f) -> None:
+    def _record_step(self, step: int, start: float, end: float, num_steps: int, f, state=None) -> None:
+        """A row of steps.csv; `state`: (running, waiting, free blocks) after its last step, when
+        that is not the scheduler's state now."""
         if not self.sim.keep_steps:
             return
         sched = self.scheduler
         kvm = sched.kv_cache_manager
+        running, waiting, free = state if state is not None else (
+            len(sched.running), len(sched.waiting), kvm.num_free_blocks)
         self.steps.append(StepRecord(
             step=step, start_s=start, end_s=end, num_steps=num_steps, num_reqs=f.num_reqs,
             num_prefill_reqs=f.num_prefill_reqs, num_prefill_tokens=f.num_prefill_tokens,
             prefill_context_tokens=f.prefill_context_tokens, prefill_attn_pairs=f.prefill_attn_pairs,
             num_decode_reqs=f.num_decode_reqs, decode_context_tokens=f.decode_context_tokens,
             num_tokens=f.num_prefill_tokens + f.num_decode_reqs, num_preempted=f.num_preempted,
-            num_running=len(sched.running), num_waiting=len(sched.waiting),
-            kv_usage=1.0 - kvm.num_free_blocks / kvm.num_usable_blocks,
+            num_running=running, num_waiting=waiting, kv_usage=1.0 - free / kvm.num_usable_blocks,
             forward_s=end - start, replica=self.index))
 
     # ------------------------------------------------------------------ ITL

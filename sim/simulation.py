@@ -137,6 +137,11 @@ class Simulation:
         self._frontend_free = 0.0
         self._bar = None
         self._progress = progress
+        # Whether a finish can bring an outside event: with an open loop, no warm-up and a router
+        # that does not count outstanding requests it cannot (on_finish then only counts), and
+        # the replicas' fast steps run on through finishes, reporting them when the run ends.
+        self.quiet_finishes = (self.closed_loop is None and self.num_warmup == 0
+                               and (num_replicas == 1 or router != "least_outstanding"))
         self.replicas = [Replica(self, i, scheduler_config, cost_model) for i in range(num_replicas)]
         self._all_done = self.env.event()
 

@@ -49,6 +49,19 @@ class FastStep:
 
 
 @dataclass(slots=True)
+class Cut:
+    """Where a driver's step table closes a row inside one Scheduler.advance() run (after a step in
+    which a request finished, when the run goes on through finishes): the steps before it, their
+    summed features, and the scheduler's state after them."""
+
+    num_steps: int                   # steps of the run up to and including the step it follows
+    features: BatchFeatures          # summed over the steps since the previous cut
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+
+
+@dataclass(slots=True)
 class Advance:
     """The steps one Scheduler.advance() call took."""
 
@@ -56,7 +69,8 @@ class Advance:
     ends: list[float] = field(default_factory=list)       # each step's end time
     num_decodes: list[int] = field(default_factory=list)  # each step's lazy decodes (one token each)
     events: list[FastStep] = field(default_factory=list)  # the steps with more than decodes
-    features: BatchFeatures = field(default_factory=BatchFeatures)  # summed over the steps
+    features: BatchFeatures = field(default_factory=BatchFeatures)  # summed over the steps after the last cut
+    cuts: list[Cut] = field(default_factory=list)  # finishes the run went on through (stop_at_finish=False)
     entered: list[Request] = field(default_factory=list)  # running requests that went lazy at the start
     left: list[Request] | None = None  # fast mode ended: sync()'s result; plain steps next
 
@@ -434,7 +448,8 @@ class Scheduler:
     # ------------------------------------------------------------ fast steps
     def advance(self, token_id: int, step_time: Callable[[BatchFeatures], float], start: float,
                 until: float, watch: Callable[[Request], int | None] | None = None,
-                then: int = 0, decode_time: Callable[[int, int], float] | None = None) -> Advance | None:
+                then: int = 0, decode_time: Callable[[int, int], float] | None = None,
+                stop_at_finish: bool = True) -> Advance | None:
         """Steps back to back, for a driver that samples `token_id` for every request (the
         simulator): the steps schedule() + update_from_output(out, {id: [token_id] for each
         sampling request}) would take, while the clock, which starts at `start` and advances
@@ -450,7 +465,9 @@ class Scheduler:
 
         Returns None when no fast step can be taken now (take a plain step). Otherwise the
         steps taken (maybe none, when `until` <= `start`); the run also stops after a step in
-        which a request finished or reached its `watch(request)` num_tokens, and before a step
+        which a request finished (unless `stop_at_finish` is False: a driver to which a finish
+        brings no outside event; each such finish is then a `Cut` in the result, where the driver's
+        step table can close a row) or reached its `watch(request)` num_tokens, and before a step
         fast steps cannot take (a preemption, a partial prefill chunk, more decodes than the
         token budget): then `left` is set and the next step must be a plain one.
         With `then` > 0, that many more steps are taken once the clock has reached `until`
@@ -510,11 +527,22 @@ class Scheduler:
                 if f.leave:
                     res.left = self.sync()
                     break
-                if f.finished or f.watched:
+                if f.watched:
                     break
+                if f.finished:
+                    if stop_at_finish:
+                        break
+                    total.num_reqs += n_sum
+                    total.num_decode_reqs += n_sum
+                    total.decode_context_tokens += ctx_sum
+                    n_sum = ctx_sum = 0
+                    res.cuts.append(Cut(len(ends), total, len(self.running), len(self.waiting),
+                                        self.kv_cache_manager.num_free_blocks))
+                    total = BatchFeatures()
         total.num_reqs += n_sum
         total.num_decode_reqs += n_sum
         total.decode_context_tokens += ctx_sum
+        res.features = total
         return res
 
     def sync(self) -> list[Request]:
