@@ -11,8 +11,9 @@ instead of O(running requests), with the code of its plain steps, and the replic
 SimPy's clock for all of them. It stops early after a step in which a client hangs up, or in
 which a request finished when a finish can bring an outside event (Simulation.quiet_finishes is
 false: a closed loop, a warm-up, a load-aware router); otherwise the finishes of a run are
-recorded at their steps' ends and reported to the simulation (on_finish) when the run ends. Timestamps are identical to stepping one by one with schedule()
-(tests/test_sim.py, tests/test_sim_fuzz.py check it).
+recorded at their steps' ends and reported to the simulation (on_finish) when the run ends.
+Timestamps are identical to stepping one by one with schedule() (tests/test_sim.py,
+tests/test_sim_fuzz.py check it).
 
 steps.csv: a plain step is one row; the steps of one advance() call are one row with num_steps
 > 1 (one row per finish it went on through, and one for the steps after the last) whose feature
