@@ -83,3 +83,16 @@ def assert_step_tables_agree(fast: dict, plain: dict) -> None:
     # Totals, the issue's check: sum of each feature over the whole run.
     for c in SUMMED:
         assert fast[c].sum() == plain[c].sum()
+
+
+@pytest.mark.parametrize("seed", [s for s in range(40) if random_scenario(s)["workload"]["arrival"]["type"] != "concurrency"][:12])
+def test_steady_equals_plain_with_an_http_client(seed):
+    """Open loops through an HTTP client (its turnaround, API-server time and per-token output
+    time): fast runs go on through finishes (Simulation.quiet_finishes), and the client's deferred
+    reads of the responses change no record and no step row."""
+    base = random_scenario(seed)
+    base["workload"]["client"] = {"type": "http", "output_s": 0.003, "think_s": 0.002}
+    fast, slow = (run_scenario(parse_scenario({**base, "simulation": {"steady_decode": st}})) for st in (True, False))
+    assert fast.requests[COLUMNS].equals(slow.requests[COLUMNS])
+    assert_step_tables_agree(fast.step_table, slow.step_table)
+    assert fast.summary["num_steps"] == slow.summary["num_steps"]
