@@ -14,7 +14,6 @@ A driver that samples one fixed token for every request (the simulator) may inst
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from engine.core.admission import AdmissionError, admit
 from engine.core.config import SchedulerConfig
@@ -35,44 +34,54 @@ _FINISH_REASON = {s: RequestStatus.finish_reason(s) for s in (
     RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED)}
 
 
-@dataclass(slots=True)
+# Plain classes with their own __init__, not dataclasses: a step builds several, and mypyc
+# compiles an explicit __init__ natively, while a dataclass with default factories keeps the
+# generated Python __init__ (py-spy showed it among the compiled build's hottest frames).
 class FastStep:
     """A step of Scheduler.advance() in which more happened than decodes."""
 
-    index: int = 0                   # its position in Advance.ends
-    admitted: list = field(default_factory=list)      # (request, prefix-hit tokens, tokens, was new)
-    first_tokens: list = field(default_factory=list)  # admitted requests that sampled a token
-    finished: list = field(default_factory=list)      # (request, finish reason)
-    watched: list = field(default_factory=list)       # requests that reached their watch point
-    leave: bool = False              # plain steps must follow
-    features: BatchFeatures = field(default_factory=BatchFeatures)
+    __slots__ = ("index", "admitted", "first_tokens", "finished", "watched", "leave", "features")
+
+    def __init__(self, admitted: list | None = None) -> None:
+        self.index = 0                   # its position in Advance.ends
+        self.admitted: list = admitted if admitted is not None else []  # (request, prefix-hit tokens, tokens, was new)
+        self.first_tokens: list = []     # admitted requests that sampled a token
+        self.finished: list = []         # (request, finish reason)
+        self.watched: list = []          # requests that reached their watch point
+        self.leave = False               # plain steps must follow
+        self.features = BatchFeatures()
 
 
-@dataclass(slots=True)
 class Cut:
     """Where a driver's step table closes a row inside one Scheduler.advance() run (after a step in
     which a request finished, when the run goes on through finishes): the steps before it, their
     summed features, and the scheduler's state after them."""
 
-    num_steps: int                   # steps of the run up to and including the step it follows
-    features: BatchFeatures          # summed over the steps since the previous cut
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
+    __slots__ = ("num_steps", "features", "num_running", "num_waiting", "num_free_blocks")
+
+    def __init__(self, num_steps: int, features: BatchFeatures, num_running: int, num_waiting: int,
+                 num_free_blocks: int) -> None:
+        self.num_steps = num_steps       # steps of the run up to and including the step it follows
+        self.features = features         # summed over the steps since the previous cut
+        self.num_running = num_running
+        self.num_waiting = num_waiting
+        self.num_free_blocks = num_free_blocks
 
 
-@dataclass(slots=True)
 class Advance:
     """The steps one Scheduler.advance() call took."""
 
-    start: float
-    ends: list[float] = field(default_factory=list)       # each step's end time
-    num_decodes: list[int] = field(default_factory=list)  # each step's lazy decodes (one token each)
-    events: list[FastStep] = field(default_factory=list)  # the steps with more than decodes
-    features: BatchFeatures = field(default_factory=BatchFeatures)  # summed over the steps after the last cut
-    cuts: list[Cut] = field(default_factory=list)  # finishes the run went on through (stop_at_finish=False)
-    entered: list[Request] = field(default_factory=list)  # running requests that went lazy at the start
-    left: list[Request] | None = None  # fast mode ended: sync()'s result; plain steps next
+    __slots__ = ("start", "ends", "num_decodes", "events", "features", "cuts", "entered", "left")
+
+    def __init__(self, start: float, entered: list[Request] | None = None) -> None:
+        self.start = start
+        self.ends: list[float] = []          # each step's end time
+        self.num_decodes: list[int] = []     # each step's lazy decodes (one token each)
+        self.events: list[FastStep] = []     # the steps with more than decodes
+        self.features = BatchFeatures()      # summed over the steps after the last cut
+        self.cuts: list[Cut] = []            # finishes the run went on through (stop_at_finish=False)
+        self.entered: list[Request] = entered if entered is not None else []  # went lazy at the start
+        self.left: list[Request] | None = None  # fast mode ended: sync()'s result; plain steps next
 
     @property
     def num_steps(self) -> int:
