@@ -139,17 +139,25 @@ class Grid:
             t *= self.roofline(x) / self.roofline(xc)
         return t, exact
 
-    def _call2(self, x: float, y: float) -> tuple[float, bool]:
+    def row(self, x: float) -> tuple:
+        """A 2-D table with its first axis resolved at x (for on_row): a run of decode steps asks
+        for one batch size at many context lengths."""
         xc, i, f = self._first(x)
+        return xc, i, f, self._L[i], self._L[i + 1], self._cell_ok[i]
+
+    def _call2(self, x: float, y: float) -> tuple[float, bool]:
+        return self.on_row(self.row(x), x, y)
+
+    def on_row(self, row: tuple, x: float, y: float) -> tuple[float, bool]:
+        """__call__(x, y) of a 2-D table, its first axis resolved by row(x)."""
+        xc, i, f, a, b, cell_ok = row
         yc, j, g = self._axis(1, y)
-        L = self._L
-        a, b = L[i], L[i + 1]
         acc = 0.0  # the corners in __call__'s order, so the result is the same to the bit
         acc += ((1.0 - f) * (1.0 - g)) * a[j]
         acc += (f * (1.0 - g)) * b[j]
         acc += ((1.0 - f) * g) * a[j + 1]
         acc += (f * g) * b[j + 1]
-        exact = xc == x and yc == y and (self._cell_ok[i][j] or self._corners_measured((i, j), (f, g)))
+        exact = xc == x and yc == y and (cell_ok[j] or self._corners_measured((i, j), (f, g)))
         t = math.exp(acc)
         if (xc != x or yc != y) and self.roofline is not None:
             t *= self.roofline(x, y) / self.roofline(xc, yc)
@@ -544,10 +552,10 @@ class KernelCostModel(CostModel):
         """gpu_time of a step of n decodes reading ctx KV tokens: the terms that depend on n
         alone are memoised as one sum (counters replayed), the attention is looked up.
 
-        A simulated run asks this for most of its steps, so the attention lookup is Grid._call2
-        with the batch axis resolved once per n (same corners, same order, the same float); a
-        query outside the measured axes, or on a cell with an unmeasured corner, goes through
-        _look (roofline scaling, fallback count, warning)."""
+        A simulated run asks this for most of its steps, so the attention lookup takes the grid's
+        row at n from the memo (Grid.on_row, the same float as a lookup); a query that is not
+        exact there (outside the measured axes, or an unmeasured corner) goes through _look
+        (fallback count, warning)."""
         hit = self._memo_d.get(n)
         if hit is None:
             hit = self._decode_terms(n)  # counts its lookups as it makes them
@@ -561,20 +569,10 @@ class KernelCostModel(CostModel):
         if y < 1.0:
             y = 1.0
         if row is not None:
-            v, lg, cell_ok, f, a, b, i, grid = row
-            if v[0] <= y <= v[-1]:
-                j = bisect.bisect_right(v, y) - 1
-                if j > len(v) - 2:
-                    j = len(v) - 2
-                g = (math.log(y) - lg[j]) / (lg[j + 1] - lg[j])
-                if cell_ok[j] or grid._corners_measured((i, j), (f, g)):
-                    acc = 0.0
-                    acc += ((1.0 - f) * (1.0 - g)) * a[j]
-                    acc += (f * (1.0 - g)) * b[j]
-                    acc += ((1.0 - f) * g) * a[j + 1]
-                    acc += (f * g) * b[j + 1]
-                    self.lookups += 1
-                    return pre + (0.0 + self.model.num_layers * (math.exp(acc) * 1e-6)) + head + sampler
+            t, exact = self.g_gen.on_row(row, n, y)
+            if exact:
+                self.lookups += 1
+                return pre + (0.0 + self.model.num_layers * (t * 1e-6)) + head + sampler
         att = 0.0 + self.model.num_layers * self._look("generation_attention", self.g_gen, n, y)
         return pre + att + head + sampler
 
@@ -586,12 +584,8 @@ class KernelCostModel(CostModel):
         head, sampler, gather = self._by_rows(n)
         pre = 0 + tk["gemm"] + tk["elementwise"] + (tk["allreduce"] + gather)
         num_lookups, fallbacks = self._delta(before)
-        grid, row = self.g_gen, None
-        if grid._fast == grid._call2:
-            v0 = grid.values[0]
-            if v0[0] <= n <= v0[-1]:
-                _xc, i, f = grid._first(n)
-                row = (grid.values[1], grid.logs[1], grid._cell_ok[i], f, grid._L[i], grid._L[i + 1], i, grid)
+        grid = self.g_gen
+        row = grid.row(n) if grid._fast == grid._call2 else None
         hit = (pre, head, sampler, num_lookups, fallbacks, row)
         if len(self._memo_d) < 65536:
             self._memo_d[n] = hit
