@@ -250,13 +250,26 @@ def test_admission_bound_gives_503(tmp_path):
     with _Server(app, port):
         async def main():
             async with httpx.AsyncClient(timeout=300) as ac:
-                reqs = [ac.post(url, json={"model": MODEL, "prompt": f"x {i}", "max_tokens": 40})
-                        for i in range(12)]
-                return await asyncio.gather(*reqs)
+                # A long first request, streamed: once its first chunk is out it runs
+                # (max_num_seqs=1) and a step has ended, so it no longer counts as waiting.
+                first = {"model": MODEL, "prompt": "x", "max_tokens": 400, "ignore_eos": True,
+                         "stream": True}
+                async with ac.stream("POST", url, json=first) as r0:
+                    assert r0.status_code == 200
+                    lines = r0.aiter_lines()
+                    while not (await anext(lines)).startswith("data: {"):
+                        pass
+                    reqs = [ac.post(url, json={"model": MODEL, "prompt": f"x {i}", "max_tokens": 8})
+                            for i in range(11)]
+                    rest = await asyncio.gather(*reqs)
+                    async for _ in lines:
+                        pass
+                return rest
         responses = asyncio.run(main())
         codes = sorted(r.status_code for r in responses)
-        # One runs (max_num_seqs=1), two may wait (max_waiting=2): the other nine are refused.
-        assert codes == [200] * 3 + [503] * 9
+        # One runs, two may wait (max_waiting=2): of the eleven sent while it runs, two are
+        # queued and the other nine refused.
+        assert codes == [200] * 2 + [503] * 9
         refused = next(r for r in responses if r.status_code == 503)
         err = refused.json()["error"]
         assert err["code"] == "overloaded" and "max_waiting=2" in err["message"]

@@ -97,6 +97,9 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self._pending_lock = threading.Lock()
         self.num_pending_adds = 0  # engine requests queued as "add" commands, not yet seen
+        # len(scheduler.waiting) as the engine thread last saw it (after each command and step),
+        # kept with num_pending_adds under _pending_lock: the HTTP side reads a consistent pair.
+        self._num_sched_waiting = 0
         self.num_failed_steps = 0    # in a row
         self.total_failed_steps = 0
         # A streamed request's log row takes its first token time from the moment its first
@@ -126,8 +129,20 @@ class AsyncEngine:
 
     # -------------------------------------------------------------- requests
     def num_waiting(self) -> int:
-        """Requests queued but not running (read from the HTTP side: approximate, by design)."""
-        return len(self.engine.scheduler.waiting) + self.num_pending_adds
+        """Requests queued but not running: those the scheduler held waiting at the engine
+        thread's last step or command, plus those submitted since. A request scheduled in the
+        step now running still counts until that step ends (it errs towards refusing), and no
+        request is ever counted nowhere: the engine thread moves a request from pending to
+        the scheduler's waiting queue and updates both counts under one lock."""
+        with self._pending_lock:
+            return self._num_sched_waiting + self.num_pending_adds
+
+    def _sync_waiting(self, added: int = 0) -> None:
+        """Engine thread: `added` pending requests have been handed to the scheduler (or
+        refused); record the scheduler's waiting queue as it is now."""
+        with self._pending_lock:
+            self.num_pending_adds -= added
+            self._num_sched_waiting = len(self.engine.scheduler.waiting)
 
     def submit(self, children: list[Child], arrival_s: float | None = None, stream: bool = False) -> Group:
         """Queue an HTTP request's engine requests now (so they count as waiting at once);
@@ -237,8 +252,6 @@ class AsyncEngine:
         kind = cmd[0]
         if kind == "add":
             _, group, arrival = cmd
-            with self._pending_lock:
-                self.num_pending_adds -= len(group.children)
             added: list[str] = []
             try:
                 for c in group.children:
@@ -247,6 +260,7 @@ class AsyncEngine:
                     added.append(c.request_id)
             except Exception as e:  # refused (ValueError) or broken: none of the group stays queued
                 eng.abort_request(added)
+                self._sync_waiting(len(group.children))
                 for rid in added:
                     eng.request_records.pop(rid, None)
                 if not isinstance(e, ValueError):
@@ -254,6 +268,7 @@ class AsyncEngine:
                     e = RequestFailed(f"the engine could not queue this request: {e!r}")
                 group.put(e)
                 return
+            self._sync_waiting(len(group.children))
             for rid in added:
                 self._groups[rid] = group
                 heapq.heappush(self._deadlines, (group.deadline, rid))
@@ -261,6 +276,7 @@ class AsyncEngine:
             _, rid, group = cmd
             if group is None or self._groups.get(rid) is group:
                 self._abort(rid)
+                self._sync_waiting()
         elif kind == "call":
             _, fn, fut = cmd
             try:
@@ -330,6 +346,7 @@ class AsyncEngine:
         try:
             outputs = eng.step()
         except Exception as e:
+            self._sync_waiting()
             self.num_failed_steps += 1
             self.total_failed_steps += 1
             if self.num_failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
@@ -343,6 +360,7 @@ class AsyncEngine:
                     self.metrics.on_abort(rid, eng, reason="error")
                 self._fail(rid, err)
             return
+        self._sync_waiting()
         self.num_failed_steps = 0
         batch: dict = {}
         # First tokens first: the event loop wakes their streams before the others', so a new
@@ -376,6 +394,7 @@ class AsyncEngine:
                     if rid in self._groups:
                         logger.info("request %s timed out after %.0f s: aborted", rid, self.request_timeout_s)
                         self._abort(rid, timed_out=True)
+                        self._sync_waiting()
                 if not eng.has_unfinished_requests():
                     if self.metrics is not None:  # idle: gauges say so
                         self.metrics.refresh(eng)
