@@ -71,7 +71,9 @@ def fit_cost_model(rows: Sequence[dict], times_s: Sequence[float], knots: Sequen
     ("prefill") and decode-only steps ("decode"), each kind with at least MIN_KIND_RESIDUALS
     steps; metadata["cv"] says how they were obtained, and metadata["cv_group_bias"]
     lists each held-out group's mean relative residual (the spread of systematic error between
-    regimes, which prediction intervals use).
+    regimes, which prediction intervals use). With `groups`, `noise_quantiles` and
+    `noise_quantiles_by_kind` are the same residuals with each group's mean (per kind of step)
+    taken out: the scatter of one step around its regime, which simulated steps draw from.
     """
     y = np.asarray(times_s, dtype=float)
     if len(rows) != len(y) or len(y) < 8:
@@ -116,6 +118,18 @@ def fit_cost_model(rows: Sequence[dict], times_s: Sequence[float], knots: Sequen
     model.residual_quantiles_by_kind = {k: _quantiles(cv_rel[sel]) for k, sel in
                                         (("prefill", prefill), ("decode", ~prefill))
                                         if sel.sum() >= MIN_KIND_RESIDUALS}
+    # A step's noise, apart from its regime's systematic error: the same out-of-sample residuals,
+    # each step's ratio measured/predicted divided by the mean ratio of its group's steps of its
+    # kind. The residuals mix the two, and a simulated step that draws from them repeats its
+    # regime's error as random scatter, which widens latency tails and, through the mean of the
+    # ratio, lengthens every step; the regimes' error is in the intervals (cv_group_bias).
+    noise = _within_group_residuals(cv_rel, labels[ok] if groups is not None else None, prefill)
+    if noise is not None:
+        keep = ~np.isnan(noise)
+        model.noise_quantiles = _quantiles(noise[keep])
+        model.noise_quantiles_by_kind = {k: _quantiles(noise[keep & sel]) for k, sel in
+                                         (("prefill", prefill), ("decode", ~prefill))
+                                         if (keep & sel).sum() >= MIN_KIND_RESIDUALS}
     model.metadata.update({
         "num_samples": int(len(y)),
         "fit_mape": float(np.mean(np.abs(rel))),
@@ -125,7 +139,30 @@ def fit_cost_model(rows: Sequence[dict], times_s: Sequence[float], knots: Sequen
         "cv_group_bias": group_bias,
         "residual_quantiles_are": "out-of-sample (cross-validated) relative residuals, prediction/measured - 1",
     })
+    if noise is not None:
+        model.metadata["noise_quantiles_are"] = (
+            "per-step noise: the out-of-sample residuals with each (sweep group, step kind)'s mean "
+            f"ratio measured/predicted divided out (cells of >= {MIN_CELL_STEPS} steps)")
     return model
+
+
+MIN_CELL_STEPS = 5  # a (group, kind) cell with fewer steps has no mean to remove: left out of the noise
+
+
+def _within_group_residuals(cv_rel: np.ndarray, labels, prefill: np.ndarray):
+    """cv_rel (prediction/measured - 1) with each (group, kind) cell's mean ratio
+    measured/predicted divided out: pred x mean / measured - 1, so that the ratio
+    measured/predicted has mean 1 in every cell; NaN in cells of fewer than MIN_CELL_STEPS."""
+    if labels is None:
+        return None
+    ratio = 1.0 / (1.0 + cv_rel)
+    out = np.full_like(cv_rel, np.nan)
+    for g in dict.fromkeys(labels):
+        for kind in (True, False):
+            sel = (labels == g) & (prefill == kind)
+            if sel.sum() >= MIN_CELL_STEPS:
+                out[sel] = np.mean(ratio[sel]) / ratio[sel] - 1.0
+    return out if (~np.isnan(out)).sum() >= MIN_KIND_RESIDUALS else None
 
 
 MIN_KIND_RESIDUALS = 20  # fewer steps of a kind: its steps draw from the pooled residuals

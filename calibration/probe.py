@@ -102,6 +102,8 @@ class SplitSpeedModel:
         self.compute_factor = float(compute_factor)
         self.residual_quantiles = base.residual_quantiles
         self.residual_quantiles_by_kind = getattr(base, "residual_quantiles_by_kind", {})
+        self.noise_quantiles = getattr(base, "noise_quantiles", {})
+        self.noise_quantiles_by_kind = getattr(base, "noise_quantiles_by_kind", {})
         self.metadata = base.metadata
         self.kind = base.kind
 

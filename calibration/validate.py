@@ -8,7 +8,7 @@ sides use the same SchedulerConfig object (the engine's) and so the same KV pool
 times steps with the profile. Seeds are the outer loop, so machine drift spreads over every load.
 
 The simulator runs each workload NOISE_REPLICAS times with step times drawn around the fitted
-model from the profile's out-of-sample residuals (sim.intervals.NoisyCostModel: on this project's
+model from the profile's noise quantiles (sim.intervals.NoisyCostModel: on this project's
 VM a CPU step's time jitters by 2% when the machine is quiet and by about +-20% when it is not,
 and ITL tails are made of that jitter). The predicted value is the median
 over replicates; its 90% interval spans the replicates and the profile's spread of systematic

@@ -78,13 +78,16 @@ def add_replicate_intervals(path, sc, summary: dict, n: int) -> None:
     from sim.intervals import NoisyCostModel, add_intervals, has_residuals
     noisy = has_residuals(sc.cost_model)
     reps = []
+    drawn = ""
     for k in range(n):
         rk = load_scenario(path, seed=sc.seed + 1 + k)
         if noisy:
             rk.cost_model = NoisyCostModel(rk.cost_model, seed=sc.seed + 1 + k)
+            drawn = {"noise_quantiles": "per-step noise (its out-of-sample residuals less each group's mean)",
+                     "residual_quantiles": "out-of-sample residuals"}[rk.cost_model.source]
         reps.append(run_scenario(rk).summary)
     how = (f"workload seeds {sc.seed + 1}..{sc.seed + n}"
-           + (" x step times drawn from the profile's out-of-sample residuals x its held-out group bias"
+           + (f" x step times drawn from the profile's {drawn} x its held-out group bias"
               if noisy else " only (this cost model has no measured residuals)"))
     add_intervals(summary, reps, getattr(sc.cost_model, "metadata", {}) if noisy else {}, how)
 

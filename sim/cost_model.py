@@ -72,6 +72,10 @@ class FittedCostModel(CostModel):
     # The same, per kind of step ("prefill": with a prefill chunk, "decode": decode only); empty
     # in profiles fitted before they were kept.
     residual_quantiles_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)
+    # The residuals with each sweep group's mean (per kind of step) taken out: a step's noise
+    # around its regime (calibration.fit); empty in profiles fitted before they were kept.
+    noise_quantiles: dict[str, float] = field(default_factory=dict)
+    noise_quantiles_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)
     metadata: dict = field(default_factory=dict)
     kind = "fitted"
 
@@ -91,10 +95,15 @@ class FittedCostModel(CostModel):
         meta = d.pop("metadata")
         rq = d.pop("residual_quantiles")
         by_kind = d.pop("residual_quantiles_by_kind")
+        noise, noise_by_kind = d.pop("noise_quantiles"), d.pop("noise_quantiles_by_kind")
         prof = {"format": PROFILE_FORMAT, "kind": "fitted", "metadata": meta,
                 "coefficients": d, "residual_quantiles": rq}
         if by_kind:
             prof["residual_quantiles_by_kind"] = by_kind
+        if noise:
+            prof["noise_quantiles"] = noise
+        if noise_by_kind:
+            prof["noise_quantiles_by_kind"] = noise_by_kind
         return prof
 
     @classmethod
@@ -104,6 +113,8 @@ class FittedCostModel(CostModel):
         c["saturations"] = [tuple(h) for h in c.get("saturations", [])]
         return cls(**c, residual_quantiles=prof.get("residual_quantiles", {}),
                    residual_quantiles_by_kind=prof.get("residual_quantiles_by_kind", {}),
+                   noise_quantiles=prof.get("noise_quantiles", {}),
+                   noise_quantiles_by_kind=prof.get("noise_quantiles_by_kind", {}),
                    metadata=prof.get("metadata", {}))
 
 
@@ -180,6 +191,7 @@ def load_profile(name_or_path: str | Path) -> dict:
 
 
 _COEFFICIENTS = {f.name for f in fields(FittedCostModel)} - {"residual_quantiles", "residual_quantiles_by_kind",
+                                                              "noise_quantiles", "noise_quantiles_by_kind",
                                                               "metadata"}
 STEP_KINDS = ("prefill", "decode")  # residual_quantiles_by_kind: steps with a prefill chunk, decode-only steps
 
@@ -216,17 +228,18 @@ def check_profile(prof, where: str) -> None:
                 bad(f"coefficients.{k}", v, f"a list of [{what}, slope_s] pairs of numbers >= 0")
         elif not _number(v) or v < 0:
             bad(f"coefficients.{k}", v, "must be a number >= 0 (seconds)")
-    rq = prof.get("residual_quantiles", {})
-    if not isinstance(rq, dict) or not all(_number(x) for x in rq.values()):
-        bad("residual_quantiles", rq, "an object of quantile name -> number")
-    by_kind = prof.get("residual_quantiles_by_kind", {})
-    if not isinstance(by_kind, dict):
-        bad("residual_quantiles_by_kind", by_kind, f"an object of step kind ({', '.join(STEP_KINDS)}) -> quantiles")
-    for k, q in by_kind.items():
-        if k not in STEP_KINDS:
-            bad(f"residual_quantiles_by_kind.{k}", q, f"unknown step kind; known: {list(STEP_KINDS)}")
-        if not isinstance(q, dict) or not all(_number(x) for x in q.values()):
-            bad(f"residual_quantiles_by_kind.{k}", q, "an object of quantile name -> number")
+    for name in ("residual_quantiles", "noise_quantiles"):
+        rq = prof.get(name, {})
+        if not isinstance(rq, dict) or not all(_number(x) for x in rq.values()):
+            bad(name, rq, "an object of quantile name -> number")
+        by_kind = prof.get(f"{name}_by_kind", {})
+        if not isinstance(by_kind, dict):
+            bad(f"{name}_by_kind", by_kind, f"an object of step kind ({', '.join(STEP_KINDS)}) -> quantiles")
+        for k, q in by_kind.items():
+            if k not in STEP_KINDS:
+                bad(f"{name}_by_kind.{k}", q, f"unknown step kind; known: {list(STEP_KINDS)}")
+            if not isinstance(q, dict) or not all(_number(x) for x in q.values()):
+                bad(f"{name}_by_kind.{k}", q, "an object of quantile name -> number")
     for key in ("model", "device"):
         if key in prof["metadata"] and not isinstance(prof["metadata"][key], str):
             bad(f"metadata.{key}", prof["metadata"][key], "must be a string")

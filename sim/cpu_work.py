@@ -149,6 +149,14 @@ class WithCpuWork:
     def residual_quantiles_by_kind(self) -> dict:
         return getattr(self.base, "residual_quantiles_by_kind", {})
 
+    @property
+    def noise_quantiles(self) -> dict:
+        return getattr(self.base, "noise_quantiles", {})
+
+    @property
+    def noise_quantiles_by_kind(self) -> dict:
+        return getattr(self.base, "noise_quantiles_by_kind", {})
+
     def gpu_time(self, f: BatchFeatures) -> float:
         return self._gpu(f)
 

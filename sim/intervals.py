@@ -4,10 +4,10 @@ A simulated percentile is uncertain for two reasons, and the interval combines b
 
 - the workload: another draw of the same arrival process and length distributions gives another
   value (workload seed replicates);
-- the cost model: a step's real time scatters around the fitted prediction (the profile's
-  out-of-sample residuals, drawn per step by NoisyCostModel), and the fit can be off
-  systematically for a regime it did not see (the profile's held-out group biases,
-  metadata.cv_group_bias, 5th to 95th percentile).
+- the cost model: a step's real time scatters around the fitted prediction (drawn per step by
+  NoisyCostModel from the profile's noise quantiles: the out-of-sample residuals with each sweep
+  group's own mean taken out), and the fit can be off systematically for a regime it did not
+  see (the profile's held-out group biases, metadata.cv_group_bias, 5th to 95th percentile).
 
 `interval(values, profile_meta)` turns one percentile's values over the replicates into
 [min / (1 + b95), max / (1 + b05)], where b are the held-out group biases (prediction/measured - 1).
@@ -24,22 +24,25 @@ STATS = ("p50", "p90", "p95", "p99")
 
 class NoisyCostModel:
     """A fitted model whose step times scatter as the profiled engine's did: each step takes the
-    prediction times a ratio measured/predicted drawn from the profile's out-of-sample residual
-    quantiles (interpolated between them). With `residual_quantiles_by_kind` in the profile, a
-    step with a prefill chunk draws from the prefill steps' residuals and a decode-only step from
-    the decode steps' (their mean ratios differ: about 1.01 against 1.03 on the CPU profile, so
-    one pooled distribution would lengthen prefill steps); otherwise every step draws from the
-    pooled ones."""
+    prediction times a ratio measured/predicted drawn from the profile's noise quantiles
+    (interpolated between them): the out-of-sample residuals with each sweep group's mean ratio
+    taken out, so the ratio has mean 1 and a regime's systematic error (which the intervals
+    carry) is not replayed as per-step scatter. A profile fitted before those were kept has only
+    the residual quantiles, and draws from them. Per kind of step where the profile has them
+    (`..._by_kind`): a step with a prefill chunk draws from the prefill steps' and a decode-only
+    step from the decode steps' (a prefill chunk scatters less); otherwise from the pooled ones."""
 
     kind = "fitted+noise"
 
     def __init__(self, base, seed: int, scale: float = 1.0) -> None:
-        q = base.residual_quantiles
+        noise = getattr(base, "noise_quantiles", None) or {}
+        self.source = "noise_quantiles" if len(noise) >= 2 else "residual_quantiles"
+        q = noise if len(noise) >= 2 else base.residual_quantiles
         if len(q) < 2:
             raise ValueError("cost_model.profile: residual_quantiles has fewer than 2 levels; "
                              "recalibrate with servetwin calibrate")
         self._u, self._ratio = _ratio_table(q)
-        by_kind = getattr(base, "residual_quantiles_by_kind", None) or {}
+        by_kind = getattr(base, f"{self.source}_by_kind", None) or {}
         self._prefill = _ratio_table(by_kind["prefill"]) if len(by_kind.get("prefill", ())) >= 2 else None
         self._decode = _ratio_table(by_kind["decode"]) if len(by_kind.get("decode", ())) >= 2 else None
         self.base = base
@@ -66,7 +69,7 @@ class NoisyCostModel:
 
 
 def _ratio_table(q: dict) -> tuple[np.ndarray, np.ndarray]:
-    """Residual quantiles {"p05": r, ...} (r = predicted / measured - 1) as (uniform levels
+    """Residual (or noise) quantiles {"p05": r, ...} (r = predicted / measured - 1) as (uniform levels
     ascending, ratio measured / predicted = 1 / (1 + r)): the p-quantile of r is the
     (1 - p)-quantile of the ratio."""
     levels = sorted(q, key=lambda k: int(k[1:]))

@@ -124,6 +124,47 @@ def test_fit_keeps_residuals_per_kind_of_step():
     assert set(few.residual_quantiles_by_kind) == {"decode"}
 
 
+def test_noise_quantiles_leave_out_each_regimes_own_error():
+    """Each sweep group runs 10-20% off the model (a regime the fit gets wrong) and its steps
+    scatter 3% around that: the out-of-sample residuals carry both, the noise quantiles only the
+    3%, with mean ratio 1; the simulator's noisy steps draw from the noise."""
+    from sim.intervals import NoisyCostModel
+    truth = FittedCostModel(intercept_s=0.004, per_req_s=2e-5, per_token_s=1e-6, per_decode_ctx_s=5e-8)
+    rng = np.random.default_rng(11)
+    offsets = [0.85, 1.15, 0.9, 1.2, 0.8, 1.1, 0.88, 1.12]
+    rows, times, groups = [], [], []
+    for g, off in enumerate(offsets):
+        for _ in range(120):
+            n = int(rng.integers(1, 32))
+            b = BatchFeatures(num_reqs=n, num_decode_reqs=n, decode_context_tokens=n * int(rng.integers(16, 900)))
+            rows.append(b.as_dict())
+            times.append(truth.step_time(b) * off * float(np.exp(rng.normal(0, 0.03))))
+            groups.append(f"g{g}")
+    fit = fit_cost_model(rows, times, groups=groups)
+
+    def spread(q):
+        return q["p90"] - q["p10"]
+
+    assert set(fit.noise_quantiles_by_kind) == {"decode"}
+    # Independent expectation: the 10-90% spread of exp(-e) - 1, e ~ N(0, 0.03), is about 2.56 x 0.03.
+    assert spread(fit.noise_quantiles) == pytest.approx(2.56 * 0.03, rel=0.25)
+    assert spread(fit.residual_quantiles) > 3 * spread(fit.noise_quantiles)
+    noisy = NoisyCostModel(fit, seed=0)
+    assert noisy.source == "noise_quantiles"
+    f = BatchFeatures(num_reqs=8, num_decode_reqs=8, decode_context_tokens=8 * 400)
+    assert noisy.mean_ratio(f) == pytest.approx(1.0, abs=0.005)
+    ratios = np.array([noisy.step_time(f) for _ in range(4000)]) / fit.step_time(f)
+    assert np.quantile(ratios, 0.9) - np.quantile(ratios, 0.1) == pytest.approx(2.56 * 0.03, rel=0.25)
+    # The profile keeps them; a profile without them falls back to the residuals.
+    back = FittedCostModel.from_profile(fit.to_profile())
+    assert back.noise_quantiles == fit.noise_quantiles
+    old = fit.to_profile()
+    del old["noise_quantiles"], old["noise_quantiles_by_kind"]
+    assert NoisyCostModel(FittedCostModel.from_profile(old), seed=0).source == "residual_quantiles"
+    # Without groups there are no regimes to take out.
+    assert fit_cost_model(rows, times).noise_quantiles == {}
+
+
 def _hashed_blocks(eng) -> int:
     return sum(b.block_hash is not None for b in eng.scheduler.kv_cache_manager.block_pool.blocks)
 
