@@ -40,6 +40,8 @@ def write(tmp_path, name, obj) -> str:
     ({"residual_quantiles": {"p50": "a"}}, "residual_quantiles"),
     ({"residual_quantiles_by_kind": {"mixed": {"p50": 0.0}}}, "residual_quantiles_by_kind.mixed"),
     ({"residual_quantiles_by_kind": {"decode": {"p50": None}}}, "residual_quantiles_by_kind.decode"),
+    ({"noise_quantiles": {"p50": "a"}}, "noise_quantiles"),
+    ({"noise_quantiles_by_kind": {"mixed": {"p50": 0.0}}}, "noise_quantiles_by_kind.mixed"),
 ])
 def test_corrupt_profile_is_refused_naming_the_field(tmp_path, patch, field):
     prof = {**GOOD, **patch}
