@@ -115,9 +115,7 @@ def fit_cost_model(rows: Sequence[dict], times_s: Sequence[float], knots: Sequen
     # Per kind of step: a prefill chunk's time scatters less around the fit than a small decode
     # step's (and the mean ratio measured/predicted differs with it), so a simulated step draws
     # its noise from its own kind's residuals where the sweep has enough of them.
-    model.residual_quantiles_by_kind = {k: _quantiles(cv_rel[sel]) for k, sel in
-                                        (("prefill", prefill), ("decode", ~prefill))
-                                        if sel.sum() >= MIN_KIND_RESIDUALS}
+    model.residual_quantiles_by_kind = _quantiles_by_kind(cv_rel, prefill)
     # A step's noise, apart from its regime's systematic error: the same out-of-sample residuals,
     # each step's ratio measured/predicted divided by the mean ratio of its group's steps of its
     # kind. The residuals mix the two, and a simulated step that draws from them repeats its
@@ -125,11 +123,8 @@ def fit_cost_model(rows: Sequence[dict], times_s: Sequence[float], knots: Sequen
     # ratio, lengthens every step; the regimes' error is in the intervals (cv_group_bias).
     noise = _within_group_residuals(cv_rel, labels[ok] if groups is not None else None, prefill)
     if noise is not None:
-        keep = ~np.isnan(noise)
-        model.noise_quantiles = _quantiles(noise[keep])
-        model.noise_quantiles_by_kind = {k: _quantiles(noise[keep & sel]) for k, sel in
-                                         (("prefill", prefill), ("decode", ~prefill))
-                                         if (keep & sel).sum() >= MIN_KIND_RESIDUALS}
+        model.noise_quantiles = _quantiles(noise[~np.isnan(noise)])
+        model.noise_quantiles_by_kind = _quantiles_by_kind(noise, prefill)
     model.metadata.update({
         "num_samples": int(len(y)),
         "fit_mape": float(np.mean(np.abs(rel))),
@@ -166,6 +161,14 @@ def _within_group_residuals(cv_rel: np.ndarray, labels, prefill: np.ndarray):
 
 
 MIN_KIND_RESIDUALS = 20  # fewer steps of a kind: its steps draw from the pooled residuals
+
+
+def _quantiles_by_kind(rel: np.ndarray, prefill: np.ndarray) -> dict[str, dict[str, float]]:
+    """Quantiles of rel (NaN left out) for steps with a prefill chunk and decode-only steps, each
+    kind with at least MIN_KIND_RESIDUALS values."""
+    known = ~np.isnan(rel)
+    return {k: _quantiles(rel[known & sel]) for k, sel in (("prefill", prefill), ("decode", ~prefill))
+            if (known & sel).sum() >= MIN_KIND_RESIDUALS}
 
 
 def _quantiles(rel: np.ndarray) -> dict[str, float]:

@@ -83,8 +83,7 @@ def add_replicate_intervals(path, sc, summary: dict, n: int) -> None:
         rk = load_scenario(path, seed=sc.seed + 1 + k)
         if noisy:
             rk.cost_model = NoisyCostModel(rk.cost_model, seed=sc.seed + 1 + k)
-            drawn = {"noise_quantiles": "per-step noise (its out-of-sample residuals less each group's mean)",
-                     "residual_quantiles": "out-of-sample residuals"}[rk.cost_model.source]
+            drawn = rk.cost_model.source_text
         reps.append(run_scenario(rk).summary)
     how = (f"workload seeds {sc.seed + 1}..{sc.seed + n}"
            + (f" x step times drawn from the profile's {drawn} x its held-out group bias"

@@ -37,6 +37,8 @@ class NoisyCostModel:
     def __init__(self, base, seed: int, scale: float = 1.0) -> None:
         noise = getattr(base, "noise_quantiles", None) or {}
         self.source = "noise_quantiles" if len(noise) >= 2 else "residual_quantiles"
+        self.source_text = ("per-step noise (its out-of-sample residuals less each group's mean)"
+                            if len(noise) >= 2 else "out-of-sample residuals")
         q = noise if len(noise) >= 2 else base.residual_quantiles
         if len(q) < 2:
             raise ValueError("cost_model.profile: residual_quantiles has fewer than 2 levels; "
