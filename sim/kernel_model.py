@@ -110,6 +110,9 @@ class Grid:
                 self._cell_ok = (ok[:-1, :-1] & ok[1:, :-1] & ok[:-1, 1:] & ok[1:, 1:]).tolist()
             self._pos0: dict = {}
             self._fast = self._call1 if self.logt.ndim == 1 else self._call2
+            # The last axis, for on_row's inlined copy of _axis (the hottest lookup of a run).
+            v = self.values[-1]
+            self._vy, self._lgy, self._ylo, self._yhi, self._ylast = v, self.logs[-1], v[0], v[-1], len(v) - 2
 
     def _axis(self, d: int, x: float) -> tuple[float, int, float]:
         """(clamped x, lower index, fraction in log space) on axis d."""
@@ -151,7 +154,19 @@ class Grid:
     def on_row(self, row: tuple, x: float, y: float) -> tuple[float, bool]:
         """__call__(x, y) of a 2-D table, its first axis resolved by row(x)."""
         xc, i, f, a, b, cell_ok = row
-        yc, j, g = self._axis(1, y)
+        # self._axis(1, y), inlined: the same clamping, cell and fraction, to the bit.
+        yc = y
+        if yc < self._ylo:
+            yc = self._ylo
+        elif yc > self._yhi:
+            yc = self._yhi
+        j = bisect.bisect_right(self._vy, yc) - 1
+        if j < 0:
+            j = 0
+        elif j > self._ylast:
+            j = self._ylast
+        lg = self._lgy
+        g = (math.log(yc) - lg[j]) / (lg[j + 1] - lg[j])
         acc = 0.0  # the corners in __call__'s order, so the result is the same to the bit
         acc += ((1.0 - f) * (1.0 - g)) * a[j]
         acc += (f * (1.0 - g)) * b[j]
@@ -467,7 +482,8 @@ class KernelCostModel(CostModel):
 
     # ------------------------------------------------------------------ lookups
     def _look(self, term: str, grid: Grid, *q) -> float:
-        t, exact = grid(*q)
+        fast = grid._fast
+        t, exact = fast(*q) if fast is not None else grid(*q)
         self.lookups += 1
         if not exact:
             self.fallbacks[term] = self.fallbacks.get(term, 0) + 1

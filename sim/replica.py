@@ -35,6 +35,7 @@ from engine.core.records import RequestRecord, StepRecord
 if TYPE_CHECKING:
     from sim.simulation import Simulation
 
+FEED_RUN_S = 1.0  # direct feed: the simulated seconds a fast run covers at most
 TOKEN = 1  # the synthetic token every request samples (never an EOS or stop id in the simulator)
 _TOKENS = [TOKEN]  # shared, never mutated
 _SHARED_SP = SamplingParams(max_tokens=None, ignore_eos=True)
@@ -124,9 +125,28 @@ class Replica:
         return ready
 
     def _admit_arrivals(self, now: float) -> None:
+        self._add(self._admissible(), now)
+
+    def _feed(self, now: float) -> None:
+        """Direct feed (Simulation.direct_feed): take the requests that reached the engine by the
+        cutoff _admissible applies (all by now when the engine is idle or admission is
+        synchronous, else those that came before the start of the step that just ended)."""
+        cutoff = self._last_start
+        if not self.async_admission or cutoff is None or not self.scheduler.has_unfinished_requests():
+            cutoff = now
+        self._add(self.sim.feed_take(cutoff), now)
+
+    def _arrive(self, last_start: float, now: float) -> float:
+        """Scheduler.advance's `arrive` hook under the direct feed: the boundary at `now` after a
+        step that started at `last_start` takes what _feed would take there."""
+        self._add(self.sim.feed_take(last_start if self.async_admission else now), now)
+        return self.sim.feed_next_s()
+
+    def _add(self, sreqs: list[SimRequest], now: float) -> None:
+        """Open the records of requests that reached the engine and queue them in the scheduler."""
         sched = self.scheduler
         book = self.book
-        for sreq in self._admissible():
+        for sreq in sreqs:
             spec, rec = sreq.spec, sreq.record
             book.open(rec, spec.output_len)
             req = Request(spec.request_id, spec.token_sequence(), _SHARED_SP, arrival_time=rec.arrival_s,
@@ -174,9 +194,12 @@ class Replica:
     def run(self):
         env = self.env
         sched = self.scheduler
+        feed = self.sim.direct_feed
         while True:
             now = env.now
-            if self.inbox:
+            if feed:
+                self._feed(now)
+            elif self.inbox:
                 self._admit_arrivals(now)
             if self.aborts or (self.deadlines and self.deadlines[0][0] <= now):
                 self._apply_aborts(now)
@@ -191,11 +214,26 @@ class Replica:
                 sched.sync()  # nothing is lazy any more: leave fast mode
                 self._late = None
                 self._last_start = None
+                if feed:  # idle until the next request reaches the engine
+                    nxt = self.sim.feed_next_s()
+                    if nxt == math.inf:
+                        return
+                    yield self.sim.timeout_at(nxt)
+                    continue
                 self._wake = env.event()
                 yield self._wake
                 self._wake = None
                 continue
-            if self.use_steady and not self._plain_next:
+            if self.use_steady and not self._plain_next and feed:
+                # Arrivals join the run (_arrive); a run ends by FEED_RUN_S of simulated time,
+                # so that its steps' results stay few.
+                adv = sched.advance(TOKEN, self.cost.step_time, now, now + FEED_RUN_S,
+                                    decode_time=self._decode_time, stop_at_finish=False,
+                                    arrive=self._arrive, arrive_at=self.sim.feed_next_s())
+                if adv is not None:
+                    yield from self._fast_steps(now, adv)
+                    continue
+            elif self.use_steady and not self._plain_next:
                 until = self.sim.next_arrival_s
                 # Async: an arrival during step n waits for step n+1 too, so the run goes on through
                 # it; not with deadlines pending (one could fall due before step n+1 starts).

@@ -49,6 +49,15 @@ class TimeoutAt(Event):
         heappush(env._queue, (at, NORMAL, next(env._eid), self))  # simpy's own schedule(), absolute
 
 
+def _no_cancellation(workload) -> bool:
+    """Whether no request of the workload is cancelled (by a deadline or a disconnect)."""
+    after_s = getattr(workload, "cancel_after_s", None)
+    after_tokens = getattr(workload, "cancel_after_tokens", None)
+    if after_s is None or after_tokens is None:
+        return False
+    return bool(np.isnan(np.asarray(after_s, dtype=float)).all() and (np.asarray(after_tokens) < 0).all())
+
+
 @dataclass
 class SimResult:
     """`requests` and `steps` are pandas DataFrames (built on first use from the column tables;
@@ -142,6 +151,16 @@ class Simulation:
         # the replicas' fast steps run on through finishes, reporting them when the run ends.
         self.quiet_finishes = (self.closed_loop is None and self.num_warmup == 0
                                and (num_replicas == 1 or router != "least_outstanding"))
+        # Direct feed: with fast steps, one replica, an open loop whose requests go straight to
+        # the engine (no client turnaround, no API-server time) and no cancellation, every
+        # arrival is known ahead, so the replica takes its requests from the workload itself
+        # (feed_next_s / feed_take) at its step boundaries, and a fast run goes on through
+        # arrivals (Scheduler.advance's `arrive`) instead of one SimPy event and one run per
+        # arrival. Plain steps (steady_decode: false) keep the client path, the reference.
+        self.direct_feed = (self.use_steady and self.quiet_finishes and num_replicas == 1
+                            and not self.client.delays_requests and not self._think
+                            and _no_cancellation(workload))
+        self._feed_t = 0.0  # send time of the last request fed (sends keep workload order)
         self.replicas = [Replica(self, i, scheduler_config, cost_model) for i in range(num_replicas)]
         self._all_done = self.env.event()
 
@@ -166,8 +185,40 @@ class Simulation:
             self._exhausted = self._next is None
         return self._next
 
+    def feed_next_s(self) -> float:
+        """Direct feed: when the next request reaches the engine (math.inf: none left)."""
+        spec = self._peek()
+        if spec is None:
+            return math.inf
+        t = spec.arrival_s
+        return t if t > self._feed_t else self._feed_t
+
+    def feed_take(self, cutoff: float) -> list:
+        """Direct feed: the requests that reached the engine at or before `cutoff`, in workload
+        order, each with its record (as _pump and _send make them: a request is sent when it is
+        due and every request before it was sent)."""
+        out = []
+        while True:
+            spec = self._peek()
+            if spec is None:
+                return out
+            t = spec.arrival_s
+            if t < self._feed_t:
+                t = self._feed_t
+            if t > cutoff:
+                return out
+            self._next = None
+            self._feed_t = t
+            self._in_flight += 1
+            self._issued += 1
+            rec = RequestRecord(spec.request_id, t, spec.prompt_len)
+            self.records.append(rec)
+            out.append(SimRequest(spec, rec))
+
     def _pump(self) -> None:
         """Send every request that is due and has a free slot (in workload order)."""
+        if self.direct_feed:
+            return  # the replica takes them itself
         now = self.env.now
         while self.closed_loop is None or self._in_flight < self.closed_loop:
             spec = self._peek()

@@ -264,3 +264,43 @@ def test_book_itl_sample_equals_gaps_of_token_times():
         expanded = np.sort(np.repeat(v, w))
         gaps, _ = itl_from_token_times(sim.records)
         np.testing.assert_allclose(expanded, np.sort(gaps), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("async_admission", [False, True])
+def test_direct_feed_equals_arrivals_through_the_client(async_admission):
+    """An open loop on one replica takes its requests straight from the workload (Simulation.direct_feed)
+    and its fast runs go on through arrivals; the records, token times and step table equal those
+    of the same simulation with every arrival sent through the client as a SimPy event."""
+    from sim.cpu_work import WithCpuWork
+    from sim.kernel_model import KernelCostModel
+    cost = (WithCpuWork(KernelCostModel("llama-3.1-8b", "h100-sxm"), async_scheduling=True) if async_admission
+            else AnalyticCostModel("llama-3.1-8b", "h100-sxm"))
+    cfg = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=4096,
+                          block_size=16, num_gpu_blocks=700)
+    runs = {}
+    for feed in (True, False):
+        sim = Simulation(_wl(5), cfg, cost, keep_token_times=True)
+        assert sim.direct_feed and sim.replicas[0].async_admission == async_admission
+        sim.direct_feed = feed
+        runs[feed] = sim.run()
+    fed, sent = runs[True], runs[False]
+    assert fed.requests[TIMESTAMPS].equals(sent.requests[TIMESTAMPS])
+    assert [r.token_times_s for r in fed.records] == [r.token_times_s for r in sent.records]
+    assert fed.summary["num_steps"] == sent.summary["num_steps"]
+    assert len(fed.steps) < len(sent.steps)  # runs went on through arrivals
+    assert sent.summary["requests"]["preemptions"] > 0  # the pool is tight enough to preempt
+    # A fast row sums the rows of the steps it covers; compare both with plain steps.
+    plain = Simulation(_wl(5), cfg, cost, use_steady=False).run()
+    assert_step_tables_agree(fed.step_table, plain.step_table)
+
+
+def test_direct_feed_only_where_every_arrival_is_known_ahead():
+    cfg = SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=64, max_model_len=4096,
+                          block_size=16, num_gpu_blocks=4000)
+    cost = fixed_cost(0.01)
+    assert Simulation(_wl(1), cfg, cost).direct_feed
+    assert not Simulation(_wl(1), cfg, cost, use_steady=False).direct_feed
+    assert not Simulation(_wl(1), cfg, cost, num_replicas=2).direct_feed
+    assert not Simulation(_wl(1, arrival={"type": "concurrency", "concurrency": 8}), cfg, cost).direct_feed
+    cancel = {"deadline_s": 4.0, "fraction": 0.3, "at_output_fraction": 0.4}
+    assert not Simulation(_wl(1, cancellation=cancel), cfg, cost).direct_feed

@@ -176,3 +176,44 @@ def test_advance_then_takes_that_many_steps_past_until():
     assert fresh().advance(TOKEN, one, 0.0, 0.0, then=1).ends == [1.0]  # until already reached: one step
     # max_tokens=4: the prefill gave token 1, tokens 2-4 end the request at the third step.
     assert fresh(4).advance(TOKEN, one, 0.0, 2.5, then=2).ends == [1.0, 2.0, 3.0]
+
+
+def test_arrivals_join_a_run_through_the_arrive_hook():
+    """An arrival handed in by advance()'s `arrive` hook is admitted at the step boundary where the
+    hook takes it, exactly as if the run had stopped there and the driver had added it: same step
+    ends, same scheduler state. The hook sees each boundary that reached its time once, with the
+    start of the step that just ended."""
+    def fresh():
+        s = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512,
+                                      block_size=4, num_gpu_blocks=200))
+        s.add_request(Request("a", [1] * 10, SamplingParams(max_tokens=40, ignore_eos=True)))
+        plain_step(s)
+        return s
+
+    def arrival():
+        return Request("b", [2] * 9, SamplingParams(max_tokens=5, ignore_eos=True))
+
+    one = lambda f: 1.0  # noqa: E731
+    calls = []
+
+    def arrive(last_start, now):
+        calls.append((last_start, now))
+        if now >= 3.0:  # "b" came at 1.5 (during the step from 1.0); asynchronous admission
+            s.add_request(arrival())  # takes it once the step that started after it has ended
+            return float("inf")
+        return 1.5
+
+    s = fresh()
+    adv = s.advance(TOKEN, one, 0.0, 20.0, stop_at_finish=False, arrive=arrive, arrive_at=1.5)
+    assert calls == [(1.0, 2.0), (2.0, 3.0)]
+    # Reference: stop at 3.0, add "b", go on.
+    r = fresh()
+    ref = r.advance(TOKEN, one, 0.0, 3.0)
+    r.add_request(arrival())
+    ref2 = r.advance(TOKEN, one, 3.0, 20.0, stop_at_finish=False)
+    assert adv.ends == ref.ends + ref2.ends
+    assert [(e.index, [a[0].request_id for a in e.admitted]) for e in adv.events if e.admitted] == [(3, ["b"])]
+    s.sync()
+    r.sync()
+    assert state(s) == state(r)
+    s.check_invariants()

@@ -13,6 +13,7 @@ A driver that samples one fixed token for every request (the simulator) may inst
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 from engine.core.admission import AdmissionError, admit
@@ -458,7 +459,8 @@ class Scheduler:
     def advance(self, token_id: int, step_time: Callable[[BatchFeatures], float], start: float,
                 until: float, watch: Callable[[Request], int | None] | None = None,
                 then: int = 0, decode_time: Callable[[int, int], float] | None = None,
-                stop_at_finish: bool = True) -> Advance | None:
+                stop_at_finish: bool = True, arrive: Callable[[float, float], float] | None = None,
+                arrive_at: float = math.inf) -> Advance | None:
         """Steps back to back, for a driver that samples `token_id` for every request (the
         simulator): the steps schedule() + update_from_output(out, {id: [token_id] for each
         sampling request}) would take, while the clock, which starts at `start` and advances
@@ -486,6 +488,12 @@ class Scheduler:
         The features passed to step_time are valid during the call only. `decode_time(n, ctx)`,
         if given, is step_time of a step of n decodes reading ctx KV tokens and nothing else (it
         must equal step_time on those features); such steps then build no features.
+        `arrive(last_start, now)`, if given, is the driver's own arrival handling, for a driver
+        whose arrivals are known ahead (an open loop): it is called at each boundary of the run
+        after its first step whose time `now` has reached `arrive_at`, with the start of the step
+        that just ended; it may add_request() the requests that have arrived, and returns the
+        time at which it wants to be called again (math.inf: never). Arrivals then join the run
+        instead of ending it: the next step admits them as any step admits waiting requests.
         """
         lazy = self._lazy
         entered: list[Request] = []
@@ -511,8 +519,21 @@ class Scheduler:
                 if more <= 0:
                     break
                 more -= 1
+            arrived = False
+            if t >= arrive_at and ends and arrive is not None:
+                state = (len(self.running), len(self.waiting), self.kv_cache_manager.num_free_blocks)
+                arrive_at = arrive(ends[-2] if len(ends) > 1 else start, t)
+                arrived = True
             step = self._fast_step(lazy, watch)
             if step is None:
+                # The steps since the last cut end as they were before the arrivals: a cut there.
+                if arrived and not (res.cuts and res.cuts[-1].num_steps == len(ends)):
+                    total.num_reqs += n_sum
+                    total.num_decode_reqs += n_sum
+                    total.decode_context_tokens += ctx_sum
+                    n_sum = ctx_sum = 0
+                    res.cuts.append(Cut(len(ends), total, state[0], state[1], state[2]))
+                    total = BatchFeatures()
                 res.left = self.sync()
                 break
             n, ctx, f = step
