@@ -109,6 +109,7 @@ class Grid:
             else:
                 self._cell_ok = (ok[:-1, :-1] & ok[1:, :-1] & ok[:-1, 1:] & ok[1:, 1:]).tolist()
             self._pos0: dict = {}
+            self._rows: dict = {}
             self._fast = self._call1 if self.logt.ndim == 1 else self._call2
             # The last axis, for on_row's inlined copy of _axis (the hottest lookup of a run).
             v = self.values[-1]
@@ -143,10 +144,15 @@ class Grid:
         return t, exact
 
     def row(self, x: float) -> tuple:
-        """A 2-D table with its first axis resolved at x (for on_row): a run of decode steps asks
-        for one batch size at many context lengths."""
-        xc, i, f = self._first(x)
-        return xc, i, f, self._L[i], self._L[i + 1], self._cell_ok[i]
+        """A 2-D table with its first axis resolved at x (for on_row), memoised per x: a run of
+        decode steps asks for one batch size at many context lengths."""
+        r = self._rows.get(x)
+        if r is None:
+            xc, i, f = self._axis(0, x)
+            r = (xc, i, f, self._L[i], self._L[i + 1], self._cell_ok[i])
+            if len(self._rows) < 65536:
+                self._rows[x] = r
+        return r
 
     def _call2(self, x: float, y: float) -> tuple[float, bool]:
         return self.on_row(self.row(x), x, y)
