@@ -234,6 +234,7 @@ def main() -> None:
                 st = median_row(st_runs[b])
                 st["requests_per_wall_s_end_to_end"] = round(n / st["end_to_end_s"], 1)
                 st["runs_end_to_end_s"] = [round(r["end_to_end_s"], 3) for r in st_runs[b]]
+                st["runs_simulation_s"] = [round(r["simulation_s"], 3) for r in st_runs[b]]
                 row["servetwin" + suffix[b]] = {"engine_core": b, **st}
             if exe:
                 ai = median_row(ai_runs)

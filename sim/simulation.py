@@ -309,19 +309,19 @@ class Simulation:
         self._pump()
         until = self._all_done if self.max_time_s is None else simpy.AnyOf(
             self.env, [self._all_done, self.env.timeout(self.max_time_s)])
-        if self._total:
-            # The run allocates millions of short-lived objects and (almost) no cycles: the
-            # cyclic collector would only walk the growing heap again and again.
-            gc_was_on = gc.isenabled()
-            gc.disable()
-            try:
+        # The run and its summary allocate millions of short-lived objects and (almost) no
+        # cycles: the cyclic collector would only walk the growing heap again and again.
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            if self._total:
                 self.env.run(until=until)
-            finally:
-                if gc_was_on:
-                    gc.enable()
-        if self._bar is not None:
-            self._bar.close()
-        return self.collect(time.perf_counter() - wall0)
+            if self._bar is not None:
+                self._bar.close()
+            return self.collect(time.perf_counter() - wall0)
+        finally:
+            if gc_was_on:
+                gc.enable()
 
     def _client_times(self) -> None:
         """Token and finish times as the client reads them: output_s after the engine's."""
