@@ -15,12 +15,20 @@ recorded at their steps' ends and reported to the simulation (on_finish) when th
 Timestamps are identical to stepping one by one with schedule() (tests/test_sim.py,
 tests/test_sim_fuzz.py check it).
 
+Direct feed (Simulation.direct_feed: fast steps, one replica, an open loop whose requests reach
+the engine when they are sent, no cancellation): every arrival is known ahead, so the replica
+takes its requests from the workload itself at its step boundaries (with the same cutoff as
+the inbox: under async admission, those that came before the start of the step that just
+ended), and a fast run goes on through arrivals through advance()'s `arrive` hook; a run then
+ends after FEED_RUN_S of simulated time, at a step fast steps cannot take, or when the engine
+runs dry. The records equal those of the client path (tests/test_sim.py).
+
 steps.csv: a plain step is one row; the steps of one advance() call are one row with num_steps
 > 1 (one row per finish it went on through, and one for the steps after the last) whose feature
 columns (num_reqs ... num_preempted) and forward_s are sums over those steps, and num_running,
-num_waiting and kv_usage are as after its last step. The rows are the same whether a run stops
-at a finish or goes on through it, one per outside event or finish at most, so memory is bounded
-by the events, not by the steps.
+num_waiting and kv_usage are as after its last step. A row covers the steps between two outside
+events, finishes or (direct feed) run ends, so memory is bounded by those, not by the steps;
+where rows end depends on the path, and every row is the sum of the plain rows it covers.
 """
 from __future__ import annotations
 
