@@ -24,7 +24,7 @@ from engine.core.output import (CachedRequestData, EngineCoreOutput, NewRequestD
                                 SchedulerOutput)
 from engine.core.policy import make_queue
 from engine.core.request import Request, RequestStatus
-from engine.core.steady import SEQ_MASK, LazyDecodes
+from engine.core.steady import LazyDecodes
 
 _WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING
@@ -610,21 +610,15 @@ class Scheduler:
 
         # 1. Running part: the requests at a block boundary get append_slots, in running order;
         #    the step is refused whole if the pool cannot give every block (a preemption).
-        keys, need = lazy.pop_block_events()
-        if keys:
+        seqs, need = lazy.block_events()
+        if seqs:
             if need > kvm.num_free_blocks:
-                lazy.push_block_events(keys, 0)
                 return None
             c0s, s0s, t = lazy.c0, lazy.s0, lazy.t
             tok = lazy.token_id
             hashing = lazy.caching
             at_boundary = []
-            prev = -1
-            for key in keys:
-                seq = (key >> 1) & SEQ_MASK
-                if seq == prev:
-                    continue  # both kinds of one request (block_size 1)
-                prev = seq
+            for seq in seqs:
                 # lazy.materialize(r, computed before step t), inlined: this loop is hot. The
                 # tokens are only needed where append_slots may hash them (written back later).
                 r = members[seq]
@@ -639,7 +633,6 @@ class Scheduler:
                         r.output_token_ids += tail
                 at_boundary.append(r)
             kvm.append_slots(at_boundary)  # cannot fail: need <= free
-            lazy.push_block_events(keys, self.block_size)
         ctx = lazy.ctx_base + n_dec * lazy.t  # lazy.decode_context_tokens()
 
         # 2. Waiting part: the admission code of schedule().

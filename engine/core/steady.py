@@ -7,7 +7,7 @@ count c0 it had at fast step s0; at fast step t it stands at c0 + (t - s0) compu
 token short of num_tokens. Its Request object is stale until `materialize` writes the counters
 and the missing tokens back.
 
-What a step can change for a member comes from two heaps of events keyed by step:
+What a step can change for a member comes from two kinds of events:
 
     block events   its next position starts a block (ALLOC), or its last token fills one (CACHE):
                    the scheduler materializes it and calls KVCacheManager.append_slots, the
@@ -20,8 +20,13 @@ What a step can change for a member comes from two heaps of events keyed by step
     limit events   it reaches its length limit (it finishes through update_from_output), or a
                    num_tokens the driver asked to watch.
 
-Event keys are ints, step << 32 | seq << 1 | kind (ints compare fastest in a heap), and seq is
-the member's rank in running order, so the events of one step come out in running order.
+A member's block events of one kind recur every block_size steps, so they are kept by phase:
+bucket k of a kind lists (in running order) the members whose events of that kind fall on the
+steps t with t % block_size == k, from their first one on (no member is in a bucket before it
+joined, and the first event comes within block_size steps of joining). A step reads its two
+buckets; nothing is popped or pushed again. Limit events happen once per member: a heap of int
+keys, step << 32 | seq << 1 | kind (ints compare fastest in a heap). seq is the member's rank in
+running order, so the events of one step come out in running order.
 """
 from __future__ import annotations
 
@@ -31,13 +36,12 @@ from engine.core.request import Request
 
 SHIFT = 32
 SEQ_MASK = (1 << 31) - 1
-ALLOC, CACHE = 0, 1          # block event kinds
 LIMIT, WATCH = 0, 1          # limit event kinds
 
 
 class LazyDecodes:
     __slots__ = ("block_size", "caching", "token_id", "tok_list", "t", "index", "members", "c0",
-                 "s0", "ctx_base", "block_events", "limit_events")
+                 "s0", "ctx_base", "alloc_at", "cache_at", "limit_events")
 
     def __init__(self, block_size: int, caching: bool, token_id: int) -> None:
         self.block_size = block_size
@@ -50,7 +54,8 @@ class LazyDecodes:
         self.c0: list[int] = []            # by seq: computed tokens when it joined ...
         self.s0: list[int] = []            # ... before this step
         self.ctx_base = 0                  # sum over members of (c0 - s0 + 1)
-        self.block_events: list[int] = []
+        self.alloc_at: list[list[int]] = [[] for _ in range(block_size)]  # by phase: member seqs
+        self.cache_at: list[list[int]] = [[] for _ in range(block_size)]
         self.limit_events: list[int] = []
 
     def __len__(self) -> int:
@@ -71,11 +76,10 @@ class LazyDecodes:
         self.index[r.request_id] = seq
         self.ctx_base += c0 - s0 + 1
         bs = self.block_size
-        ev = self.block_events
         # Position c0 + k starts a block at step s0 + k for k = (-c0) mod bs, then every bs steps ...
-        heapq.heappush(ev, ((s0 + (-c0) % bs) << SHIFT) | (seq << 1) | ALLOC)
+        self.alloc_at[(s0 + (-c0) % bs) % bs].append(seq)
         if self.caching and r.unique_from is None:  # ... and fills one at k = (-(c0 + 1)) mod bs.
-            heapq.heappush(ev, ((s0 + (-(c0 + 1)) % bs) << SHIFT) | (seq << 1) | CACHE)
+            self.cache_at[(s0 + (-(c0 + 1)) % bs) % bs].append(seq)
         # After step s0 + k its num_tokens is c0 + k + 2.
         lim = self.limit_events
         heapq.heappush(lim, ((s0 + r.token_limit - c0 - 2) << SHIFT) | (seq << 1) | LIMIT)
@@ -117,30 +121,35 @@ class LazyDecodes:
         self.members.clear()
         self.c0.clear()
         self.s0.clear()
-        self.block_events.clear()
+        for b in self.alloc_at:
+            b.clear()
+        for b in self.cache_at:
+            b.clear()
         self.limit_events.clear()
         self.ctx_base = 0
         return out
 
-    def pop_block_events(self) -> tuple[list[int], int]:
-        """The block events of step t (live members only) and how many new blocks they need."""
-        ev = self.block_events
-        t = self.t
-        keys: list[int] = []
-        need = 0
+    def block_events(self) -> tuple[list[int], int]:
+        """The members (seqs, in running order, each once) with a block event at step t, and how
+        many new blocks they need (their ALLOC events). Reading them consumes nothing: the same
+        members come again bs steps later. The list is the scheduler's to read, not to keep."""
+        k = self.t % self.block_size
         members = self.members
-        while ev and ev[0] >> SHIFT == t:
-            key = heapq.heappop(ev)
-            if members[(key >> 1) & SEQ_MASK] is not None:
-                keys.append(key)
-                need += 1 - (key & 1)
-        return keys, need
-
-    def push_block_events(self, keys: list[int], steps_ahead: int) -> None:
-        step = steps_ahead << SHIFT
-        ev = self.block_events
-        for key in keys:
-            heapq.heappush(ev, key + step)
+        alloc = self.alloc_at[k]
+        for seq in alloc:
+            if members[seq] is None:  # members that left: dropped from the bucket here
+                alloc = self.alloc_at[k] = [q for q in alloc if members[q] is not None]
+                break
+        cache = self.cache_at[k]
+        if not cache:
+            return alloc, len(alloc)
+        for seq in cache:
+            if members[seq] is None:
+                cache = self.cache_at[k] = [q for q in cache if members[q] is not None]
+                break
+        if not alloc:
+            return cache, 0
+        return sorted(set(alloc).union(cache)), len(alloc)
 
     def pop_limit_events(self) -> tuple[list[int], list[int]]:
         """Members reaching their length limit at step t, and members reaching their watch
