@@ -114,11 +114,19 @@ class Replica:
             self._wake.succeed()
 
     # --------------------------------------------------------- step boundary
+    def _cutoff(self) -> float | None:
+        """The latest arrival the step about to be scheduled can see: the start of the step that
+        just ended under async admission, or None (every arrival so far) when admission is
+        synchronous or the engine is idle."""
+        if not self.async_admission or not self.scheduler.has_unfinished_requests():
+            return None
+        return self._last_start
+
     def _admissible(self) -> list[SimRequest]:
         """Take the inbox requests the step about to be scheduled can see (all of them, unless
         async admission holds back those that came while the last step ran)."""
-        cutoff = self._last_start
-        if not self.async_admission or cutoff is None or not self.scheduler.has_unfinished_requests():
+        cutoff = self._cutoff()
+        if cutoff is None:
             ready = self.inbox
             self.inbox, self.inbox_s = [], []
             return ready
@@ -139,10 +147,8 @@ class Replica:
         """Direct feed (Simulation.direct_feed): take the requests that reached the engine by the
         cutoff _admissible applies (all by now when the engine is idle or admission is
         synchronous, else those that came before the start of the step that just ended)."""
-        cutoff = self._last_start
-        if not self.async_admission or cutoff is None or not self.scheduler.has_unfinished_requests():
-            cutoff = now
-        self._add(self.sim.feed_take(cutoff), now)
+        cutoff = self._cutoff()
+        self._add(self.sim.feed_take(now if cutoff is None else cutoff), now)
 
     def _arrive(self, last_start: float, now: float) -> float:
         """Scheduler.advance's `arrive` hook under the direct feed: the boundary at `now` after a
@@ -232,26 +238,25 @@ class Replica:
                 yield self._wake
                 self._wake = None
                 continue
-            if self.use_steady and not self._plain_next and feed:
-                # Arrivals join the run (_arrive); a run ends by FEED_RUN_S of simulated time,
-                # so that its steps' results stay few.
-                adv = sched.advance(TOKEN, self.cost.step_time, now, now + FEED_RUN_S,
-                                    decode_time=self._decode_time, stop_at_finish=False,
-                                    arrive=self._arrive, arrive_at=self.sim.feed_next_s())
-                if adv is not None:
-                    yield from self._fast_steps(now, adv)
-                    continue
-            elif self.use_steady and not self._plain_next:
-                until = self.sim.next_arrival_s
-                # Async: an arrival during step n waits for step n+1 too, so the run goes on through
-                # it; not with deadlines pending (one could fall due before step n+1 starts).
-                then = 1 if self.async_admission and not self.deadlines else 0
-                if self.deadlines and self.deadlines[0][0] < until:
-                    until = self.deadlines[0][0]
-                if self.inbox:  # held back: one step, then they are admitted
-                    until, then = min(until, math.nextafter(now, math.inf)), 0
-                adv = sched.advance(TOKEN, self.cost.step_time, now, until, watch=_disconnect_point, then=then,
-                                    decode_time=self._decode_time, stop_at_finish=self._stop_at_finish)
+            if self.use_steady and not self._plain_next:
+                if feed:
+                    # Arrivals join the run (_arrive); a run ends by FEED_RUN_S of simulated
+                    # time, so that its steps' results stay few.
+                    adv = sched.advance(TOKEN, self.cost.step_time, now, now + FEED_RUN_S,
+                                        decode_time=self._decode_time, stop_at_finish=False,
+                                        arrive=self._arrive, arrive_at=self.sim.feed_next_s())
+                else:
+                    until = self.sim.next_arrival_s
+                    # Async: an arrival during step n waits for step n+1 too, so the run goes on
+                    # through it; not with deadlines pending (one could fall due before step n+1).
+                    then = 1 if self.async_admission and not self.deadlines else 0
+                    if self.deadlines and self.deadlines[0][0] < until:
+                        until = self.deadlines[0][0]
+                    if self.inbox:  # held back: one step, then they are admitted
+                        until, then = min(until, math.nextafter(now, math.inf)), 0
+                    adv = sched.advance(TOKEN, self.cost.step_time, now, until, watch=_disconnect_point,
+                                        then=then, decode_time=self._decode_time,
+                                        stop_at_finish=self._stop_at_finish)
                 if adv is not None:
                     yield from self._fast_steps(now, adv)
                     continue

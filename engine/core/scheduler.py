@@ -53,6 +53,13 @@ class FastStep:
         self.features = BatchFeatures()
 
 
+def _add_decodes(f: BatchFeatures, n: int, ctx: int) -> None:
+    """Count n decodes reading ctx KV tokens, summed over featureless fast steps, into f."""
+    f.num_reqs += n
+    f.num_decode_reqs += n
+    f.decode_context_tokens += ctx
+
+
 class Cut:
     """Where a driver's step table closes a row inside one Scheduler.advance() run (after a step in
     which a request finished, when the run goes on through finishes): the steps before it, their
@@ -528,9 +535,7 @@ class Scheduler:
             if step is None:
                 # The steps since the last cut end as they were before the arrivals: a cut there.
                 if arrived and not (res.cuts and res.cuts[-1].num_steps == len(ends)):
-                    total.num_reqs += n_sum
-                    total.num_decode_reqs += n_sum
-                    total.decode_context_tokens += ctx_sum
+                    _add_decodes(total, n_sum, ctx_sum)
                     n_sum = ctx_sum = 0
                     res.cuts.append(Cut(len(ends), total, state[0], state[1], state[2]))
                     total = BatchFeatures()
@@ -562,16 +567,12 @@ class Scheduler:
                 if f.finished:
                     if stop_at_finish:
                         break
-                    total.num_reqs += n_sum
-                    total.num_decode_reqs += n_sum
-                    total.decode_context_tokens += ctx_sum
+                    _add_decodes(total, n_sum, ctx_sum)
                     n_sum = ctx_sum = 0
                     res.cuts.append(Cut(len(ends), total, len(self.running), len(self.waiting),
                                         self.kv_cache_manager.num_free_blocks))
                     total = BatchFeatures()
-        total.num_reqs += n_sum
-        total.num_decode_reqs += n_sum
-        total.decode_context_tokens += ctx_sum
+        _add_decodes(total, n_sum, ctx_sum)
         res.features = total
         return res
 

@@ -134,22 +134,23 @@ class LazyDecodes:
         many new blocks they need (their ALLOC events). Reading them consumes nothing: the same
         members come again bs steps later. The list is the scheduler's to read, not to keep."""
         k = self.t % self.block_size
-        members = self.members
-        alloc = self.alloc_at[k]
-        for seq in alloc:
-            if members[seq] is None:  # members that left: dropped from the bucket here
-                alloc = self.alloc_at[k] = [q for q in alloc if members[q] is not None]
-                break
-        cache = self.cache_at[k]
-        if not cache:
+        alloc = self._live(self.alloc_at, k)
+        if not self.cache_at[k]:
             return alloc, len(alloc)
-        for seq in cache:
-            if members[seq] is None:
-                cache = self.cache_at[k] = [q for q in cache if members[q] is not None]
-                break
+        cache = self._live(self.cache_at, k)
         if not alloc:
             return cache, 0
         return sorted(set(alloc).union(cache)), len(alloc)
+
+    def _live(self, buckets: list[list[int]], k: int) -> list[int]:
+        """buckets[k] without the members that left (dropped from it here, when any)."""
+        bucket = buckets[k]
+        members = self.members
+        for seq in bucket:
+            if members[seq] is None:
+                bucket = buckets[k] = [q for q in bucket if members[q] is not None]
+                break
+        return bucket
 
     def pop_limit_events(self) -> tuple[list[int], list[int]]:
         """Members reaching their length limit at step t, and members reaching their watch
