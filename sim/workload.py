@@ -78,12 +78,15 @@ class RequestSpec:
                 k, n = self.segments[0]
                 return range(k, k + n)
             return self.token_ids()
+        filler = [0] * (self.prompt_len - u)
+        if u == 0:
+            return filler  # the whole prompt is its own (most trace requests): one list, not two
         head: list[int] = []
         for k, n in self.segments:
             if len(head) >= u:
                 break
             head += range(k, k + n)
-        return head + [0] * (self.prompt_len - u)
+        return head + filler
 
     def token_ids(self) -> list[int]:
         """Synthetic prompt token ids (len == prompt_len); segment (k, n) is ids k .. k+n-1."""

@@ -94,3 +94,16 @@ def test_workload_finds_the_first_token_no_other_request_has():
     assert [s.unique_from for s in wl] == [None, None, 10, 10, None]
     rng = random.Random(0)
     assert wl[rng.choice([2, 3])].unique_from == 10
+
+
+def test_token_sequence_keeps_the_shared_head_and_fills_the_rest():
+    """The scheduler's view of a prompt: the real ids before unique_from, a filler of zeros from
+    there (never read), prompt_len long in every case."""
+    from sim.workload import RequestSpec
+    whole = RequestSpec("a", 0.0, 5, 1, ((40, 5),))
+    assert list(whole.token_sequence()) == [40, 41, 42, 43, 44]  # no hint: the real ids
+    own = RequestSpec("b", 0.0, 5, 1, ((40, 5),), unique_from=0)
+    assert own.token_sequence() == [0, 0, 0, 0, 0]
+    tail = RequestSpec("c", 0.0, 6, 1, ((500, 2), (600, 1), (700, 3)), unique_from=3)
+    assert tail.token_sequence() == [500, 501, 600, 0, 0, 0]
+    assert tail.token_sequence()[:3] == tail.token_ids()[:3]
