@@ -207,13 +207,9 @@ class Simulation:
                 t = self._feed_t
             if t > cutoff:
                 return out
-            self._next = None
+            self._take()
             self._feed_t = t
-            self._in_flight += 1
-            self._issued += 1
-            rec = RequestRecord(spec.request_id, t, spec.prompt_len)
-            self.records.append(rec)
-            out.append(SimRequest(spec, rec))
+            out.append(SimRequest(spec, self._open_record(spec, t, False)))
 
     def _pump(self) -> None:
         """Send every request that is due and has a free slot (in workload order)."""
@@ -233,19 +229,28 @@ class Simulation:
                     self._pump_at = t
                     self._at(t, self._pump)
                 return
-            self._next = None
-            self._in_flight += 1
-            self._issued += 1
+            self._take()
             d = spec.client_delay_s if self._think else 0.0
             if d > 0:
                 self._at(now + d, lambda spec=spec, warm=warm: self._send(spec, warm))
             else:
                 self._send(spec, warm)
 
+    def _take(self) -> None:
+        """The peeked request leaves the workload: sent, and in flight until it finishes."""
+        self._next = None
+        self._in_flight += 1
+        self._issued += 1
+
+    def _open_record(self, spec, sent_s: float, warm: bool) -> RequestRecord:
+        """The record of a request sent at sent_s (its arrival time in the metrics)."""
+        rec = RequestRecord(spec.request_id, sent_s, spec.prompt_len)
+        (self.warmup_records if warm else self.records).append(rec)
+        return rec
+
     def _send(self, spec, warm: bool) -> None:
         now = self.env.now
-        rec = RequestRecord(spec.request_id, now, spec.prompt_len)
-        (self.warmup_records if warm else self.records).append(rec)
+        rec = self._open_record(spec, now, warm)
         c = self.client
         if c.delays_requests:
             start = max(now + c.http_s, self._frontend_free)
