@@ -66,7 +66,7 @@ run: $(VENV)/.core-stamp
 # The whole suite on the pure-Python reference, then the scheduler parity and fast-vs-plain
 # suites on the compiled build (SERVETWIN_REQUIRE_COMPILED: an ImportError if it is not in use).
 COMPILED_TESTS ?= tests/test_parity.py tests/test_steady.py tests/test_scheduler.py tests/test_sim.py \
-	tests/test_sim_fuzz.py tests/test_unique_hints.py tests/test_compiled.py
+	tests/test_sim_fuzz.py tests/test_unique_hints.py tests/test_compiled.py tests/test_counting_blocks.py
 test: $(VENV)/.test-stamp compiled
 	SERVETWIN_PURE_PYTHON=1 $(PY) -m pytest $(PYTEST_ARGS)
 	SERVETWIN_REQUIRE_COMPILED=1 $(PY) -m pytest -q $(COMPILED_TESTS)

@@ -32,6 +32,7 @@ where rows end depends on the path, and every row is the sum of the plain rows i
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from typing import TYPE_CHECKING
@@ -66,11 +67,15 @@ def _disconnect_point(r: Request) -> int | None:
 
 
 class Replica:
+    # The simulator never reads block ids: its KV pools count blocks while no prefix hit is
+    # possible (SchedulerConfig.track_block_ids; tests set this True to compare).
+    track_block_ids = False
+
     def __init__(self, sim: "Simulation", index: int, config: SchedulerConfig, cost_model) -> None:
         self.sim = sim
         self.env = sim.env
         self.index = index
-        self.scheduler = Scheduler(config)
+        self.scheduler = Scheduler(dataclasses.replace(config, track_block_ids=self.track_block_ids))
         self.cost = cost_model
         # A decode-only step's time without building its features, where the cost model has it.
         self._decode_time = getattr(cost_model, "decode_step_time", None)

@@ -9,6 +9,12 @@ a block allocates nothing):
 A freed block keeps its prefix hash: it is still a cache hit until allocation pops it from the
 head, at which point its hash is dropped from the map (lazy eviction). A hit on a free cached
 block takes it out of the middle of the queue (`touch`).
+
+Counting mode (a pool made with track_ids=False, for the simulator): while no block can ever be
+a prefix-cache hit, which block a request holds cannot change any decision, only how many. The
+pool then counts: get_new_blocks hands out the shared placeholder ANONYMOUS (block_id -1) and
+nothing moves in the free queue. `materialize` leaves the mode for good (KVCacheManager calls it
+before the first block hash that someone could hit exists).
 """
 from __future__ import annotations
 
@@ -33,6 +39,10 @@ class KVCacheBlock:
 
     def __repr__(self) -> str:
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+# The block a pool in counting mode hands out: every allocated slot holds this one object.
+ANONYMOUS = KVCacheBlock(-1)
 
 
 class FreeBlockQueue:
@@ -103,7 +113,8 @@ class BlockPool:
     The hot loops below inline the queue operations: they run for every block of every request.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool, unhashed_first: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, unhashed_first: bool = True,
+                 track_ids: bool = True) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_gpu_blocks={num_blocks}: need at least 2 (block 0 is the null block)")
         self.num_blocks = num_blocks
@@ -113,6 +124,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.null_block = self.free_queue.popleft()
         self.cached: dict = {}  # hash -> KVCacheBlock | {block_id: KVCacheBlock}
+        self.counting = not track_ids  # counting mode (see the module docstring)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -132,6 +144,9 @@ class BlockPool:
         q = self.free_queue
         if n > q.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks, {q.num_free_blocks} free")
+        if self.counting:
+            q.num_free_blocks -= n
+            return [ANONYMOUS] * n
         out = []
         cached = self.cached if self.enable_caching else None
         head = q.head
@@ -152,6 +167,37 @@ class BlockPool:
         b.prev_free = head
         q.num_free_blocks -= n
         return out
+
+    def release(self, n: int) -> None:
+        """free_blocks in counting mode: n placeholders come back (no block moves)."""
+        self.free_queue.num_free_blocks += n
+
+    def materialize(self, held: list[list[KVCacheBlock]]) -> None:
+        """Leave counting mode: give every placeholder in `held` (the requests' block lists, each
+        placeholder a block with one reference) a block of its own, and free the rest in id
+        order. In counting mode no block carries a hash anyone can hit, so the free blocks are
+        interchangeable and any order is one the pool could have reached."""
+        if not self.counting:
+            return
+        blocks = self.blocks
+        k = 1  # block 0 is the null block
+        for lst in held:
+            for i in range(len(lst)):
+                b = blocks[k]
+                b.ref_cnt = 1
+                b.block_hash = None
+                lst[i] = b
+                k += 1
+        num_free = self.free_queue.num_free_blocks
+        if k - 1 + num_free != self.num_blocks - 1:
+            raise RuntimeError(f"block pool: {k - 1} held + {num_free} free != {self.num_blocks - 1} usable")
+        rest = blocks[k:]
+        for b in rest:
+            b.ref_cnt = 0
+            b.block_hash = None
+        self.free_queue = FreeBlockQueue(rest)
+        self.cached.clear()
+        self.counting = False
 
     def evict(self, b: KVCacheBlock) -> None:
         """Take a block's hash out of the prefix-cache map (the block stays where it is)."""

@@ -19,6 +19,10 @@ class SchedulerConfig:
           its chunk takes that chunk's blocks out of the prefix cache. vLLM leaves them cached,
           so a later hit can read KV that was never computed; a real engine must set this (the
           simulator keeps vLLM's decisions).
+    And one for drivers that never read block ids:
+      track_block_ids=False   the KV pool counts blocks while no prefix-cache hit is possible
+          (engine/core/kv_cache_manager.py); the scheduler's outputs then carry block id -1.
+          Same decisions; the simulator sets it, an engine must not.
     """
 
     max_num_batched_tokens: int = 2048
@@ -34,6 +38,7 @@ class SchedulerConfig:
     unhashed_blocks_first: bool = True
     watermark: float = 0.0
     uncache_unscheduled_victims: bool = False
+    track_block_ids: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:

@@ -5,7 +5,7 @@ class: one KV cache group, full attention, which is what the engine and simulato
 """
 from __future__ import annotations
 
-from engine.core.block_pool import UNIQUE, BlockPool, KVCacheBlock
+from engine.core.block_pool import ANONYMOUS, UNIQUE, BlockPool, KVCacheBlock
 from engine.core.request import Request
 
 _NO_BLOCKS: list = []  # shared, never mutated
@@ -59,11 +59,12 @@ class KVCacheManager:
         max_model_len: int,
         enable_caching: bool = True,
         unhashed_first: bool = True,
+        track_block_ids: bool = True,
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_gpu_blocks, enable_caching, unhashed_first)
+        self.block_pool = BlockPool(num_gpu_blocks, enable_caching, unhashed_first, track_block_ids)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Number of leading blocks of each request already entered in the prefix-cache map.
         self.num_cached_block: dict[str, int] = {}
@@ -86,7 +87,24 @@ class KVCacheManager:
         return self.block_pool.usage()
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block ids (-1 for each block while the pool is in counting mode)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    @property
+    def counting(self) -> bool:
+        """Whether the pool counts blocks instead of tracking which (see the module docstring)."""
+        return self.block_pool.counting
+
+    def _materialize(self) -> None:
+        """Leave counting mode: real blocks for every placeholder, marked as the request's cached
+        blocks would be (UNIQUE up to num_cached_block: every request so far had unique_from 0)."""
+        pool = self.block_pool
+        held = list(self.req_to_blocks.items())
+        pool.materialize([blocks for _rid, blocks in held])
+        if self.enable_caching:
+            for rid, blocks in held:
+                for i in range(self.num_cached_block[rid]):
+                    blocks[i].block_hash = UNIQUE
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -105,6 +123,8 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
+        if self.block_pool.counting and (request.unique_from != 0 or request.num_preemptions):
+            self._materialize()  # its prompt may hit, or be hit by, a hashed block
         max_blocks = (request.num_tokens - 1) // self.block_size
         if request.unique_from is not None and request.num_preemptions == 0:
             # Blocks past unique_from are nobody else's; it has none of its own yet.
@@ -231,6 +251,8 @@ class KVCacheManager:
         request.unique_from are marked UNIQUE instead: cached, but hashed only on preemption)."""
         start = self.num_cached_block[request.request_id]
         self.num_cached_block[request.request_id] = num_full
+        if self.block_pool.counting:
+            return  # unique_from is 0 (get_computed_blocks saw it): UNIQUE marks, made on leaving
         num_hashed = num_full
         if request.unique_from is not None:
             num_hashed = min(num_full, request.unique_from // self.block_size)
@@ -286,15 +308,28 @@ class KVCacheManager:
         """Release a request's blocks, last block first (so tails are evicted before prefixes).
         `resumable`: the request is preempted and will look its own blocks up again."""
         blocks = self.req_to_blocks.get(request.request_id)
+        if blocks and resumable and self.block_pool.counting and self.enable_caching:
+            self._materialize()  # it may hit its own blocks when it resumes
         if blocks and resumable and request.unique_from is not None:
             self._hash_unique_blocks(request, blocks)
         self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            if self.block_pool.counting:
+                self.block_pool.release(len(blocks))
+            else:
+                self.block_pool.free_blocks(reversed(blocks))
 
     def check_integrity(self) -> None:
         """Invariants (mini-sglang style): ref counts equal holders; free queue consistent."""
+        pool = self.block_pool
+        if pool.counting:
+            held = sum(len(blocks) for blocks in self.req_to_blocks.values())
+            assert held + pool.free_queue.num_free_blocks == pool.num_blocks - 1, "block count drift"
+            assert all(b is ANONYMOUS for blocks in self.req_to_blocks.values() for b in blocks), \
+                "a tracked block in counting mode"
+            assert not pool.cached, "a hashed block in counting mode"
+            return
         holders: dict[int, int] = {}
         for blocks in self.req_to_blocks.values():
             for b in blocks:

@@ -109,6 +109,7 @@ class Scheduler:
             max_model_len=config.max_model_len,
             enable_caching=config.enable_prefix_caching,
             unhashed_first=config.unhashed_blocks_first,
+            track_block_ids=config.track_block_ids,
         )
         self.requests: dict[str, Request] = {}  # live (unfinished) requests by id
         self.waiting = make_queue(config.policy)

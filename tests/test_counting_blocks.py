@@ -1,0 +1,161 @@
+"""SchedulerConfig.track_block_ids=False (the simulator): the KV pool counts blocks while no
+prefix-cache hit is possible, and gives them identities when one becomes possible (a request
+whose prompt may share content, or a preemption). Which block a request holds must never change
+a decision: same steps, same preemptions, same block counts, same prefix hits, same simulated
+records and step tables as with tracked block ids."""
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from engine.core import Request, SamplingParams, Scheduler, SchedulerConfig
+from engine.core.block_pool import ANONYMOUS, UNIQUE
+from scenarios.schema import parse_scenario, run_scenario
+from sim.replica import Replica
+from tests.test_sim_fuzz import COLUMNS, random_scenario
+
+TOKEN = 7
+
+
+def decisions(s: Scheduler, out, outs):
+    kvm = s.kv_cache_manager
+    return (dict(out.num_scheduled_tokens), sorted(out.preempted_req_ids),
+            [(o.request_id, o.finish_reason) for o in outs],
+            [(r.request_id, r.num_computed_tokens, len(kvm.get_block_ids(r.request_id))) for r in s.running],
+            [r.request_id for r in s.waiting],
+            kvm.num_free_blocks, kvm.num_queried_tokens, kvm.num_hit_tokens, s.num_preemptions)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_counting_changes_no_decision(data):
+    bs = data.draw(st.sampled_from([1, 4, 16]))
+    mml = data.draw(st.integers(40, 200))
+    cfg = dict(max_num_batched_tokens=data.draw(st.integers(8, 256)),
+               max_num_seqs=data.draw(st.integers(1, 8)), max_model_len=mml, block_size=bs,
+               num_gpu_blocks=1 + -(-mml // bs) + data.draw(st.integers(0, 30)),
+               long_prefill_token_threshold=data.draw(st.sampled_from([0, 16])),
+               enable_prefix_caching=data.draw(st.sampled_from([True, True, False])),
+               policy=data.draw(st.sampled_from(["fcfs", "priority"])),
+               uncache_unscheduled_victims=data.draw(st.booleans()))
+    tracked = Scheduler(SchedulerConfig(**cfg))
+    counting = Scheduler(SchedulerConfig(**cfg, track_block_ids=False))
+    assert counting.kv_cache_manager.counting and not tracked.kv_cache_manager.counting
+    shared = [1, 2, 3] * 20  # 60 tokens some prompts start with
+    reqs = []
+    for i in range(data.draw(st.integers(1, 8))):
+        plen = data.draw(st.integers(1, mml - 2))
+        own = [100 + i] * plen  # ids no other request has
+        lead = data.draw(st.sampled_from([0, 0, 0, 20, 60]))  # 0: all its own (unique_from 0)
+        prompt = (shared[:lead] + own)[:plen]
+        unique_from = min(lead, plen) if lead < plen else None
+        reqs.append((data.draw(st.integers(0, 30)), f"r{i}", prompt, unique_from,
+                     data.draw(st.integers(1, mml - plen)), data.draw(st.integers(0, 2))))
+    was_counting = 0
+    for k in range(3000):
+        for (t, rid, prompt, unique_from, mt, prio) in reqs:
+            if t == k:
+                for s in (tracked, counting):
+                    r = Request(rid, list(prompt), SamplingParams(max_tokens=mt, ignore_eos=True),
+                                arrival_time=float(t), priority=prio)
+                    r.unique_from = unique_from
+                    s.add_request(r)
+        got = []
+        for s in (tracked, counting):
+            out = s.schedule()
+            outs = s.update_from_output(out, dict.fromkeys(out.sampling_req_ids, [TOKEN]))
+            got.append(decisions(s, out, outs))
+        assert got[0] == got[1], f"step {k}"
+        was_counting += counting.kv_cache_manager.counting
+        counting.check_invariants()
+        if not tracked.has_unfinished_requests() and k > max(r[0] for r in reqs):
+            break
+    event(f"counted steps: {was_counting > 0}; left counting: {not counting.kv_cache_manager.counting}; "
+          f"preemptions: {tracked.num_preemptions > 0}; hits: {tracked.kv_cache_manager.num_hit_tokens > 0}")
+
+
+def _request(rid: str, n: int, max_tokens: int, unique_from: int | None = 0) -> Request:
+    r = Request(rid, [5] * n, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    r.unique_from = unique_from
+    return r
+
+
+def _step(s: Scheduler):
+    out = s.schedule()
+    s.update_from_output(out, dict.fromkeys(out.sampling_req_ids, [TOKEN]))
+    return out
+
+
+def test_counting_pool_holds_placeholders_and_counts():
+    s = Scheduler(SchedulerConfig(block_size=4, num_gpu_blocks=21, max_num_batched_tokens=64,
+                                  max_model_len=40, track_block_ids=False))
+    kvm = s.kv_cache_manager
+    s.add_request(_request("a", 10, 3))
+    s.add_request(_request("b", 5, 3))
+    out = _step(s)
+    # 10 prompt tokens -> 3 blocks of 4, 5 -> 2: 5 of the 20 usable, none with an identity.
+    assert kvm.get_block_ids("a") == [-1, -1, -1] and kvm.get_block_ids("b") == [-1, -1]
+    assert out.scheduled_new_reqs[0].block_ids == [-1, -1, -1]
+    assert kvm.num_free_blocks == 15 and kvm.counting
+    assert all(b is ANONYMOUS for b in kvm.req_to_blocks["a"])
+    while s.has_unfinished_requests():
+        _step(s)
+    assert kvm.num_free_blocks == 20 and kvm.counting and not kvm.block_pool.cached
+    s.check_invariants()
+
+
+def test_shared_content_ends_counting_with_blocks_marked_as_tracked_ones_are():
+    cfg = dict(block_size=4, num_gpu_blocks=41, max_num_batched_tokens=64, max_model_len=80)
+    tracked = Scheduler(SchedulerConfig(**cfg))
+    counting = Scheduler(SchedulerConfig(**cfg, track_block_ids=False))
+    for s in (tracked, counting):
+        s.add_request(_request("a", 10, 20))
+        _step(s)
+        _step(s)  # a: 11 computed, 12 tokens, 3 blocks held, the first 2 full and cached (UNIQUE)
+    assert counting.kv_cache_manager.counting
+    for s in (tracked, counting):
+        s.add_request(_request("b", 9, 5, unique_from=None))  # may share content: hashing starts
+        _step(s)
+    kvm = counting.kv_cache_manager
+    assert not kvm.counting
+    marks = [b.block_hash is UNIQUE for b in kvm.req_to_blocks["a"]]
+    assert marks == [b.block_hash is UNIQUE for b in tracked.kv_cache_manager.req_to_blocks["a"]]
+    assert marks == [True, True, True]  # its decode this step filled block 3 (12 computed)
+    # b: 9 prompt tokens in 3 blocks; all 6 held blocks have identities of their own now.
+    assert len(set(kvm.get_block_ids("a") + kvm.get_block_ids("b"))) == 3 + 3
+    assert -1 not in kvm.get_block_ids("a")
+    assert kvm.num_free_blocks == tracked.kv_cache_manager.num_free_blocks == 40 - 6
+    counting.check_invariants()
+
+
+def test_preemption_ends_counting_and_the_victim_hits_its_own_blocks():
+    # 8 usable blocks of 4 tokens; two requests of 12 prompt tokens growing to 28: the pool runs
+    # out, the later one is preempted and, resuming, finds its prompt blocks still cached.
+    cfg = dict(block_size=4, num_gpu_blocks=9, max_num_batched_tokens=64, max_model_len=40)
+    results = []
+    for track in (True, False):
+        s = Scheduler(SchedulerConfig(**cfg, track_block_ids=track))
+        s.add_request(_request("a", 12, 16))
+        s.add_request(_request("b", 12, 16))
+        while s.has_unfinished_requests():
+            _step(s)
+            s.check_invariants()
+        assert s.num_preemptions > 0
+        assert not s.kv_cache_manager.counting
+        results.append((s.num_preemptions, s.kv_cache_manager.num_hit_tokens))
+    assert results[0] == results[1] and results[0][1] > 0
+
+
+@pytest.mark.parametrize("seed", range(0, 60, 2))
+def test_counting_changes_no_simulated_record(seed, monkeypatch):
+    base = random_scenario(seed)
+    if seed % 4 == 0:  # content all unique: counting can last the whole run
+        del base["workload"]["shared_prefix"]
+    results = {}
+    for track in (True, False):
+        monkeypatch.setattr(Replica, "track_block_ids", track)
+        results[track] = run_scenario(parse_scenario(base))
+    a, b = results[True], results[False]
+    assert a.requests[COLUMNS].equals(b.requests[COLUMNS])
+    for c in a.step_table:
+        assert (a.step_table[c] == b.step_table[c]).all(), c
+    assert a.summary["requests"] == b.summary["requests"]
