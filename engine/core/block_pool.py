@@ -175,8 +175,11 @@ class BlockPool:
     def materialize(self, held: list[list[KVCacheBlock]]) -> None:
         """Leave counting mode: give every placeholder in `held` (the requests' block lists, each
         placeholder a block with one reference) a block of its own, and free the rest in id
-        order. In counting mode no block carries a hash anyone can hit, so the free blocks are
-        interchangeable and any order is one the pool could have reached."""
+        order, without hashes. In counting mode no block carries a hash anyone can hit, so the
+        result differs from the tracked pool's state only in block numbering, the order of free
+        blocks and UNIQUE marks on free blocks, none of which a lookup or a later allocation can
+        tell apart (UNIQUE is never a key of the hash map; every such free block is evicted with
+        no effect when allocation reaches it)."""
         if not self.counting:
             return
         blocks = self.blocks

@@ -21,8 +21,8 @@ class SchedulerConfig:
           simulator keeps vLLM's decisions).
     And one for drivers that never read block ids:
       track_block_ids=False   the KV pool counts blocks while no prefix-cache hit is possible
-          (engine/core/kv_cache_manager.py); the scheduler's outputs then carry block id -1.
-          Same decisions; the simulator sets it, an engine must not.
+          (engine/core/kv_cache_manager.py); while it counts, the block ids in the scheduler's
+          outputs are -1. Same decisions; the simulator sets it, an engine must not.
     """
 
     max_num_batched_tokens: int = 2048
