@@ -12,6 +12,7 @@ from engine.core.block_pool import ANONYMOUS, UNIQUE
 from scenarios.schema import parse_scenario, run_scenario
 from sim.replica import Replica
 from tests.test_sim_fuzz import COLUMNS, random_scenario
+from tests.test_unique_hints import draw_config, draw_requests
 
 TOKEN = 7
 
@@ -28,28 +29,14 @@ def decisions(s: Scheduler, out, outs):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_counting_changes_no_decision(data):
-    bs = data.draw(st.sampled_from([1, 4, 16]))
-    mml = data.draw(st.integers(40, 200))
-    cfg = dict(max_num_batched_tokens=data.draw(st.integers(8, 256)),
-               max_num_seqs=data.draw(st.integers(1, 8)), max_model_len=mml, block_size=bs,
-               num_gpu_blocks=1 + -(-mml // bs) + data.draw(st.integers(0, 30)),
-               long_prefill_token_threshold=data.draw(st.sampled_from([0, 16])),
-               enable_prefix_caching=data.draw(st.sampled_from([True, True, False])),
-               policy=data.draw(st.sampled_from(["fcfs", "priority"])),
+    cfg = draw_config(data)
+    cfg.update(enable_prefix_caching=data.draw(st.sampled_from([True, True, False])),
                uncache_unscheduled_victims=data.draw(st.booleans()))
     tracked = Scheduler(SchedulerConfig(**cfg))
     counting = Scheduler(SchedulerConfig(**cfg, track_block_ids=False))
     assert counting.kv_cache_manager.counting and not tracked.kv_cache_manager.counting
-    shared = [1, 2, 3] * 20  # 60 tokens some prompts start with
-    reqs = []
-    for i in range(data.draw(st.integers(1, 8))):
-        plen = data.draw(st.integers(1, mml - 2))
-        own = [100 + i] * plen  # ids no other request has
-        lead = data.draw(st.sampled_from([0, 0, 0, 20, 60]))  # 0: all its own (unique_from 0)
-        prompt = (shared[:lead] + own)[:plen]
-        unique_from = min(lead, plen) if lead < plen else None
-        reqs.append((data.draw(st.integers(0, 30)), f"r{i}", prompt, unique_from,
-                     data.draw(st.integers(1, mml - plen)), data.draw(st.integers(0, 2))))
+    # lead 0: a prompt all its own (unique_from 0), which keeps the pool counting
+    reqs = draw_requests(data, cfg["max_model_len"], leads=[0, 0, 0, 20, 60])
     was_counting = 0
     for k in range(3000):
         for (t, rid, prompt, unique_from, mt, prio) in reqs:

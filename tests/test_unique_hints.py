@@ -25,27 +25,40 @@ def decisions(s: Scheduler, out, outs):
             kvm.num_queried_tokens, kvm.num_hit_tokens, s.num_preemptions)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data())
-def test_hint_changes_no_decision(data):
+def draw_config(data) -> dict:
+    """SchedulerConfig arguments for a small pool (at least one request of max_model_len fits)."""
     bs = data.draw(st.sampled_from([1, 4, 16]))
     mml = data.draw(st.integers(40, 200))
-    cfg = dict(max_num_batched_tokens=data.draw(st.integers(8, 256)),
-               max_num_seqs=data.draw(st.integers(1, 8)), max_model_len=mml, block_size=bs,
-               num_gpu_blocks=1 + -(-mml // bs) + data.draw(st.integers(0, 30)),
-               long_prefill_token_threshold=data.draw(st.sampled_from([0, 16])),
-               policy=data.draw(st.sampled_from(["fcfs", "priority"])))
-    plain, hinted = Scheduler(SchedulerConfig(**cfg)), Scheduler(SchedulerConfig(**cfg))
+    return dict(max_num_batched_tokens=data.draw(st.integers(8, 256)),
+                max_num_seqs=data.draw(st.integers(1, 8)), max_model_len=mml, block_size=bs,
+                num_gpu_blocks=1 + -(-mml // bs) + data.draw(st.integers(0, 30)),
+                long_prefill_token_threshold=data.draw(st.sampled_from([0, 16])),
+                policy=data.draw(st.sampled_from(["fcfs", "priority"])))
+
+
+def draw_requests(data, mml: int, leads: list[int]) -> list[tuple]:
+    """1-8 requests (arrival step, id, prompt, unique_from, max_tokens, priority): each prompt
+    starts with `lead` tokens of a prefix some others share (drawn from leads), then ids no
+    other request has."""
     shared = [1, 2, 3] * 20  # 60 tokens some prompts start with
     reqs = []
     for i in range(data.draw(st.integers(1, 8))):
         plen = data.draw(st.integers(1, mml - 2))
         own = [100 + i] * plen  # ids no other request has
-        lead = data.draw(st.sampled_from([0, 0, 20, 60]))
+        lead = data.draw(st.sampled_from(leads))
         prompt = (shared[:lead] + own)[:plen]
         unique_from = min(lead, plen) if lead < plen else None
         reqs.append((data.draw(st.integers(0, 30)), f"r{i}", prompt, unique_from,
                      data.draw(st.integers(1, mml - plen)), data.draw(st.integers(0, 2))))
+    return reqs
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_hint_changes_no_decision(data):
+    cfg = draw_config(data)
+    plain, hinted = Scheduler(SchedulerConfig(**cfg)), Scheduler(SchedulerConfig(**cfg))
+    reqs = draw_requests(data, cfg["max_model_len"], leads=[0, 0, 20, 60])
     for k in range(3000):
         for (t, rid, prompt, unique_from, mt, prio) in reqs:
             if t == k:
