@@ -16,8 +16,14 @@ in which all of them decode. It takes a few seconds.
   group's step periods by that group's speed factor (the geometric mean of the probes around it
   over the median probe; calibration.calibrate.run_sweep), and keeps the probes in the profile
   (metadata.speed_probe): the fit sees the machine at its median speed.
+- How much the steps follow the probe is itself fitted: the factor is raised to an exponent b
+  in [0, 1] chosen by the fit's leave-one-group-out error (calibration.calibrate.
+  fit_probe_exponent; metadata.speed_probe.exponent). A probe is a few steps of one small batch
+  at one moment: on a noisy machine it tracks real drift (b near 1), on a steady one its own
+  scatter is most of what it reads (b near 0).
 - `servetwin validate` runs it before every engine run and scales the profile by
-  probe / profile probe for the simulator's side of that run (the factor is reported per run).
+  (probe / profile probe) ** b for the simulator's side of that run (both factors are reported
+  per run).
   What drift remains within a run widens the prediction interval by the spread of the ratio of
   consecutive probes measured during calibration.
 

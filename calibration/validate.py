@@ -27,8 +27,10 @@ DIR/cdf-load<L>.png overlays the engine's and the simulator's CDFs per load.
 
 Machine drift: the reference of calibration.probe is timed before the first engine run and after
 every run, and a run's simulations use the profile scaled by the geometric mean of the probes
-around it over the profile's median probe, as calibrate scales its groups (validation.json
-speed_probe.runs lists the probes and factors; --no-speed-probe turns it off). With a profile
+around it over the profile's median probe, raised to the power the profile's fit chose
+(metadata.speed_probe.exponent, calibration.calibrate.fit_probe_exponent; 1 for a profile without
+one), as calibrate scales its groups (validation.json speed_probe.runs lists the probes, their raw
+factors and the applied ones; --no-speed-probe turns it off). With a profile
 that also recorded the compute probe, the prefill part of each step is scaled by the compute
 probe's factor and the rest by the decode probe's (calibration.probe.SplitSpeedModel).
 
@@ -166,8 +168,9 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
              speed_probe: bool = True) -> dict:
     """With `speed_probe` and a profile that recorded one (servetwin calibrate), the machine's
     speed is measured before and after each engine run and the simulator's side of that run uses
-    the profile scaled by the geometric mean of the two over the profile's median probe
-    (calibration.probe); the interval widens by the probe drift seen during calibration."""
+    the profile scaled by the geometric mean of the two over the profile's median probe, to the
+    profile's probe exponent (calibration.probe); the interval widens by the probe drift seen
+    during calibration."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     base = FittedCostModel.from_profile(profile)
@@ -179,6 +182,7 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
     ref = profile["metadata"].get("speed_probe") if speed_probe else None
     d_lo, d_hi = ref["drift_range"] if ref else (1.0, 1.0)
     cref = (ref or {}).get("compute")  # a profile that recorded the compute probe too
+    exponent = float((ref or {}).get("exponent", 1.0))  # calibration.calibrate.fit_probe_exponent
     factors: list[dict] = []
     before = probe_speed(engine) if ref else None  # each run's probe after is the next one's before
     before_c = compute_probe(engine) if cref else None
@@ -213,6 +217,9 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
                 run.update(compute_before_s=round(before_c, 6), compute_after_s=round(after_c, 6),
                            compute_factor=round(cscale, 4))
                 before_c = after_c
+            # Scaled by the power the profile's fit chose (1 for a profile without one).
+            scale, cscale = scale ** exponent, cscale ** exponent
+            run.update(applied_speed_factor=round(scale, 4), applied_compute_factor=round(cscale, 4))
             factors.append(run)
         model = SplitSpeedModel(base, scale, cscale)  # = base x scale without a compute probe
         d = per_load[load]
@@ -249,7 +256,7 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
                     "loads": {}, "seeds": seeds, "noise_replicas": NOISE_REPLICAS,
                     "interval": "90%: noise replicates x the profile's 5-95% held-out group bias"
                                 + (" x the 5-95% ratio of consecutive speed probes" if ref else ""),
-                    "speed_probe": ({"profile_median_s": ref["median_s"], "runs": factors,
+                    "speed_probe": ({"profile_median_s": ref["median_s"], "exponent": exponent, "runs": factors,
                                      **speed_extrapolation(factors, ref)} if ref else
                                     "off: the profile is used as measured")}
     all_rows = []
@@ -364,8 +371,8 @@ def _rows(d: dict, eng: dict, reps_key: str, bounds) -> tuple[dict, list]:
 
 
 def _write_steps(path: Path, step_rows: list) -> None:
-    """The engine's steps of every run with the profile's prediction (scaled by the run's speed
-    factor) beside the measured period, so the cost model's error can be studied by batch shape
+    """The engine's steps of every run with the profile's prediction (scaled by the run's applied
+    speed factors) beside the measured period, so the cost model's error can be studied by batch shape
     (what the sweep missed)."""
     import csv
     cols = ("num_reqs", "num_prefill_reqs", "num_prefill_tokens", "prefill_context_tokens",
@@ -373,7 +380,8 @@ def _write_steps(path: Path, step_rows: list) -> None:
             "num_waiting", "kv_usage", "schedule_s", "prepare_s", "forward_s", "sample_s")
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(("load", "seed", *cols, "period_s", "predicted_s", "speed_factor", "compute_factor"))
+        w.writerow(("load", "seed", *cols, "period_s", "predicted_s", "applied_speed_factor",
+                    "applied_compute_factor"))
         for load, seed, s, p, m in step_rows:
             w.writerow((load, seed, *(getattr(s, c) for c in cols), p, m.step_time(_features(s)),
                         m.decode_factor(), m.compute_factor))

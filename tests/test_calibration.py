@@ -230,11 +230,18 @@ def test_calibrate_and_validate_end_to_end(tmp_path, monkeypatch):
     (run,) = saved["speed_probe"]["runs"]
     assert run["speed_factor"] == pytest.approx(np.sqrt(run["probe_before_s"] * run["probe_after_s"]) / m["speed_probe"]["median_s"], rel=1e-3)
     assert saved["speed_probe"]["profile_median_s"] == m["speed_probe"]["median_s"] and run["speed_factor"] > 0
+    # ... raised to the exponent the profile's fit chose (one of the candidates, recorded with
+    # the grouped-CV error of each).
+    b = m["speed_probe"]["exponent"]
+    assert saved["speed_probe"]["exponent"] == b and f"{b:g}" in m["speed_probe"]["exponent_cv_mape"]
+    assert m["speed_probe"]["exponent_cv_mape"][f"{b:g}"] == min(m["speed_probe"]["exponent_cv_mape"].values())
+    assert run["applied_speed_factor"] == pytest.approx(run["speed_factor"] ** b, rel=1e-3)
     first = dict(zip(logged[0].split(","), logged[1].split(",")))
-    assert float(first["speed_factor"]) == pytest.approx(run["speed_factor"], rel=1e-3)
+    assert float(first["applied_speed_factor"]) == pytest.approx(run["applied_speed_factor"], rel=1e-3)
     assert run["compute_factor"] == pytest.approx(
         np.sqrt(run["compute_before_s"] * run["compute_after_s"]) / m["speed_probe"]["compute"]["median_s"], rel=1e-3)
-    assert float(first["compute_factor"]) == pytest.approx(run["compute_factor"], rel=1e-3)
+    assert run["applied_compute_factor"] == pytest.approx(run["compute_factor"] ** b, rel=1e-3)
+    assert float(first["applied_compute_factor"]) == pytest.approx(run["applied_compute_factor"], rel=1e-3)
     # The in-situ diagnostic ran the same workload with the run's own decode-step speed.
     ins = saved["in_situ"]
     assert len(ins["runs"]) == 1 and ins["summary"]["rows"] == 15
@@ -364,6 +371,48 @@ def test_two_speed_fit_undoes_a_compute_drift_the_decode_probe_misses():
             out.append(abs(got / want - 1))
         return max(out)
     assert err(two) < 0.02 < err(one)
+
+
+@pytest.mark.parametrize("follows", [0.0, 0.5, 1.0])
+def test_probe_exponent_is_how_much_the_steps_follow_the_probe(follows):
+    """Steps of a known model in groups whose machine speed is (probe factor) ** follows: 1, the
+    probe reads the speed exactly; 0, the probe's readings are its own scatter (the steps do not
+    move with them); 0.5, between. The grouped cross-validation picks that exponent back, and the
+    fit at it recovers the model at the median speed."""
+    from calibration.calibrate import fit_probe_exponent
+    from calibration.probe import split_time
+    from engine.core.features import BatchFeatures
+    true = FittedCostModel(intercept_s=0.02, per_req_s=0.001, per_token_s=0.0005, per_prefill_req_s=0.002,
+                           per_decode_ctx_s=1e-5)
+    rng = np.random.default_rng(1)
+    probe_factor = [1.0, 1.3, 0.85, 1.15, 0.9, 1.05]   # per group; the median probe is 1.025 of 0.1 s
+    rows, periods, around, around_c, labels = [], [], [], [], []
+    for gi, q in enumerate(probe_factor):
+        speed = q ** follows
+        for _ in range(40):
+            dec = int(rng.integers(0, 8))
+            pre = int(rng.integers(0, 2)) if dec else 1
+            ptok = int(rng.integers(16, 200)) if pre else 0
+            f = BatchFeatures(num_reqs=dec + pre, num_prefill_reqs=pre, num_prefill_tokens=ptok,
+                              num_decode_reqs=dec, decode_context_tokens=dec * int(rng.integers(20, 300)))
+            rest, add = split_time(true, f)
+            rows.append({"num_reqs": f.num_reqs, "num_tokens": ptok + dec, "num_prefill_reqs": pre,
+                         "prefill_attn_pairs": 0, "prefill_context_tokens": 0,
+                         "decode_context_tokens": f.decode_context_tokens})
+            periods.append((rest + add) * speed)
+            around.append(0.1 * q)
+            around_c.append(0.5 * q)
+            labels.append(f"g{gi}")
+    med = float(np.median([0.1 * q for q in probe_factor]))
+    model, b, table = fit_probe_exponent(rows, periods, around, around_c, med, 5 * med, groups=labels,
+                                         knots=[], caps=[])
+    assert b == follows and set(table) == {f"{i / 10:g}" for i in range(11)}
+    assert table[f"{follows:g}"] == min(table.values()) < 1e-6 < max(table.values())
+    at_median = (med / 0.1) ** follows  # the machine's speed when the probe reads its median
+    for r in rows[::7]:
+        args = [r[k] for k in ("num_reqs", "num_tokens", "num_prefill_reqs", "prefill_attn_pairs",
+                               "prefill_context_tokens", "decode_context_tokens")]
+        assert model._time(*args) == pytest.approx(true._time(*args) * at_median, rel=1e-6)
 
 
 def test_speed_probe_drift_range_by_hand():
