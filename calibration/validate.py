@@ -27,10 +27,14 @@ DIR/cdf-load<L>.png overlays the engine's and the simulator's CDFs per load.
 
 Machine drift: the reference of calibration.probe is timed before the first engine run and after
 every run, and a run's simulations use the profile scaled by the geometric mean of the probes
-around it over the profile's median probe, raised to the power the profile's fit chose
-(metadata.speed_probe.exponent, calibration.calibrate.fit_probe_exponent; 1 for a profile without
-one), as calibrate scales its groups (validation.json speed_probe.runs lists the probes, their raw
-factors and the applied ones; --no-speed-probe turns it off). With a profile
+around it over the profile's median probe, as calibrate scales its groups. The factor applied to
+a run is L x (f / L) ** b: L, the geometric mean of all runs' factors f, is where the machine stood
+during this validation against the calibration's median, and is applied in full; a run's
+deviation from it is raised to the exponent b the profile's fit chose for deviations between its
+sweep groups around their median (metadata.speed_probe.exponent, calibration.calibrate.
+fit_probe_exponent; 1 for a profile without one, which makes the factor f). The engine runs
+first, then the simulations, so L is known. validation.json speed_probe lists L (level_*), each
+run's probes, raw and applied factors; --no-speed-probe turns it off. With a profile
 that also recorded the compute probe, the prefill part of each step is scaled by the compute
 probe's factor and the rest by the decode probe's (calibration.probe.SplitSpeedModel).
 
@@ -196,6 +200,7 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
                                           "engine_tput": [], "sim_tput": [], "insitu_reps": [],
                                           "insitu_tput": []} for load in loads}
     insitu_runs: list[dict] = []
+    done = []  # per engine run: (seed, load, workload, result, raw decode and compute factors)
     for seed, load in runs:
         rate = load * capacity
         spec = copy.deepcopy(wl_spec)
@@ -217,10 +222,23 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
                 run.update(compute_before_s=round(before_c, 6), compute_after_s=round(after_c, 6),
                            compute_factor=round(cscale, 4))
                 before_c = after_c
-            # Scaled by the power the profile's fit chose (1 for a profile without one).
-            scale, cscale = scale ** exponent, cscale ** exponent
-            run.update(applied_speed_factor=round(scale, 4), applied_compute_factor=round(cscale, 4))
             factors.append(run)
+        done.append((seed, load, wl, res, scale, cscale))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    # The applied factors (module doc, "Machine drift"): the validation's level in full, each run's
+    # deviation from it to the profile's exponent.
+    level, applied = applied_factors([x[4] for x in done], exponent)
+    level_c, applied_c = applied_factors([x[5] for x in done], exponent)
+    sims = zip(done, factors if ref else [{}] * len(done), applied, applied_c)
+    if progress:
+        from tqdm import tqdm
+        sims = tqdm(sims, total=len(done), desc="simulating", unit="run")
+    for (seed, load, wl, res, _, _), run, scale, cscale in sims:
+        if ref:
+            run.update(applied_speed_factor=round(scale, 4), applied_compute_factor=round(cscale, 4))
         model = SplitSpeedModel(base, scale, cscale)  # = base x scale without a compute probe
         d = per_load[load]
         d["engine"].append(res.records)
@@ -247,16 +265,14 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
             reps.append(sim.run().records)
         d["insitu_reps"].append(reps)
         d["insitu_tput"].append(float(np.median([_summary(x)["throughput"]["output_tokens_per_s"] for x in reps])))
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
 
     report: dict = {"profile": profile["metadata"].get("source"), "capacity_requests_per_s": capacity,
                     "loads": {}, "seeds": seeds, "noise_replicas": NOISE_REPLICAS,
                     "interval": "90%: noise replicates x the profile's 5-95% held-out group bias"
                                 + (" x the 5-95% ratio of consecutive speed probes" if ref else ""),
-                    "speed_probe": ({"profile_median_s": ref["median_s"], "exponent": exponent, "runs": factors,
+                    "speed_probe": ({"profile_median_s": ref["median_s"], "exponent": exponent,
+                                     "level_speed_factor": round(level, 4),
+                                     "level_compute_factor": round(level_c, 4), "runs": factors,
                                      **speed_extrapolation(factors, ref)} if ref else
                                     "off: the profile is used as measured")}
     all_rows = []
@@ -333,6 +349,15 @@ def speed_extrapolation(factors: list[dict], ref: dict) -> dict:
         out["compute_calibrated_range"] = [round(lo, 4), round(hi, 4)]
         out["runs_outside_compute"] = outside("compute_factor", lo, hi)
     return out
+
+
+def applied_factors(raw: list[float], exponent: float) -> tuple[float, list[float]]:
+    """(L, [L x (f / L) ** exponent for each raw factor f]), L the geometric mean of the raw
+    factors: the validation's level in full, each run's deviation from it to the exponent."""
+    if not raw:
+        return 1.0, []
+    level = float(np.exp(np.mean(np.log(raw))))
+    return level, [level * (f / level) ** exponent for f in raw]
 
 
 def _mean_err(rows) -> float | None:

@@ -235,12 +235,14 @@ def test_calibrate_and_validate_end_to_end(tmp_path, monkeypatch):
     b = m["speed_probe"]["exponent"]
     assert saved["speed_probe"]["exponent"] == b and f"{b:g}" in m["speed_probe"]["exponent_cv_mape"]
     assert m["speed_probe"]["exponent_cv_mape"][f"{b:g}"] == min(m["speed_probe"]["exponent_cv_mape"].values())
-    assert run["applied_speed_factor"] == pytest.approx(run["speed_factor"] ** b, rel=1e-3)
+    # One run: it is the validation's level, applied in full.
+    assert saved["speed_probe"]["level_speed_factor"] == pytest.approx(run["speed_factor"], rel=1e-3)
+    assert run["applied_speed_factor"] == pytest.approx(run["speed_factor"], rel=1e-3)
     first = dict(zip(logged[0].split(","), logged[1].split(",")))
     assert float(first["applied_speed_factor"]) == pytest.approx(run["applied_speed_factor"], rel=1e-3)
     assert run["compute_factor"] == pytest.approx(
         np.sqrt(run["compute_before_s"] * run["compute_after_s"]) / m["speed_probe"]["compute"]["median_s"], rel=1e-3)
-    assert run["applied_compute_factor"] == pytest.approx(run["compute_factor"] ** b, rel=1e-3)
+    assert run["applied_compute_factor"] == pytest.approx(run["compute_factor"], rel=1e-3)
     assert float(first["applied_compute_factor"]) == pytest.approx(run["applied_compute_factor"], rel=1e-3)
     # The in-situ diagnostic ran the same workload with the run's own decode-step speed.
     ins = saved["in_situ"]
@@ -413,6 +415,19 @@ def test_probe_exponent_is_how_much_the_steps_follow_the_probe(follows):
         args = [r[k] for k in ("num_reqs", "num_tokens", "num_prefill_reqs", "prefill_attn_pairs",
                                "prefill_context_tokens", "decode_context_tokens")]
         assert model._time(*args) == pytest.approx(true._time(*args) * at_median, rel=1e-6)
+
+
+def test_applied_speed_factors_by_hand():
+    """validate applies the validation's level (geometric mean of the runs' probe factors) in
+    full and each run's deviation from it to the profile's exponent."""
+    from calibration.validate import applied_factors
+    level, got = applied_factors([0.8, 1.25], 0.5)           # level sqrt(0.8 x 1.25) = 1
+    assert level == pytest.approx(1.0) and got == pytest.approx([0.8 ** 0.5, 1.25 ** 0.5])
+    level, got = applied_factors([0.9, 0.9 * 1.21], 0.5)     # level 0.9 x 1.1 = 0.99
+    assert level == pytest.approx(0.99) and got == pytest.approx([0.99 / 1.1 ** 0.5, 0.99 * 1.1 ** 0.5])
+    assert applied_factors([0.7, 1.3, 1.1], 1.0)[1] == pytest.approx([0.7, 1.3, 1.1])  # exponent 1: raw
+    level, got = applied_factors([0.7, 1.3, 1.1], 0.0)       # exponent 0: every run at the level
+    assert got == pytest.approx([level] * 3) and applied_factors([], 0.4) == (1.0, [])
 
 
 def test_speed_probe_drift_range_by_hand():
