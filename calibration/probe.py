@@ -21,9 +21,11 @@ in which all of them decode. It takes a few seconds.
   fit_probe_exponent; metadata.speed_probe.exponent). A probe is a few steps of one small batch
   at one moment: on a noisy machine it tracks real drift (b near 1), on a steady one its own
   scatter is most of what it reads (b near 0).
-- `servetwin validate` runs it before every engine run and scales the profile by
-  (probe / profile probe) ** b for the simulator's side of that run (both factors are reported
-  per run).
+- `servetwin validate` runs it before every engine run and scales the profile for the
+  simulator's side of that run by L x (f / L) ** b, f = probe / profile probe and L the geometric
+  mean of f over the validation's runs: b describes deviations around a calibration's own median,
+  not a shift of the whole machine since it (calibration.validate.applied_factors; raw and
+  applied factors are reported per run).
   What drift remains within a run widens the prediction interval by the spread of the ratio of
   consecutive probes measured during calibration.
 

@@ -172,9 +172,9 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
              speed_probe: bool = True) -> dict:
     """With `speed_probe` and a profile that recorded one (servetwin calibrate), the machine's
     speed is measured before and after each engine run and the simulator's side of that run uses
-    the profile scaled by the geometric mean of the two over the profile's median probe, to the
-    profile's probe exponent (calibration.probe); the interval widens by the probe drift seen
-    during calibration."""
+    the profile scaled by the geometric mean of the two over the profile's median probe (the
+    validation's level in full, the run's deviation from it to the profile's probe exponent:
+    applied_factors); the interval widens by the probe drift seen during calibration."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     base = FittedCostModel.from_profile(profile)
