@@ -327,14 +327,27 @@ def test_split_speed_by_hand():
     assert split_time(m, g)[0] == pytest.approx(0.01)
 
 
+def _random_step(rng, model) -> tuple[dict, float, float]:
+    """A random batch (0-7 decodes, at most one prefill chunk) as a steps.csv feature row, with the
+    model's time for it split into the step without its prefill chunk and what the chunk adds."""
+    from calibration.probe import split_time
+    dec = int(rng.integers(0, 8))
+    pre = int(rng.integers(0, 2)) if dec else 1
+    ptok = int(rng.integers(16, 200)) if pre else 0
+    f = BatchFeatures(num_reqs=dec + pre, num_prefill_reqs=pre, num_prefill_tokens=ptok,
+                      num_decode_reqs=dec, decode_context_tokens=dec * int(rng.integers(20, 300)))
+    rest, add = split_time(model, f)
+    return ({"num_reqs": f.num_reqs, "num_tokens": ptok + dec, "num_prefill_reqs": pre,
+             "prefill_attn_pairs": 0, "prefill_context_tokens": 0,
+             "decode_context_tokens": f.decode_context_tokens}, rest, add)
+
+
 def test_two_speed_fit_undoes_a_compute_drift_the_decode_probe_misses():
     """Steps made by a known model on a machine whose decode speed and compute speed drift apart
     between groups: dividing whole periods by the decode probe leaves the prefill terms wrong;
     fit_two_speeds recovers the model at the median speeds."""
     from calibration.calibrate import fit_two_speeds
     from calibration.fit import fit_cost_model
-    from calibration.probe import split_time
-    from engine.core.features import BatchFeatures
     true = FittedCostModel(intercept_s=0.02, per_req_s=0.001, per_token_s=0.0005, per_prefill_req_s=0.002,
                            per_decode_ctx_s=1e-5)
     rng = np.random.default_rng(0)
@@ -342,15 +355,8 @@ def test_two_speed_fit_undoes_a_compute_drift_the_decode_probe_misses():
     speeds = [(1.0, 1.0), (1.6, 1.1), (1.2, 1.0), (1.0, 1.3)]  # (decode, compute) factor per group
     for gi, (fd, fc) in enumerate(speeds):
         for _ in range(60):
-            dec = int(rng.integers(0, 8))
-            pre = int(rng.integers(0, 2)) if dec else 1
-            ptok = int(rng.integers(16, 200)) if pre else 0
-            f = BatchFeatures(num_reqs=dec + pre, num_prefill_reqs=pre, num_prefill_tokens=ptok,
-                              num_decode_reqs=dec, decode_context_tokens=dec * int(rng.integers(20, 300)))
-            rest, add = split_time(true, f)
-            rows.append({"num_reqs": f.num_reqs, "num_tokens": ptok + dec, "num_prefill_reqs": pre,
-                         "prefill_attn_pairs": 0, "prefill_context_tokens": 0,
-                         "decode_context_tokens": f.decode_context_tokens})
+            row, rest, add = _random_step(rng, true)
+            rows.append(row)
             periods.append(rest * fd + add * fc)
             around.append(0.1 * fd)
             around_c.append(0.5 * fc)
@@ -382,8 +388,6 @@ def test_probe_exponent_is_how_much_the_steps_follow_the_probe(follows):
     move with them); 0.5, between. The grouped cross-validation picks that exponent back, and the
     fit at it recovers the model at the median speed."""
     from calibration.calibrate import fit_probe_exponent
-    from calibration.probe import split_time
-    from engine.core.features import BatchFeatures
     true = FittedCostModel(intercept_s=0.02, per_req_s=0.001, per_token_s=0.0005, per_prefill_req_s=0.002,
                            per_decode_ctx_s=1e-5)
     rng = np.random.default_rng(1)
@@ -392,15 +396,8 @@ def test_probe_exponent_is_how_much_the_steps_follow_the_probe(follows):
     for gi, q in enumerate(probe_factor):
         speed = q ** follows
         for _ in range(40):
-            dec = int(rng.integers(0, 8))
-            pre = int(rng.integers(0, 2)) if dec else 1
-            ptok = int(rng.integers(16, 200)) if pre else 0
-            f = BatchFeatures(num_reqs=dec + pre, num_prefill_reqs=pre, num_prefill_tokens=ptok,
-                              num_decode_reqs=dec, decode_context_tokens=dec * int(rng.integers(20, 300)))
-            rest, add = split_time(true, f)
-            rows.append({"num_reqs": f.num_reqs, "num_tokens": ptok + dec, "num_prefill_reqs": pre,
-                         "prefill_attn_pairs": 0, "prefill_context_tokens": 0,
-                         "decode_context_tokens": f.decode_context_tokens})
+            row, rest, add = _random_step(rng, true)
+            rows.append(row)
             periods.append((rest + add) * speed)
             around.append(0.1 * q)
             around_c.append(0.5 * q)
