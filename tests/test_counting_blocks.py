@@ -9,10 +9,9 @@ from hypothesis import strategies as st
 
 from engine.core import Request, SamplingParams, Scheduler, SchedulerConfig
 from engine.core.block_pool import ANONYMOUS, UNIQUE
-from scenarios.schema import parse_scenario, run_scenario
 from sim.replica import Replica
-from tests.test_sim_fuzz import COLUMNS, random_scenario
-from tests.test_unique_hints import draw_config, draw_requests
+from tests.test_sim_fuzz import random_scenario
+from tests.test_unique_hints import draw_config, draw_requests, run_side_by_side, same_records_both_ways
 
 TOKEN = 7
 
@@ -37,26 +36,14 @@ def test_counting_changes_no_decision(data):
     assert counting.kv_cache_manager.counting and not tracked.kv_cache_manager.counting
     # lead 0: a prompt all its own (unique_from 0), which keeps the pool counting
     reqs = draw_requests(data, cfg["max_model_len"], leads=[0, 0, 0, 20, 60])
-    was_counting = 0
-    for k in range(3000):
-        for (t, rid, prompt, unique_from, mt, prio) in reqs:
-            if t == k:
-                for s in (tracked, counting):
-                    r = Request(rid, list(prompt), SamplingParams(max_tokens=mt, ignore_eos=True),
-                                arrival_time=float(t), priority=prio)
-                    r.unique_from = unique_from
-                    s.add_request(r)
-        got = []
-        for s in (tracked, counting):
-            out = s.schedule()
-            outs = s.update_from_output(out, dict.fromkeys(out.sampling_req_ids, [TOKEN]))
-            got.append(decisions(s, out, outs))
-        assert got[0] == got[1], f"step {k}"
-        was_counting += counting.kv_cache_manager.counting
+    was_counting = [0]
+
+    def after_step():
+        was_counting[0] += counting.kv_cache_manager.counting
         counting.check_invariants()
-        if not tracked.has_unfinished_requests() and k > max(r[0] for r in reqs):
-            break
-    event(f"counted steps: {was_counting > 0}; left counting: {not counting.kv_cache_manager.counting}; "
+    run_side_by_side((tracked, counting), reqs, lambda prompt, hint: ((prompt, hint), (prompt, hint)),
+                     decisions, after_step)
+    event(f"counted steps: {was_counting[0] > 0}; left counting: {not counting.kv_cache_manager.counting}; "
           f"preemptions: {tracked.num_preemptions > 0}; hits: {tracked.kv_cache_manager.num_hit_tokens > 0}")
 
 
@@ -137,12 +124,5 @@ def test_counting_changes_no_simulated_record(seed, monkeypatch):
     base = random_scenario(seed)
     if seed % 4 == 0:  # content all unique: counting can last the whole run
         del base["workload"]["shared_prefix"]
-    results = {}
-    for track in (True, False):
-        monkeypatch.setattr(Replica, "track_block_ids", track)
-        results[track] = run_scenario(parse_scenario(base))
-    a, b = results[True], results[False]
-    assert a.requests[COLUMNS].equals(b.requests[COLUMNS])
-    for c in a.step_table:
-        assert (a.step_table[c] == b.step_table[c]).all(), c
+    a, b = same_records_both_ways(base, monkeypatch, Replica, "track_block_ids")
     assert a.summary["requests"] == b.summary["requests"]

@@ -53,45 +53,62 @@ def draw_requests(data, mml: int, leads: list[int]) -> list[tuple]:
     return reqs
 
 
+def run_side_by_side(pair, reqs, sides, decisions, after_step) -> None:
+    """Drive two schedulers step by step with the same arrivals (draw_requests tuples) until
+    both are done: `sides(prompt, unique_from)` gives each one's (prompt tokens, unique_from)
+    for a request; every step's `decisions(scheduler, output, core outputs)` must be equal on
+    both; `after_step()` runs after each step."""
+    for k in range(3000):
+        for (t, rid, prompt, unique_from, mt, prio) in reqs:
+            if t == k:
+                for s, (toks, hint) in zip(pair, sides(prompt, unique_from)):
+                    r = Request(rid, list(toks), SamplingParams(max_tokens=mt, ignore_eos=True),
+                                arrival_time=float(t), priority=prio)
+                    r.unique_from = hint
+                    s.add_request(r)
+        got = []
+        for s in pair:
+            out = s.schedule()
+            outs = s.update_from_output(out, dict.fromkeys(out.sampling_req_ids, [TOKEN]))
+            got.append(decisions(s, out, outs))
+        assert got[0] == got[1], f"step {k}"
+        after_step()
+        if not pair[0].has_unfinished_requests() and k > max(r[0] for r in reqs):
+            break
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_hint_changes_no_decision(data):
     cfg = draw_config(data)
     plain, hinted = Scheduler(SchedulerConfig(**cfg)), Scheduler(SchedulerConfig(**cfg))
     reqs = draw_requests(data, cfg["max_model_len"], leads=[0, 0, 20, 60])
-    for k in range(3000):
-        for (t, rid, prompt, unique_from, mt, prio) in reqs:
-            if t == k:
-                # The hinted scheduler never reads tokens past unique_from: it gets zeros there.
-                filler = prompt if unique_from is None else prompt[:unique_from] + [0] * (len(prompt) - unique_from)
-                for s, hint, toks in ((plain, None, prompt), (hinted, unique_from, filler)):
-                    r = Request(rid, list(toks), SamplingParams(max_tokens=mt, ignore_eos=True),
-                                arrival_time=float(t), priority=prio)
-                    r.unique_from = hint
-                    s.add_request(r)
-        got = []
-        for s in (plain, hinted):
-            out = s.schedule()
-            outs = s.update_from_output(out, dict.fromkeys(out.sampling_req_ids, [TOKEN]))
-            got.append(decisions(s, out, outs))
-        assert got[0] == got[1], f"step {k}"
-        hinted.check_invariants()
-        if not plain.has_unfinished_requests() and k > max(r[0] for r in reqs):
-            break
+
+    def sides(prompt, unique_from):
+        # The hinted scheduler never reads tokens past unique_from: it gets zeros there.
+        filler = prompt if unique_from is None else prompt[:unique_from] + [0] * (len(prompt) - unique_from)
+        return (prompt, None), (filler, unique_from)
+    run_side_by_side((plain, hinted), reqs, sides, decisions, hinted.check_invariants)
     event(f"preemptions: {plain.num_preemptions > 0}; hits: {plain.kv_cache_manager.num_hit_tokens > 0}")
 
 
-@pytest.mark.parametrize("seed", range(0, 60, 3))
-def test_hint_changes_no_simulated_record(seed, monkeypatch):
-    base = random_scenario(seed)
+def same_records_both_ways(base: dict, monkeypatch, cls, attr: str):
+    """The scenario simulated with cls.attr True and then False: the request records and the step
+    tables must be equal; returns both results (True first)."""
     results = {}
-    for hints in (True, False):
-        monkeypatch.setattr(Workload, "unique_hints", hints)
-        results[hints] = run_scenario(parse_scenario(base))
+    for flag in (True, False):
+        monkeypatch.setattr(cls, attr, flag)
+        results[flag] = run_scenario(parse_scenario(base))
     a, b = results[True], results[False]
     assert a.requests[COLUMNS].equals(b.requests[COLUMNS])
     for c in a.step_table:
         assert (a.step_table[c] == b.step_table[c]).all(), c
+    return a, b
+
+
+@pytest.mark.parametrize("seed", range(0, 60, 3))
+def test_hint_changes_no_simulated_record(seed, monkeypatch):
+    a, b = same_records_both_ways(random_scenario(seed), monkeypatch, Workload, "unique_hints")
     assert a.summary["requests"]["preemptions"] == b.summary["requests"]["preemptions"]
 
 
