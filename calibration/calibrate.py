@@ -260,6 +260,24 @@ def device_name(engine) -> str:
     return name.replace(" ", "-")
 
 
+def host_cpu() -> str:
+    """This machine's processor as /proc/cpuinfo names it, with family, model and stepping (a
+    VM often shows only a generic name) and the CPU count; platform.processor() elsewhere."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                k, _, v = line.partition(":")
+                fields.setdefault(k.strip(), v.strip())
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    ids = ", ".join(f"{k} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields)
+    return f"{name} ({ids + ', ' if ids else ''}{os.cpu_count()} cpus)"
+
+
 def _threads() -> int:
     import torch
     return torch.get_num_threads()
@@ -292,6 +310,7 @@ def calibrate(engine, out: str | Path, seed: int = 0, groups: list[dict] | None 
         "device": device_name(engine),
         "model": "smollm2-135m" if engine.model_name == "default" else engine.model_name,
         "cpu": platform.processor() or platform.machine(),
+        "host_cpu": host_cpu(),
         "dtype": str(engine.dtype).replace("torch.", ""), "tp": 1,
         "block_size": engine.block_size, "num_gpu_blocks": engine.num_gpu_blocks,
         "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
@@ -331,8 +350,6 @@ def refit(profile_path: str | Path, out: str | Path) -> dict:
     with open(src) as f:
         old = json.load(f)
     rows, times, labels = [], [], []
-    with open(src) as f:
-        old = json.load(f)
     sp = old["metadata"].get("speed_probe") or {}
     med = sp.get("median_s")
     periods, around, around_c = [], [], []

@@ -219,9 +219,13 @@ def test_calibrate_and_validate_end_to_end(tmp_path, monkeypatch):
     assert drive_calls == [0, 0]
     saved = json.loads((tmp_path / "val" / "validation.json").read_text())
     assert saved["summary"]["rows"] == rep["summary"]["rows"] == 15  # 5 metrics x p50/p90/p99
+    from calibration.calibrate import host_cpu  # the machine, recorded on both sides
+    assert saved["host_cpu"] == saved["profile_host_cpu"] == m["host_cpu"] == host_cpu()
     row = saved["loads"]["0.5"]["metrics"]["ttft_s.p90"]
     assert row["rel_error"] == pytest.approx(row["sim"] / row["engine"] - 1)
     assert row["interval"][0] <= row["sim"] <= row["interval"][1] and len(row["seed_rel_errors"]) == 1
+    assert row["rank_error"] == pytest.approx(row["engine_rank_of_sim"] - 0.9, abs=1e-3)
+    assert 0 <= saved["summary"]["median_abs_rank_error"] <= saved["summary"]["max_abs_rank_error"] <= 1
     assert saved["loads"]["0.5"]["step_time_mape"] >= 0 and "throughput_rel_error" in saved["loads"]["0.5"]
     assert (tmp_path / "val" / "cdf-load0.5.png").stat().st_size > 1000
     logged = (tmp_path / "val" / "engine-steps.csv").read_text().splitlines()
@@ -412,6 +416,22 @@ def test_probe_exponent_is_how_much_the_steps_follow_the_probe(follows):
         args = [r[k] for k in ("num_reqs", "num_tokens", "num_prefill_reqs", "prefill_attn_pairs",
                                "prefill_context_tokens", "decode_context_tokens")]
         assert model._time(*args) == pytest.approx(true._time(*args) * at_median, rel=1e-6)
+
+
+def test_rank_in_the_engine_sample_by_hand():
+    """rank_in inverts numpy's 'linear' percentile: in 1..5, 3 is the median and 2.5 sits at
+    3/8; a flat stretch of a bimodal sample (the ITL plateau) makes p90 jump while the rank of a
+    value inside the gap moves by less than a point."""
+    from calibration.validate import _pct, rank_in
+    v = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert rank_in(v, 3.0) == pytest.approx(0.5) and rank_in(v, 2.5) == pytest.approx(0.375)
+    assert rank_in(v, 0.0) == 0.0 and rank_in(v, 9.0) == 1.0 and rank_in(np.array([1.0]), 1.0) is None
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 10, 1000)
+    assert rank_in(x, _pct(x, "p90")) == pytest.approx(0.9)
+    gaps = np.concatenate([np.full(899, 60.0), np.linspace(150, 600, 101)])  # 89.9% short gaps
+    p90 = _pct(gaps, "p90")
+    assert p90 > 150 and rank_in(gaps, 60.0 + 0.5 * (p90 - 60)) == pytest.approx(0.899, abs=1e-3)
 
 
 def test_applied_speed_factors_by_hand():

@@ -117,6 +117,26 @@ def test_noisy_cost_model_draws_the_residual_distribution():
         assert np.quantile(ratio, q) == pytest.approx(1 / (1 + (0.2 - 0.4 * q)), rel=0.01)
 
 
+def test_one_extreme_step_in_the_sweep_does_not_fatten_the_simulated_tail():
+    """2,000 steps within a few % of the fit and one twice as long (a pause): the profile's
+    quantiles, drawn from by the simulator, reproduce the measured steps' p97 and p99 and mean.
+    With the quantiles every 5% the outer 5% of draws spread evenly up to the one extreme step:
+    p97 came out 1.4x where the steps had 1.05x."""
+    from calibration.fit import _quantiles
+    from engine.core.features import BatchFeatures
+    rng = np.random.default_rng(1)
+    ratio_measured = np.concatenate([1 + rng.normal(0, 0.02, 2000), [2.0]])  # measured / predicted
+    prof = dict(GOOD, residual_quantiles=_quantiles(1 / ratio_measured - 1))  # pred / measured - 1
+    base = FittedCostModel.from_profile(prof)
+    noisy = NoisyCostModel(base, seed=0)
+    f = BatchFeatures(num_reqs=4, num_decode_reqs=4, decode_context_tokens=400)
+    drawn = np.array([noisy.step_time(f) for _ in range(40000)]) / base.step_time(f)
+    for q in (0.5, 0.97, 0.985):
+        assert np.quantile(drawn, q) == pytest.approx(np.quantile(ratio_measured, q), rel=0.01)
+    assert np.mean(drawn > 1.2) < 0.011  # measured: 1 step in 2,001; every 5%: about 4%
+    assert drawn.mean() == pytest.approx(ratio_measured.mean(), rel=0.005)
+
+
 def test_noisy_cost_model_draws_each_kind_of_step_from_its_own_residuals(tmp_path):
     # Prefill steps: r uniform on [-0.05, 0.05]; decode steps: r uniform on [-0.3, 0.3].
     prof = {**GOOD, "residual_quantiles_by_kind": {
