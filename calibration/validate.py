@@ -501,6 +501,16 @@ def print_table(report: dict) -> None:
               f"median |error| {ins['summary']['median_abs_error']:.1%}")
 
 
+def other_host(meta: dict, here: str | None = None) -> str | None:
+    """What to warn when a CPU profile was measured on another processor than this one (None when
+    it was measured here, or does not say where)."""
+    here = here or host_cpu()
+    if not meta.get("host_cpu") or meta["host_cpu"] == here:
+        return None
+    return (f"was measured on {meta['host_cpu']}; this machine is {here}: its steps run at another "
+            "speed, so recalibrate here (servetwin calibrate) before trusting the errors")
+
+
 def device_is_cpu(device: str | None) -> bool:
     import torch
     return device == "cpu" or (device is None and not torch.cuda.is_available())
@@ -520,9 +530,9 @@ def main(a) -> int:
     with open(a.workload) as f:
         scenario = yaml.safe_load(f)
     meta = profile["metadata"]
-    if device_is_cpu(a.device) and meta.get("host_cpu") and meta["host_cpu"] != host_cpu():
-        print(f"warning: {a.profile} was measured on {meta['host_cpu']}; this machine is {host_cpu()}: "
-              "its steps run at another speed, so recalibrate here (servetwin calibrate) before trusting the errors")
+    other = other_host(meta) if device_is_cpu(a.device) else None
+    if other:
+        print(f"warning: {a.profile} {other}")
     sched = scenario.get("scheduler", {})
     dep = scenario.get("deployment", {})
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -434,6 +434,16 @@ def test_rank_in_the_engine_sample_by_hand():
     assert p90 > 150 and rank_in(gaps, 60.0 + 0.5 * (p90 - 60)) == pytest.approx(0.899, abs=1e-3)
 
 
+def test_a_profile_from_another_cpu_is_flagged():
+    from calibration.calibrate import host_cpu
+    from calibration.validate import other_host
+    here = host_cpu()
+    assert here.endswith(" cpus)") and other_host({"host_cpu": here}) is None
+    assert other_host({}) is None  # a profile that does not say where it was measured
+    msg = other_host({"host_cpu": "Some CPU (cpu family 25, model 1, stepping 1, 2 cpus)"}, here="Another CPU (2 cpus)")
+    assert "Some CPU" in msg and "Another CPU" in msg and "recalibrate" in msg
+
+
 def test_applied_speed_factors_by_hand():
     """validate applies the validation's level (geometric mean of the runs' probe factors) in
     full and each run's deviation from it to the profile's exponent."""
