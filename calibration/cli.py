@@ -35,7 +35,8 @@ def add_calibration_args(sub) -> None:
     p.add_argument("--loads", type=float, nargs="+", default=[0.3, 0.6, 0.9, 1.2],
                    help="fractions of the engine's measured capacity (default 0.3 0.6 0.9 and overload 1.2)")
     p.add_argument("--seeds", type=int, default=3, help="workload seeds per load (default 3)")
-    p.add_argument("--duration-s", type=float, default=20.0, help="arrival window of each run (s)")
+    p.add_argument("--duration-s", type=float, default=None,
+                   help="arrival window of each run (s; default calibration.validate.DURATION_S, 40)")
     p.add_argument("--min-requests", type=int, default=None,
                    help="requests per run at least (a light load's window grows to hold them; "
                         "default calibration.validate.MIN_REQUESTS)")
