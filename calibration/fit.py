@@ -16,7 +16,7 @@ from sim.cost_model import FittedCostModel
 
 # Hinges at 2, 4 and 8 let a CPU step's token term stay flat from 2 to 4 decodes and then rise
 # (measured on a quiet Xeon: 52.5 / 56.3 / 55.6 / 69.6 / 90.3 ms at 1 / 2 / 4 / 8 / 16 decodes);
-# with the first hinge at 16 the fit ran 3 to 8 decodes 4-7% slow. nnls leaves unused ones at 0.
+# with the first hinge at 16 the fit ran 3 to 6 decodes 2-7% slow. nnls leaves unused ones at 0.
 DEFAULT_KNOTS = (2, 4, 8, 16, 64, 128, 256, 512, 1024, 2048, 4096)
 # Caps of the saturating terms min(tokens, cap): the concave start of a CPU step's token term
 # (one token: matrix-vector kernels; a few: packed GEMMs whose cost grows slowly at first).

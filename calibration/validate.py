@@ -30,7 +30,7 @@ engine_rank_of_sim (0-1, the inverse of the percentile) and rank_error = that ra
 quantile. rel_error is ill-conditioned where the engine's CDF is flat: ITL is a mixture of
 decode-only gaps and the much longer gaps of steps that carry a prefill chunk, and when about 10%
 of gaps are of the second kind, p90 sits on the plateau between the two (on this workload at
-60-90% load), where one point of probability moves the value by 30-100%. rank_error stays small
+90% load with the former 20 s windows), where one point of probability moves the value by 30-100%. rank_error stays small
 there; rel_error, which the bounds of the acceptance check use, does not.
 
 Machine drift: the reference of calibration.probe is timed before the first engine run and after
