@@ -93,28 +93,33 @@ def add_replicate_intervals(path, sc, summary: dict, n: int) -> None:
 
 def cmd_plan(a) -> int:
     from scenarios.plan import PlanError, plan
-    from scenarios.plan_report import deploy_commands, format_table, why
+    from scenarios.plan_report import deploy_commands, format_table, provenance_text, why
     from scenarios.schema import ScenarioError
     out = Path(a.out) if a.out else None
     try:
         result = plan(a.scenario, out, workers=a.workers, ray_address=a.ray, progress=not a.no_progress,
-                      target_rate=a.rate)
+                      target_rate=a.rate, target_gpus=a.gpus)
     except (PlanError, ScenarioError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"plan for {result['model']} at {result['target_rate']:g} req/s, SLOs: {result['slo_text']}")
+    target = (f"{result['target_rate']:g} req/s" if result["mode"] == "rate"
+              else f"the most traffic on {result['target_gpus']} GPUs")
+    print(f"plan for {result['model']} at {target}, SLOs: {result['slo_text']}; ranked by {result['ranking']}")
     print(format_table(result, limit=a.top))
     w = result["winner"]
     print("")
     if w is None:
-        print("no candidate meets the SLOs at the target rate; loosen the SLOs or widen the grid")
+        print("no candidate meets the SLOs in a cluster simulation; loosen the SLOs or widen the grid")
     else:
         print("winner:")
         for line in deploy_commands(result, w):
             print(f"  {line}")
         print(why(result))
-    print(f"\nplanned in {result['wall_s']:.1f} s ({result['simulated_tasks']} candidate tasks simulated, "
-          f"{result['cached_tasks']} from cache)" + (f"; wrote {out}/plan.json, plan.csv, report.html" if out else ""))
+    for line in provenance_text(result):
+        print(f"  {line}")
+    print(f"\nplanned in {result['wall_s']:.1f} s ({result['simulated_tasks']} simulations, "
+          f"{result['cached_tasks']} from cache)"
+          + (f"; wrote {out}/plan.json, plan.csv, winner.yaml, report.html" if out else ""))
     return 0 if w is not None else 1
 
 
@@ -159,7 +164,10 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=2, help="local worker processes (default 2)")
     p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                    help="evaluate on Ray: a cluster address, or none for a local Ray instance")
-    p.add_argument("--rate", type=float, default=None, help="override plan.target.rate (req/s)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--rate", type=float, default=None, help="override plan.target: serve this many req/s")
+    g.add_argument("--gpus", type=int, default=None,
+                   help="override plan.target: the most traffic this many GPUs serve within the SLOs")
     p.add_argument("--top", type=int, default=None, help="print only the first N candidates")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_plan)

@@ -3,10 +3,12 @@
 The scenario's `plan:` section:
 
     plan:
-      target: {rate: 40}                 # req/s; the workload's arrivals (or trace) scaled to it
-      slo:                               # percentiles of the run (seconds) and/or attainment
+      target: {rate: 40}                 # req/s the deployment must serve; or {gpus: 8}: the most
+                                         # traffic 8 GPUs serve within the SLOs, and the shape
+      slo:                               # per metric: mean and/or percentiles (seconds)
         ttft_s: {p99: 1.0}
-        tpot_s: {p99: 0.05}
+        tpot_s: {p99: 0.05, mean: 0.03}
+        e2e_s: {p90: 20}                 # also itl_s, queue_s
         attainment: 0.99                 # >= 99% of requests meet every threshold of `slo:`
       grid:                              # any subset; a missing key keeps the scenario's value
         device: [h100-sxm, h200]
@@ -17,55 +19,55 @@ The scenario's `plan:` section:
         router: [round_robin]
         pd: [null, {prefill_replicas: 1, decode_replicas: 2}]   # disaggregated units
       prices: {h100-sxm: 3.0}            # USD per GPU-hour, over DEFAULT_PRICES
-      search: {seeds: 2, requests: 300, rel_tol: 0.1, min_rate: 0.05, max_rate: 2000,
-               confirm_top: 3, max_extra_replicas: 4}
+      search: {seeds: 2, min_requests: null, rel_tol: 0.1, min_rate: 0.05, refine_steps: 3,
+               alternatives: 2, confirm_requests: 8000, max_extra_replicas: 4, stable_tol: 0.05}
 
-Per candidate (a point of the grid), with one unit = one replica, or one prefill+decode group:
+How an answer is found (scenarios/search.py has the search, scenarios/probe.py the probes):
   1. prune: memory accounting (weights, reserve and KV per GPU; the KV pool must hold the
      longest request of the workload), each pruned candidate with its reason;
-  2. pilot: the unit's throughput X in a closed loop of min(max_num_seqs, requests / 3)
-     clients, counted while the loop is full (a start point that does not depend on the target);
-  3. rate search: probes at open-loop rates from X, up x2 (or down /1.5) until a pass and a fail
-     bracket the answer, then geometric bisection until hi/lo <= 1 + rel_tol. A probe runs
-     each seed in turn and passes when every seed meets every SLO (a failing seed ends it).
-     max_rate_per_replica = lo (the highest passing probe), reported with [lo, hi];
-     binding_slo = the SLO furthest over its limit at hi;
-  4. cluster check: replicas = ceil(target / lo), simulated at the target rate with
-     requests x replicas requests (routing matters), every seed; one more replica until it
-     passes (at most max_extra_replicas more).
-Cluster checks run cheapest lower bound first: the top `confirm_top`, then every candidate whose
-lower bound (ceil(target / lo) units) is below the cheapest confirmed cost, so the winner is the
-cheapest candidate a cluster simulation confirms. Candidates never checked show their bound.
+  2. bound: an upper bound on each candidate's capacity from its timing model alone
+     (scenarios/bounds.py), so a lower bound on its cost; candidates are searched cheapest
+     bound first and skipped once their bound cannot beat the best answer found;
+  3. steady-state probes: one unit (replica or P/D group) at the load it would carry in the
+     cluster, judged on a measurement window after warm-up that holds enough requests for the
+     strictest percentile; an unstable queue fails; a probe whose short prefix already misses
+     an SLO stops there;
+  4. verify: the winner and `alternatives` more are simulated as whole clusters at the target
+     rate (`confirm_requests` requests, every seed), judged over all their requests and over
+     their steady window; the winner is also simulated with one unit fewer, which must fail.
 
-Every evaluation is a pure function of (composed scenario, SLOs, search settings[, target]):
-local processes and Ray give the same numbers, and DIR/cache/ keeps each result under a hash of
-its inputs, so a re-run only simulates what changed.
+Ranking: cost first ($/h), then headroom (the total rate the deployment sustains over the
+target), then the label. With `target: {gpus: G}`: the most traffic first, then cost.
+
+Every simulation is a pure function of its inputs: local processes and Ray give the same numbers,
+and DIR/cache/ keeps each result under a hash of its inputs, so a re-run only simulates what
+changed.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import itertools
 import json
 import math
-import os
-import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.core.policy import POLICIES
-from scenarios.compose import at_rate, load_raw, mean_metrics, measure, saturating, set_field, strip
+from scenarios.bounds import capacity_bound
+from scenarios.compose import load_raw, set_field, strip
+from scenarios.probe import layout, measured_requests, workload_stats
+from scenarios.runner import Runner
 from scenarios.schema import ScenarioError, parse_scenario
+from scenarios.search import CONFIRM, PROBE, State, refine, search_budget, search_rate
 from sim.simulation import ROUTERS
-from sim.specmap import SpecMap
-from sim.specmap import SpecError
+from sim.specmap import SpecError, SpecMap
 from sim.specs import DEVICES, DeviceSpec, ModelSpec, get_device, get_model, memory_breakdown
 from sim.workload import build_workload
 
 # USD per GPU-hour: rough on-demand list prices of GPU clouds in 2025 (single GPUs in 8-GPU
 # nodes). They only rank candidates; put your own in `plan.prices`.
-DEFAULT_PRICES = {"h100-sxm": 3.00, "h200": 3.70, "a100-80g": 1.80, "a100-40g": 1.30,
+DEFAULT_PRICES = {"h100-sxm": 3.00, "h200": 3.70, "b200": 5.50, "a100-80g": 1.80, "a100-40g": 1.30,
                   "l40s": 1.00, "a10g": 0.75, "cpu-2core": 0.05}
 
 # The Hugging Face repository a catalog model is served from (for the printed vllm command).
@@ -74,13 +76,13 @@ HF_NAMES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
             "llama-3.2-1b": "meta-llama/Llama-3.2-1B-Instruct",
             "llama-3.2-3b": "meta-llama/Llama-3.2-3B-Instruct",
             "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct", "qwen2.5-72b": "Qwen/Qwen2.5-72B-Instruct",
+            "qwen3-8b": "Qwen/Qwen3-8B", "qwen3-14b": "Qwen/Qwen3-14B", "qwen3-32b": "Qwen/Qwen3-32B",
             "mistral-7b": "mistralai/Mistral-7B-Instruct-v0.3",
             "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 GRID_KEYS = ("device", "tp", "max_num_batched_tokens", "max_num_seqs", "policy", "router", "pd")
 SLO_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
-PCTS = ("p50", "p90", "p95", "p99")
-CACHE_VERSION = 1
+STATS = ("mean", "p50", "p90", "p95", "p99")
 
 
 class PlanError(ScenarioError):
@@ -93,29 +95,33 @@ class _P(SpecMap):
 
 @dataclass
 class PlanSpec:
-    target_rate: float
-    slo: list  # (metric, percentile, limit seconds)
+    target_rate: float | None
+    target_gpus: int | None
+    slo: list  # (metric, statistic, limit seconds)
     attainment: float | None
     grid: dict
     prices: dict
     seeds: list
-    requests: int
+    min_requests: int | None
     rel_tol: float
     min_rate: float
-    max_rate: float
-    confirm_top: int
+    refine_steps: int
+    alternatives: int
+    confirm_requests: int
     max_extra_replicas: int
+    stable_tol: float
     scenario_slo: dict = field(default_factory=dict)
 
     def slo_spec(self) -> dict:
         return {"percentiles": [list(x) for x in self.slo], "attainment": self.attainment}
 
     def search_spec(self) -> dict:
-        return {"seeds": self.seeds, "requests": self.requests, "rel_tol": self.rel_tol,
-                "min_rate": self.min_rate, "max_rate": self.max_rate}
+        return {"seeds": self.seeds, "min_requests": self.min_requests, "rel_tol": self.rel_tol,
+                "min_rate": self.min_rate, "stable_tol": self.stable_tol,
+                "confirm_requests": self.confirm_requests}
 
     def describe_slo(self) -> str:
-        parts = [f"{p} {m[:-2].upper()} <= {_fmt_s(v)}" for m, p, v in self.slo]
+        parts = [f"{s} {m[:-2].upper()} <= {_fmt_s(v)}" for m, s, v in self.slo]
         if self.attainment is not None:
             parts.append(f">= {self.attainment:.0%} of requests within "
                          + ", ".join(f"{k[:-2].upper()} {_fmt_s(v)}" for k, v in self.scenario_slo.items()))
@@ -134,9 +140,13 @@ def parse_plan(data: dict) -> PlanSpec:
     p = _P(data["plan"], "plan")
     t = p.sub("target")
     if t is None:
-        raise PlanError("plan.target: required, e.g. {rate: 40}")
-    rate = t.number("rate", gt=0)
+        raise PlanError("plan.target: required, e.g. {rate: 40} or {gpus: 8}")
+    rate = t.number("rate", None, gt=0)
+    gpus = t.integer("gpus", None, ge=1)
     t.done()
+    if (rate is None) == (gpus is None):
+        raise PlanError(f"plan.target={data['plan']['target']!r}: give exactly one of rate (req/s to serve) "
+                        "or gpus (a fixed GPU budget)")
 
     s = p.sub("slo")
     if s is None:
@@ -146,10 +156,10 @@ def parse_plan(data: dict) -> PlanSpec:
         m = s.sub(key)
         if m is None:
             continue
-        for pct in PCTS:
-            v = m.number(pct, None, gt=0)
+        for stat in STATS:
+            v = m.number(stat, None, gt=0)
             if v is not None:
-                slo.append((key, pct, v))
+                slo.append((key, stat, v))
         m.done()
     attainment = s.number("attainment", None, gt=0, le=1)
     s.done()
@@ -182,27 +192,32 @@ def parse_plan(data: dict) -> PlanSpec:
         pr.done()
 
     se = p.sub("search") or _P({}, "plan.search")
+    if "requests" in se.d:
+        raise PlanError(f"plan.search.requests={se.d['requests']!r}: probes are steady-state now; the "
+                        "measured requests per probe follow from the SLO percentiles (set a floor with "
+                        "plan.search.min_requests)")
     seeds_v = se.raw("seeds", 2)
     if isinstance(seeds_v, list):
-        if len(seeds_v) < 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in seeds_v):
-            raise PlanError(f"plan.search.seeds={seeds_v!r}: a count >= 2 or a list of >= 2 seeds >= 0")
+        if len(seeds_v) < 1 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in seeds_v):
+            raise PlanError(f"plan.search.seeds={seeds_v!r}: a count >= 1 or a list of seeds >= 0")
         seeds = list(seeds_v)
     else:
-        n = se.integer("seeds", 2, ge=2)
+        n = se.integer("seeds", 2, ge=1)
         base = data.get("seed", 0) if isinstance(data.get("seed", 0), int) else 0
         seeds = [base + i for i in range(n)]
     spec = PlanSpec(
-        target_rate=rate, slo=slo, attainment=attainment, grid=grid, prices=prices, seeds=seeds,
-        requests=se.integer("requests", 300, ge=20),
+        target_rate=rate, target_gpus=gpus, slo=slo, attainment=attainment, grid=grid, prices=prices,
+        seeds=seeds,
+        min_requests=se.integer("min_requests", None, ge=20),
         rel_tol=se.number("rel_tol", 0.1, gt=0, le=1),
         min_rate=se.number("min_rate", 0.05, gt=0),
-        max_rate=se.number("max_rate", 2000.0, gt=0),
-        confirm_top=se.integer("confirm_top", 3, ge=1),
+        refine_steps=se.integer("refine_steps", 3, ge=0),
+        alternatives=se.integer("alternatives", 2, ge=0),
+        confirm_requests=se.integer("confirm_requests", 8000, ge=100),
         max_extra_replicas=se.integer("max_extra_replicas", 4, ge=0),
+        stable_tol=se.number("stable_tol", 0.05, gt=0, le=1),
         scenario_slo=dict(scenario_slo))
     se.done()
-    if spec.min_rate >= spec.max_rate:
-        raise PlanError(f"plan.search.min_rate={spec.min_rate}: must be below max_rate={spec.max_rate}")
     p.done()
     return spec
 
@@ -287,16 +302,24 @@ def memory_report(model: ModelSpec, device: DeviceSpec, tp: int = 1, gpu_memory_
     return memory_breakdown(model, device, tp, gpu_memory_utilization, block_size, activation_reserve_bytes)
 
 
+def plan_model(data: dict, base_dir=None) -> ModelSpec:
+    """The scenario's model with its dtypes, or PlanError naming deployment.model once."""
+    dep = data.get("deployment") or {}
+    try:
+        model = get_model(dep.get("model_config") or dep.get("model", "llama-3.1-8b"), base_dir=base_dir)
+        return model.with_dtypes(weight_dtype=dep.get("weight_dtype") or dep.get("dtype"),
+                                 kv_dtype=dep.get("kv_dtype"))
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+
+
 def prune_reason(data: dict, cand: dict, longest: int, base_dir=None) -> str | None:
     """Why a candidate cannot run this workload, or None. Memory accounting first, then the
     scenario's own validation."""
     dep = data.get("deployment") or {}
     sch = data.get("scheduler") or {}
+    model = plan_model(data, base_dir)
     try:
-        model = get_model(dep.get("model_config") or dep.get("model", "llama-3.1-8b"), base_dir=base_dir)
-        # the deployment's dtypes, as the scenario reads them (fp8 weights, KV dtype)
-        model = model.with_dtypes(weight_dtype=dep.get("weight_dtype") or dep.get("dtype"),
-                                  kv_dtype=dep.get("kv_dtype"))
         device = get_device(cand["device"])
     except ValueError as e:
         return str(e)
@@ -307,6 +330,9 @@ def prune_reason(data: dict, cand: dict, longest: int, base_dir=None) -> str | N
     for tp in tps:
         if model.num_heads % tp:
             return f"tp={tp} does not divide the {model.num_heads} attention heads of {model.name}"
+        if tp > device.gpus_per_node and not dep.get("interconnect"):
+            return (f"tp={tp} spans more than one node of {device.gpus_per_node} {device.name} GPUs; declare "
+                    "deployment.interconnect to plan it")
         m = memory_report(model, device, tp, util, bs)
         if not m["fits"]:
             return (f"weights {m['weight_bytes_per_gpu'] / 1e9:.1f} GB per GPU at tp={tp} + reserve "
@@ -325,302 +351,52 @@ def prune_reason(data: dict, cand: dict, longest: int, base_dir=None) -> str | N
     return None
 
 
-def longest_request(data: dict, base_dir, spec: PlanSpec) -> int:
-    """Longest prompt + output of the requests the search will simulate (every seed)."""
+def longest_request(data: dict, base_dir, seeds: list, n: int) -> int:
+    """Longest prompt + output among the first n requests of each seed's workload."""
     out = 0
-    for seed in spec.seeds:
-        wl = set_field(strip(data), "workload.num_requests", spec.requests).get("workload")
+    for seed in seeds:
+        wl = set_field(strip(data), "workload.num_requests", n).get("workload")
         w = build_workload(wl, seed=seed, base_dir=base_dir)
         if len(w):
             out = max(out, int((w.prompt_len + w.output_len).max()))
     return out
 
 
-# ------------------------------------------------------------------------------ SLO checks
-def check(m: dict, slo: dict) -> list[dict]:
-    """The SLOs a measured run violates, each with its value, limit and value/limit."""
-    out = []
-    for metric, pct, limit in slo["percentiles"]:
-        v = m[metric][pct]
-        if v is None or v != v or v > limit:
-            v = math.inf if v is None or v != v else v
-            out.append({"slo": f"{pct} {metric}", "value": v, "limit": limit, "ratio": v / limit})
-    a = slo.get("attainment")
-    if a is not None:
-        got = m.get("attainment") or 0.0
-        if got < a:
-            out.append({"slo": "attainment", "value": got, "limit": a,
-                        "ratio": (1 - got) / max(1 - a, 1e-9)})
-    if m["completed"] < m["total"]:
-        out.append({"slo": "completion", "value": m["completed"], "limit": m["total"],
-                    "ratio": m["total"] / max(m["completed"], 1)})
-    return out
-
-
-def memo_measure(data: dict, base_dir, seed: int, memo: Path | None) -> dict:
-    """`measure`, reusing a run that differs only in max_num_seqs when that cap could not have
-    acted in either run: no more requests were ever in the system than either cap allows (the
-    scheduler admits the same requests in the same steps, so the run is the same, number for
-    number). Runs are shared through files in `memo` (a folder every worker can see)."""
-    sch = data.get("scheduler") or {}
-    cap = sch.get("max_num_seqs")
-    if memo is None or cap is None or (data.get("deployment") or {}).get("pd"):
-        return measure(data, base_dir, seed)
-    key = cache_key("run", {"data": set_field(data, "scheduler.max_num_seqs", None), "seed": seed,
-                            "base_dir": str(base_dir)})
-    path = memo / f"{key}.json"
-    try:
-        for rec in json.loads(path.read_text()):
-            if rec["m"]["max_in_system"] < min(cap, rec["cap"]) or rec["cap"] == cap:
-                return rec["m"]
-        recs = json.loads(path.read_text())
-    except (OSError, ValueError):
-        recs = []
-    m = measure(data, base_dir, seed)
-    memo.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(recs + [{"cap": cap, "m": m}], default=float))
-    os.replace(tmp, path)
-    return m
-
-
-def probe(data: dict, base_dir, rate: float, slo: dict, search: dict, units: int = 1,
-          memo: Path | None = None) -> dict:
-    """One rate, every seed in turn (a failing seed ends the probe: it has failed)."""
-    runs = []
-    for seed in search["seeds"]:
-        m = memo_measure(at_rate(data, rate, search["requests"] * units), base_dir, seed, memo)
-        m["violations"] = check(m, slo)
-        runs.append(m)
-        if m["violations"]:
-            break
-    return {"rate": rate, "ok": not runs[-1]["violations"], "runs": runs}
-
-
-# ------------------------------------------------------------------------------ tasks (pure)
-def search_task(t: dict) -> dict:
-    """Highest per-unit rate meeting the SLOs: pilot, bracket, bisect (see the module doc)."""
-    data, base_dir, slo, search = t["data"], t["base_dir"], t["slo"], t["search"]
-    wall0 = time.perf_counter()
-    cand = t["cand"]
-    conc = cand["max_num_seqs"] * ((cand.get("pd") or {}).get("decode_replicas", 1) if cand.get("pd") else 1)
-    conc = max(1, min(conc, search["requests"] // 3))
-    memo = Path(t["memo"]) if t.get("memo") else None
-    pilot = memo_measure(saturating(data, conc, search["requests"]), base_dir, search["seeds"][0], memo)
-    x = max(pilot["full_throughput_rps"], search["min_rate"])
-    lo = hi = None
-    probes = []
-    r = min(x, search["max_rate"])
-    while lo is None or hi is None:
-        p = probe(data, base_dir, r, slo, search, memo=memo)
-        probes.append(p)
-        if p["ok"]:
-            lo = r
-            if hi is None:
-                if r >= search["max_rate"]:
-                    break
-                r = min(r * 2, search["max_rate"])
-        else:
-            hi = r
-            if lo is None:
-                if r <= search["min_rate"]:
-                    break
-                r = max(r / 1.5, search["min_rate"])
-    while lo is not None and hi is not None and hi / lo > 1 + search["rel_tol"]:
-        r = math.sqrt(lo * hi)
-        p = probe(data, base_dir, r, slo, search, memo=memo)
-        probes.append(p)
-        if p["ok"]:
-            lo = r
-        else:
-            hi = r
-    at_lo = next((p for p in probes if p["rate"] == lo), None)
-    at_hi = next((p for p in probes if p["rate"] == hi), None)
-    binding = None
-    if at_hi is not None:
-        v = max(at_hi["runs"][-1]["violations"], key=lambda x: x["ratio"])
-        binding = v
-    return {"pilot_rps": pilot["full_throughput_rps"], "max_rate": lo, "interval": [lo, hi],
-            "binding": binding, "at_max": mean_metrics(at_lo["runs"]) if at_lo else None,
-            "probes": [{"rate": p["rate"], "ok": p["ok"], "seeds": [m["seed"] for m in p["runs"]],
-                        "violations": p["runs"][-1]["violations"]} for p in probes],
-            "wall_s": time.perf_counter() - wall0}
-
-
-def confirm_task(t: dict) -> dict:
-    """The cluster for the target rate: ceil(target / max_rate) units, one more until it passes."""
-    data, base_dir, slo, search = t["data"], t["base_dir"], t["slo"], t["search"]
-    wall0 = time.perf_counter()
-    tries = []
-    for n in range(t["units"], t["units"] + t["max_extra"] + 1):
-        p = probe(compose(data, t["cand"], n), base_dir, t["target"], slo, search, units=n)
-        tries.append({"units": n, "ok": p["ok"], "violations": p["runs"][-1]["violations"]})
-        if p["ok"]:
-            return {"units": n, "confirmed": True, "metrics": mean_metrics(p["runs"]), "tries": tries,
-                    "wall_s": time.perf_counter() - wall0}
-    return {"units": None, "confirmed": False, "metrics": None, "tries": tries,
-            "wall_s": time.perf_counter() - wall0}
-
-
-def run_task(kind: str, task: dict) -> dict:
-    if kind == "sweep":
-        from scenarios.sweep import sweep_task
-        return sweep_task(task)
-    return search_task(task) if kind == "search" else confirm_task(task)
-
-
-# ------------------------------------------------------------------------------ running many
-@functools.lru_cache(maxsize=1)
-def code_digest() -> str:
-    """A digest of everything a cached simulation's result depends on besides its task: the
-    simulator, scheduler and scenario code, the shipped profiles and the kernel tables. A cache
-    entry made by other code or data is never served."""
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for pattern in ("sim/*.py", "engine/core/*.py", "scenarios/*.py", "sim/profiles/*.json",
-                    "calibration/kernels/*.json"):
-        for p in sorted(root.glob(pattern)):
-            h.update(p.relative_to(root).as_posix().encode())
-            h.update(p.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def cache_key(kind: str, task: dict) -> str:
-    blob = json.dumps({"v": CACHE_VERSION, "code": code_digest(), "kind": kind, "task": task},
-                      sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
-
-
-class Runner:
-    """Runs tasks in local processes (workers > 1), inline (workers == 1) or on Ray, with a
-    progress bar (tqdm shows the time left) and a per-task cache."""
-
-    def __init__(self, cache_dir: Path | None, workers: int = 2, ray_address: str | None = None,
-                 progress: bool = True) -> None:
-        self.cache_dir = cache_dir
-        self.workers = max(1, workers)
-        self.ray_address = ray_address
-        self.progress = progress
-        self.simulated = 0
-        self.cached = 0
-        self.simulated_by_kind: dict[str, int] = {}
-        self._ray_started = False
-
-    def run(self, kind: str, tasks: list[dict], desc: str, order: list[int] | None = None) -> list[dict]:
-        """Results in the order of `tasks`; `order` is the order to start them in."""
-        results: list = [None] * len(tasks)
-        todo = []
-        for i, t in enumerate(tasks):
-            hit = self._load(kind, t)
-            if hit is not None:
-                results[i] = hit
-                self.cached += 1
-            else:
-                todo.append(i)
-        if order is not None:
-            rank = {i: k for k, i in enumerate(order)}
-            todo.sort(key=rank.__getitem__)
-        if not todo:
-            return results
-        from tqdm import tqdm
-        tqdm.monitor_interval = 0  # no monitor thread in the parent when the worker pool forks
-        bar = tqdm(total=len(todo), desc=desc, unit="cand", disable=not self.progress, file=sys.stderr,
-                   mininterval=0.5)
-        for i, r in self._execute(kind, [tasks[i] for i in todo], todo):
-            results[i] = r
-            self._store(kind, tasks[i], r)
-            self.simulated += 1
-            self.simulated_by_kind[kind] = self.simulated_by_kind.get(kind, 0) + 1
-            bar.update(1)
-        bar.close()
-        return results
-
-    def _execute(self, kind, tasks, idx):
-        if self.ray_address is not None:
-            yield from self._ray(kind, tasks, idx)
-        elif self.workers == 1 or len(tasks) == 1:
-            for i, t in zip(idx, tasks):
-                yield i, run_task(kind, t)
-        else:
-            import multiprocessing as mp
-            from concurrent.futures import ProcessPoolExecutor, as_completed
-            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else None)
-            with ProcessPoolExecutor(min(self.workers, len(tasks)), mp_context=ctx) as ex:
-                futs = {ex.submit(run_task, kind, t): i for i, t in zip(idx, tasks)}
-                for f in as_completed(futs):
-                    yield futs[f], f.result()
-
-    def _ray(self, kind, tasks, idx):
-        import ray
-        if not ray.is_initialized():
-            if self.ray_address in ("", "local"):
-                ray.init(num_cpus=self.workers, include_dashboard=False, log_to_driver=False)
-            else:
-                ray.init(address=self.ray_address, log_to_driver=False)
-            self._ray_started = True
-        remote = ray.remote(num_cpus=1)(run_task)
-        refs = {remote.remote(kind, t): i for i, t in zip(idx, tasks)}
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            for ref in done:
-                yield refs[ref], ray.get(ref)
-
-    def close(self) -> None:
-        if self._ray_started:
-            import ray
-            ray.shutdown()
-
-    def _path(self, kind, task) -> Path | None:
-        task = {k: v for k, v in task.items() if k != "memo"}  # where runs are shared is not an input
-        return None if self.cache_dir is None else self.cache_dir / f"{kind}-{cache_key(kind, task)}.json"
-
-    def _load(self, kind, task):
-        p = self._path(kind, task)
-        if p is None or not p.exists():
-            return None
-        try:
-            return json.loads(p.read_text())
-        except (OSError, ValueError):
-            return None
-
-    def _store(self, kind, task, result) -> None:
-        p = self._path(kind, task)
-        if p is None:
-            return
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, default=float))
-        os.replace(tmp, p)
+def _tpot_limit(spec: PlanSpec) -> float | None:
+    lims = [v for m, _s, v in spec.slo if m == "tpot_s"]
+    if "tpot_s" in spec.scenario_slo and spec.attainment is not None:
+        lims.append(spec.scenario_slo["tpot_s"])
+    return min(lims) if lims else None
 
 
 # ------------------------------------------------------------------------------ the plan
 def plan(path: str | Path, out_dir: str | Path | None = None, workers: int = 2,
          ray_address: str | None = None, progress: bool = True, target_rate: float | None = None,
-         slo_override: dict | None = None, log=None) -> dict:
-    """Evaluate every candidate of the scenario's plan; return the ranked result (and write
-    DIR/plan.json, plan.csv, report.html and the plots when out_dir is given)."""
+         slo_override: dict | None = None, target_gpus: int | None = None) -> dict:
+    """Evaluate the scenario's plan; return the ranked result (and write DIR/plan.json, plan.csv,
+    report.html, winner.yaml and the plots when out_dir is given)."""
     wall0 = time.perf_counter()
     data, base_dir = load_raw(path)
     if slo_override is not None:
         data = json.loads(json.dumps(data))
         data["plan"]["slo"] = slo_override
+    if target_rate is not None or target_gpus is not None:
+        data = json.loads(json.dumps(data))
+        data["plan"]["target"] = {"rate": target_rate} if target_rate is not None else {"gpus": target_gpus}
     try:
         spec = parse_plan(data)
-    except ScenarioError as e:
+        plan_model(data, base_dir)
+        longest = longest_request(data, base_dir, spec.seeds, spec.confirm_requests)
+    except (ScenarioError, SpecError) as e:
         raise PlanError(f"{path}: {e}") from None
-    if target_rate is not None:
-        spec.target_rate = target_rate
-    try:
-        longest = longest_request(data, base_dir, spec)
-    except SpecError as e:
-        raise PlanError(f"{path}: {e}") from None
-    cands = candidates(data, spec)
     rows = []
-    for c in cands:
+    for c in candidates(data, spec):
         why = prune_reason(data, c, longest, base_dir)
         rows.append({"cand": c, "label": label(c), "pruned": why, "gpus_per_unit": gpus_per_unit(c),
                      "price": spec.prices.get(c["device"])})
+    for r in rows:
+        if r["pruned"] is None and spec.target_gpus is not None and r["gpus_per_unit"] > spec.target_gpus:
+            r["pruned"] = f"one unit needs {r['gpus_per_unit']} GPUs, more than plan.target.gpus={spec.target_gpus}"
     live = [r for r in rows if r["pruned"] is None]
     if not live:
         reasons = "; ".join(f"{r['label']}: {r['pruned']}" for r in rows[:6])
@@ -630,103 +406,174 @@ def plan(path: str | Path, out_dir: str | Path | None = None, workers: int = 2,
             raise PlanError(f"{path}: plan.prices.{r['cand']['device']}: no price for this device")
 
     slo, search = spec.slo_spec(), spec.search_spec()
+    means = workload_stats(strip(data), base_dir)
+    out_len = means["output_tokens_mean"]
+    tpot = _tpot_limit(spec)
+    for i, r in enumerate(live):
+        unit = compose(data, r["cand"])
+        r["unit"] = unit
+        sc = parse_scenario(set_field(unit, "workload.num_requests", 2000), base_dir=base_dir, seed=spec.seeds[0])
+        with warnings.catch_warnings():  # table fallbacks are counted and reported per candidate
+            warnings.simplefilter("ignore", UserWarning)
+            r["bound"] = capacity_bound(sc, tpot)
+        r["cost_model"] = _describe_cost(sc)
+        r["state"] = State(key=i, bound=r["bound"], unit_cost=r["gpus_per_unit"] * r["price"],
+                           max_units=_max_units(spec, r))
     cache = Path(out_dir) / "cache" if out_dir is not None else None
     runner = Runner(cache, workers, ray_address, progress)
+
+    def run_probes(asks):
+        tasks = [{"data": live[s.key]["unit"], "base_dir": str(base_dir), "total_rate": total, "units": n,
+                  "slo": slo, "search": search, "out_len": out_len} for s, total, n in asks]
+        return runner.run(PROBE, tasks, "probes")
+
+    def run_confirms(asks):
+        tasks = [{"data": compose(data, live[s.key]["cand"], n), "base_dir": str(base_dir), "rate": rate,
+                  "slo": slo, "search": search, "out_len": out_len} for s, rate, n in asks]
+        return runner.run(CONFIRM, tasks, "cluster checks")
+
+    states = [r["state"] for r in live]
     try:
-        memo = None
-        if cache is not None and (ray_address is None or ray_address in ("", "local")):
-            memo = str(cache / "runs")
-        tasks = [{"cand": r["cand"], "data": compose(data, r["cand"]), "base_dir": str(base_dir),
-                  "slo": slo, "search": search, "memo": memo} for r in live]
-        # Largest max_num_seqs first: their runs serve the smaller caps that never bind.
-        start = sorted(range(len(live)), key=lambda i: (-live[i]["cand"]["max_num_seqs"], i))
-        for r, res in zip(live, runner.run("search", tasks, "rate search", start)):
-            r["search"] = res
-            lo = res["max_rate"]
-            if lo:
-                r["units_lb"] = max(1, math.ceil(spec.target_rate / lo - 1e-9))
-                r["cost_lb"] = r["units_lb"] * r["gpus_per_unit"] * r["price"]
-        # Cluster checks, cheapest lower bound first, until no unchecked bound beats the best.
-        order = sorted([r for r in live if r.get("cost_lb") is not None],
-                       key=lambda r: (r["cost_lb"], -r["search"]["max_rate"], r["label"]))
-        batch = order[:spec.confirm_top]
-        while batch:
-            ctasks = [{"cand": r["cand"], "data": strip(data), "base_dir": str(base_dir), "slo": slo,
-                       "search": search, "target": spec.target_rate, "units": r["units_lb"],
-                       "max_extra": spec.max_extra_replicas} for r in batch]
-            for r, res in zip(batch, runner.run("confirm", ctasks, "cluster check")):
-                r["confirm"] = res
-            best = min((r["confirm"]["units"] * r["gpus_per_unit"] * r["price"] for r in order
-                        if r.get("confirm", {}).get("confirmed")), default=math.inf)
-            batch = [r for r in order if "confirm" not in r and r["cost_lb"] < best]
+        if spec.target_rate is not None:
+            for s in states:
+                s.fail_n = max(0, math.ceil(spec.target_rate / s.bound - 1e-9) - 1)
+            search_rate(states, spec.target_rate, run_probes, first_wave=max(2, runner.workers))
+            shown = _shown_rate(states, spec)
+            refine(shown, spec.target_rate, run_probes, spec.refine_steps, spec.rel_tol)
+            confirms = _confirm_rate(states, spec, run_confirms)
+        else:
+            units = {s.key: spec.target_gpus // live[s.key]["gpus_per_unit"] for s in states}
+            search_budget(states, units, run_probes, spec.rel_tol, spec.min_rate)
+            confirms = _confirm_budget(states, units, spec, run_confirms)
     finally:
         runner.close()
 
-    result = assemble(rows, spec, data, str(path))
+    from scenarios.plan_report import assemble, write_outputs
+    result = assemble(rows, live, confirms, spec, data, str(path), means, plan_model(data, base_dir).name)
     result["wall_s"] = time.perf_counter() - wall0
     result["simulated_tasks"], result["cached_tasks"] = runner.simulated, runner.cached
     result["simulated_by_kind"] = runner.simulated_by_kind
     if out_dir is not None:
-        from scenarios.plan_report import write_outputs
-        write_outputs(result, Path(out_dir))
+        write_outputs(result, Path(out_dir), data)
     return result
 
 
-def assemble(rows: list[dict], spec: PlanSpec, data: dict, path: str) -> dict:
-    """The ranked candidate records of plan.json."""
-    dep = data.get("deployment") or {}
-    model = get_model(dep.get("model", "llama-3.1-8b")).name
-    util = dep.get("gpu_memory_utilization", 0.9)
-    out = []
-    for r in rows:
-        c = r["cand"]
-        rec = {"label": r["label"], "device": c["device"], "tp": c["tp"], "pd": c.get("pd"),
-               "max_num_batched_tokens": c["max_num_batched_tokens"], "max_num_seqs": c["max_num_seqs"],
-               "policy": c["policy"], "router": c["router"], "gpus_per_replica": r["gpus_per_unit"],
-               "price_per_gpu_hour": r["price"], "status": None, "replicas": None, "gpus": None,
-               "cost_per_hour": None, "max_rate_per_replica": None, "rate_interval": None,
-               "saturation_rps": None, "binding_slo": None, "predicted": None, "reason": None}
-        if r["pruned"]:
-            rec.update(status="pruned", reason=r["pruned"])
-            out.append(rec)
-            continue
-        s = r["search"]
-        rec.update(max_rate_per_replica=s["max_rate"], rate_interval=s["interval"], saturation_rps=s["pilot_rps"],
-                   binding_slo=(s["binding"] or {}).get("slo"), binding=s["binding"], at_max_rate=s["at_max"],
-                   probes=s["probes"])
-        if not s["max_rate"]:
-            rec.update(status="infeasible",
-                       reason=f"misses the SLOs even at {spec.min_rate:g} req/s per replica "
-                              f"({rec['binding_slo']})")
-        elif "confirm" not in r:
-            n = r["units_lb"]
-            rec.update(status="bound", replicas=n, gpus=n * r["gpus_per_unit"], cost_per_hour=r["cost_lb"],
-                       reason="not cluster-checked: its lower bound is no cheaper than the winner")
-        elif not r["confirm"]["confirmed"]:
-            rec.update(status="unconfirmed", cluster_tries=r["confirm"]["tries"],
-                       reason=f"the cluster misses the SLOs at {spec.target_rate:g} req/s even with "
-                              f"{r['units_lb'] + spec.max_extra_replicas} replicas")
-        else:
-            n = r["confirm"]["units"]
-            m = r["confirm"]["metrics"]
-            rec.update(status="confirmed", replicas=n, gpus=n * r["gpus_per_unit"],
-                       cost_per_hour=n * r["gpus_per_unit"] * r["price"], cluster_tries=r["confirm"]["tries"],
-                       predicted={**{f"{p}_{k}": m[k][p] for k in SLO_KEYS for p in ("p50", "p99")},
-                                  "attainment": m["attainment"], "goodput_rps": m["goodput_rps"],
-                                  "throughput_rps": m["throughput_rps"]})
-        out.append(rec)
-    rank = {"confirmed": 0, "bound": 1, "unconfirmed": 2, "infeasible": 3, "pruned": 4}
-    out.sort(key=lambda x: (rank[x["status"]], x["cost_per_hour"] if x["cost_per_hour"] is not None else math.inf,
-                            x["gpus"] or 0, -(x["max_rate_per_replica"] or 0),
-                            (x["predicted"] or {}).get("p99_ttft_s") or 0, x["label"]))
-    for i, x in enumerate(out):
-        x["rank"] = i + 1
-    return {"scenario": path, "model": model, "hf_model": HF_NAMES.get(model, model),
-            "gpu_memory_utilization": util, "target_rate": spec.target_rate, "slo": spec.slo_spec(),
-            "slo_text": spec.describe_slo(), "scenario_slo": spec.scenario_slo, "search": spec.search_spec(),
-            "prices": spec.prices, "candidates": out,
-            "winner": out[0] if out and out[0]["status"] == "confirmed" else None}
+def _max_units(spec: PlanSpec, r: dict) -> int:
+    if spec.target_rate is None:
+        return 1
+    return max(1, math.ceil(spec.target_rate / spec.min_rate))
 
 
-__all__ = ["DEFAULT_PRICES", "PlanError", "PlanSpec", "parse_plan", "candidates", "memory_report",
-           "prune_reason", "search_task", "confirm_task", "plan", "DEVICES"]
+def _describe_cost(sc) -> dict:
+    """What the candidate's step times come from (kind, source, tables, CPU work), compactly."""
+    d = dict(sc.cost_model.describe())
+    for k in ("lookups", "fallbacks", "table_coverage", "model_spec", "device_spec"):
+        d.pop(k, None)
+    if sc.pd is not None:
+        d["pools"] = "prefill and decode pools timed by the same composition (sim.cpu_work.timing_model)"
+    return d
+
+
+def _shown_rate(states: list[State], spec: PlanSpec) -> list[State]:
+    """The states whose capacity is refined: every one tied at the cheapest cost (headroom breaks
+    the tie) and the next `alternatives` by cost."""
+    done = sorted([s for s in states if s.cost is not None], key=lambda s: (s.cost, s.key))
+    if not done:
+        return []
+    cheapest = done[0].cost
+    ties = [s for s in done if s.cost <= cheapest + 1e-9]
+    rest = [s for s in done if s.cost > cheapest + 1e-9][:spec.alternatives]
+    return ties + rest
+
+
+def rank_key(s: State) -> tuple:
+    """Cost first, then headroom (the total rate sustained over the target: more is better)."""
+    return (s.cost if s.cost is not None else math.inf, -(s.lo or 0.0), s.key)
+
+
+def budget_rank_key(s: State, units: int) -> tuple:
+    """Fixed GPU budget: the most traffic first, then cost."""
+    return (-(s.lo or 0.0), s.unit_cost * units, s.key)
+
+
+def _confirm_rate(states: list[State], spec: PlanSpec, run_confirms) -> dict:
+    """Cluster simulations at the target rate: the winner (stepping up while it fails and down
+    while one unit fewer passes) and `alternatives` more. {state key: {units: result}}."""
+    T = spec.target_rate
+    results: dict[int, dict[int, dict]] = {}
+    first = {s.key: s.pass_n for s in states if s.pass_n is not None}
+    gone: set[int] = set()
+    for _ in range(4 * (spec.max_extra_replicas + 4)):
+        ranked = sorted([s for s in states if s.pass_n is not None and s.key not in gone], key=rank_key)
+        top = ranked[:1 + spec.alternatives]
+        asks, changed = [], False
+        for i, s in enumerate(top):
+            mine = results.setdefault(s.key, {})
+            n = s.pass_n
+            if n not in mine:
+                asks.append((s, T, n))
+                continue
+            if not mine[n]["ok"]:
+                if n < first[s.key] + spec.max_extra_replicas:
+                    s.fail_n, s.pass_n = n, n + 1
+                else:
+                    gone.add(s.key)
+                changed = True
+                if i == 0:
+                    break
+                continue
+            if i == 0 and n > 1:
+                if n - 1 not in mine:
+                    asks.append((s, T, n - 1))
+                elif mine[n - 1]["ok"]:
+                    s.pass_n, changed = n - 1, True
+                    break
+        if asks:
+            for (s, rate, n), res in zip(asks, run_confirms(asks)):
+                results[s.key][n] = res
+        elif not changed:
+            break
+    return {"results": results, "gone": sorted(gone)}
+
+
+def _confirm_budget(states: list[State], units: dict, spec: PlanSpec, run_confirms) -> dict:
+    """Fixed GPU budget: the winner's cluster at its highest passing rate, stepped down by
+    rel_tol while it fails and up while one step more passes; alternatives at their rate."""
+    results: dict[int, dict[float, dict]] = {}
+    step = 1 + spec.rel_tol
+    gone: set[int] = set()
+    for _ in range(40):
+        ranked = sorted([s for s in states if s.lo is not None and s.key not in gone],
+                        key=lambda s: budget_rank_key(s, units[s.key]))
+        top = ranked[:1 + spec.alternatives]
+        asks, changed = [], False
+        for i, s in enumerate(top):
+            mine = results.setdefault(s.key, {})
+            r = round(s.lo, 9)
+            if r not in mine:
+                asks.append((s, r, units[s.key]))
+                continue
+            if not mine[r]["ok"]:
+                s.hi, s.lo, changed = s.lo, s.lo / step, True
+                if s.lo < spec.min_rate:
+                    gone.add(s.key)
+                if i == 0:
+                    break
+                continue
+            if i == 0:
+                up = round(s.lo * step, 9)
+                if up not in mine:
+                    asks.append((s, up, units[s.key]))
+                elif mine[up]["ok"]:
+                    s.lo, changed = up, True
+                    break
+        if asks:
+            for (s, rate, n), res in zip(asks, run_confirms(asks)):
+                results[s.key][round(rate, 9)] = res
+        elif not changed:
+            break
+    return {"results": results, "gone": sorted(gone)}
+
+
+__all__ = ["DEFAULT_PRICES", "PlanError", "PlanSpec", "parse_plan", "candidates", "compose", "memory_report",
+           "prune_reason", "plan", "rank_key", "DEVICES", "layout", "measured_requests"]

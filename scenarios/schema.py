@@ -4,6 +4,7 @@
     seed: 0
     deployment: {model, model_config, weight_dtype (or the old `dtype`: weights only), kv_dtype,
                  device, tp, replicas, router, gpu_memory_utilization, num_gpu_blocks,
+                 interconnect: {bandwidth_gb_s, latency_s},  # required for tp beyond one node
                  pd: {prefill_replicas, decode_replicas, prefill_tp, decode_tp,
                       link_bandwidth_gb_s, link_latency_s}}     # disaggregated pools (sim/disagg.py)
     scheduler:  {max_num_batched_tokens, max_num_seqs, max_model_len, block_size,
@@ -37,7 +38,7 @@ from engine.core.policy import POLICIES
 from sim.cost_model import (PROFILES_DIR, AnalyticCostModel, CostModel, FittedCostModel,
                              cost_model_from_profile, load_profile)
 from sim.kernel_model import KernelCostModel
-from sim.cpu_work import with_cpu_work
+from sim.cpu_work import timing_model, timing_settings
 from sim.simulation import ROUTERS, SimResult, Simulation
 from sim.specmap import SpecError, SpecMap
 from sim.specs import DEVICES, MODELS, get_device, get_model, kv_cache_blocks
@@ -144,6 +145,19 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     util = dep.number("gpu_memory_utilization", 0.9, gt=0, le=1)
     blocks = dep.integer("num_gpu_blocks", None, ge=2)
     pd_m = dep.sub("pd")
+    widest = max([tp] + [pd_m.d.get(k) for k in ("prefill_tp", "decode_tp")
+                         if pd_m is not None and isinstance(pd_m.d.get(k), int)])
+    ic = dep.sub("interconnect")
+    if ic is not None:  # a TP group beyond one node: its all-reduce runs over this link
+        device = replace(device, interconnect_bandwidth=ic.number("bandwidth_gb_s", gt=0) * 1e9,
+                         interconnect_latency_s=ic.number("latency_s", device.interconnect_latency_s, ge=0),
+                         gpus_per_node=max(device.gpus_per_node, widest))
+        ic.done()
+    elif widest > device.gpus_per_node:
+        raise ScenarioError(
+            f"deployment.tp={widest}: spans more than one node of {device.gpus_per_node} {device.name} GPUs; "
+            "declare the link between nodes (deployment.interconnect: {bandwidth_gb_s, latency_s}) "
+            "for its all-reduce")
     pd = None
     if pd_m is not None:
         pd = {"prefill_replicas": pd_m.integer("prefill_replicas", 1, ge=1),
@@ -212,7 +226,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
                     f"deployment.{key}={mine!r}; use a matching profile or cost_model.type: kernels/analytic")
         return cost_model_from_profile(prof), meta
 
-    cost, profile_meta = cost_for(tp)
+    base_cost, profile_meta = cost_for(tp)
 
     # Scheduler, with the KV pool from the deployment (explicit > profile > memory accounting).
     sc = root.sub("scheduler") or _M({}, "scheduler")
@@ -258,8 +272,20 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
         if isinstance(e, SpecError):
             raise
         raise ScenarioError(str(e).replace("SchedulerConfig.", "scheduler.")) from None
-    cost = with_cpu_work(sc, cost)  # CPU work and async scheduling around the GPU time
+    # One timing composition for every pool: the cost model's GPU time with CPU work and async
+    # scheduling around it (sim.cpu_work.timing_model), aggregated replicas and P/D pools alike.
+    timing = timing_settings(sc)
     sc.done()
+
+    def timing_for(t: int) -> tuple[CostModel, dict]:
+        base, meta = (base_cost, profile_meta) if t == tp else cost_for(t)
+        try:
+            return timing_model(base, timing), meta
+        except ValueError as e:
+            key = "async_scheduling" if timing.async_scheduling is not None else "cpu_work"
+            raise ScenarioError(f"scheduler.{key}: {e}") from None
+
+    cost, _ = timing_for(tp)  # the aggregated replicas' (and the summary's) timing
 
     wl = root.raw("workload")
     workload = build_workload(wl, seed=seed, base_dir=base_dir)
@@ -287,7 +313,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     if pd is not None:
         blocks = explicit_blocks
         for pool in ("prefill", "decode"):
-            pool_cost, meta = cost_for(pd[f"{pool}_tp"])
+            pool_cost, meta = timing_for(pd[f"{pool}_tp"])
             pool_blocks = blocks_for(pd[f"{pool}_tp"], meta)
             pool_cfg = replace(cfg, num_gpu_blocks=pool_blocks,
                                max_model_len=min(cfg.max_model_len, (pool_blocks - 1) * block_size))

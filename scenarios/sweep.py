@@ -113,11 +113,12 @@ def sweep(path: str | Path, set_items: list[str] | None = None, rates: list[floa
         composed.append(d)
     slo = (data.get("slo") or {}).get("ttft_s")
 
-    from scenarios.plan import Runner
+    from scenarios.runner import Runner
     runner = Runner(Path(out_dir) / "cache" if out_dir else None, workers, None, progress)
     tasks = [{"data": d, "base_dir": str(base_dir), "rate": r, "seeds": seed_list, "requests": requests}
              for d in composed for r in rates]
-    results = runner.run("sweep", tasks, "sweep")
+    results = runner.run("scenarios.sweep:sweep_task", tasks, "sweep")
+    runner.close()
     rows = []
     by_setting = []
     k = 0

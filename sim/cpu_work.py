@@ -175,31 +175,54 @@ class WithCpuWork:
         return {**self.base.describe(), "cpu_work": cpu, "async_scheduling": self.async_scheduling}
 
 
-__all__ = ["CpuWork", "WithCpuWork", "gpu_time_fn"]
+@dataclass(frozen=True)
+class TimingSettings:
+    """How a deployment's step period is composed from its cost model: the scenario's
+    `scheduler.async_scheduling` (None: not given) and `scheduler.cpu_work` (None: not given)."""
+
+    async_scheduling: bool | None = None
+    cpu: CpuWork | None = None
 
 
-def with_cpu_work(sc, cost):
-    """`scheduler.async_scheduling` / `scheduler.cpu_work` of a scenario (sc: its SpecMap) applied
-    to its cost model.
+def timing_model(cost, settings: TimingSettings):
+    """The one place a pool's step time is composed: the cost model's GPU time with CPU work and
+    async scheduling (WithCpuWork), for every pool of a deployment (aggregated replicas, P/D
+    prefill and decode pools) alike.
 
     async_scheduling defaults to vLLM's GPU default (true) for a cost model with a GPU-only time
     (`gpu_time`, e.g. kernel tables); other models keep their own step times unless asked
     (the analytic roofline then trades its overhead terms for this CPU work; a fitted profile
-    measured on the engine cannot separate them and is refused). cpu_work: {step_s, per_req_s,
-    per_token_s, per_output_s} (seconds; CpuWork's defaults for keys not given; when absent, a
-    model's own cpu_time is used if it has one)."""
-    given = sc.has("async_scheduling")
-    async_ = sc.boolean("async_scheduling") if given else True
+    measured on the engine cannot separate them and is refused with ValueError)."""
+    given = settings.async_scheduling is not None
+    if not (given or settings.cpu is not None or hasattr(cost, "gpu_time")):
+        return cost
+    return WithCpuWork(cost, settings.cpu, settings.async_scheduling if given else True)
+
+
+def timing_settings(sc) -> TimingSettings:
+    """`scheduler.async_scheduling` / `scheduler.cpu_work` of a scenario (sc: its SpecMap)."""
+    async_ = sc.boolean("async_scheduling") if sc.has("async_scheduling") else None
     cm = sc.sub("cpu_work")
     cpu = None
     if cm is not None:
         cpu = CpuWork(**{f.name: cm.number(f.name, getattr(CpuWork, f.name), ge=0)
                          for f in fields(CpuWork)})
         cm.done()
-    if not (given or cm is not None or hasattr(cost, "gpu_time")):
-        return cost
+    return TimingSettings(async_, cpu)
+
+
+def with_cpu_work(sc, cost):
+    """`timing_model` with the settings of a scenario's `scheduler:` mapping (sc: its SpecMap);
+    a cost model that cannot take them is refused naming the key. cpu_work: {step_s, per_req_s,
+    per_token_s, per_output_s} (seconds; CpuWork's defaults for keys not given; when absent, a
+    model's own cpu_time is used if it has one)."""
+    settings = timing_settings(sc)
     try:
-        return WithCpuWork(cost, cpu, async_)
+        return timing_model(cost, settings)
     except ValueError as e:
-        key = "async_scheduling" if given else "cpu_work"
+        key = "async_scheduling" if settings.async_scheduling is not None else "cpu_work"
         raise sc.error(f"scheduler.{key}: {e}") from None
+
+
+__all__ = ["CpuWork", "TimingSettings", "WithCpuWork", "gpu_time_fn", "timing_model", "timing_settings",
+           "with_cpu_work"]

@@ -36,6 +36,7 @@ from operator import attrgetter
 import numpy as np
 
 from engine.core import compiled as _compiled
+from engine.core.features import BatchFeatures
 from engine.core.records import STEP_COLUMNS, RequestRecord
 from sim.cost_model import CostModel
 from sim.metrics import request_table, summarize, stats
@@ -51,11 +52,14 @@ class KVArrivedCost(CostModel):
     def __init__(self, base: CostModel) -> None:
         self.base = base
         self.metadata = {"decode_pool_of": base.describe()}
+        # The pool's timing composition (CPU work, async scheduling) is the base's own.
+        self.async_scheduling = bool(getattr(base, "async_scheduling", False))
 
     def step_time(self, f) -> float:
         n = f.num_decode_reqs + f.num_prefill_reqs
         ctx = f.decode_context_tokens + f.prefill_context_tokens + f.num_prefill_tokens
-        return self.base._time(f.num_reqs, n, 0, 0, 0, ctx)
+        return self.base.step_time(BatchFeatures(num_reqs=f.num_reqs, num_decode_reqs=n,
+                                                 decode_context_tokens=ctx))
 
 
 class _PrefillView:

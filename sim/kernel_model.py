@@ -332,6 +332,8 @@ class KernelCostModel(CostModel):
         self.tp = tp
         self.ovh = overheads if isinstance(overheads, Overheads) else _overheads(overheads or {})
         self.fallbacks: dict[str, int] = {}
+        # Per term, the smallest and largest query (each axis) answered outside the tables.
+        self.fallback_range: dict[str, list[list[float]]] = {}
         self.lookups = 0
         self._warned: set[str] = set()
         self.cpu_model: Callable[[BatchFeatures], float] | None = None  # replaces cpu_time if set
@@ -493,6 +495,12 @@ class KernelCostModel(CostModel):
         self.lookups += 1
         if not exact:
             self.fallbacks[term] = self.fallbacks.get(term, 0) + 1
+            r = self.fallback_range.get(term)
+            if r is None:
+                self.fallback_range[term] = [list(q), list(q)]
+            else:
+                r[0] = [min(a, b) for a, b in zip(r[0], q)]
+                r[1] = [max(a, b) for a, b in zip(r[1], q)]
             if term not in self._warned:
                 self._warned.add(term)
                 warnings.warn(f"kernel cost model ({self.model.name} on {self.device.name}, tp={self.tp}): "

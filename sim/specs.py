@@ -187,6 +187,7 @@ class DeviceSpec:
     interconnect_latency_s: float = 5e-6
     fp8_flops: float | None = None  # dense fp8 FLOP/s; None: no fp8 tensor cores (bf16 math)
     kernel_tables: str | None = None  # calibration/kernels/<name>.json measured on this GPU
+    gpus_per_node: int = 8            # GPUs one interconnect_bandwidth joins (a TP group within a node)
 
     def peak_flops(self, dtype: str) -> float:
         dtype = canonical_dtype(dtype)

@@ -1,5 +1,6 @@
-"""Capacity planner (scenarios/plan.py): memory accounting, the rate search against a queue whose
-capacity is known, monotone answers, cluster checks, the cache, Ray = local, bad plan sections."""
+"""Capacity planner (scenarios/plan.py): memory accounting, steady-state probes and the search
+against queues whose capacity is known (M/D/1, a deterministic queue), monotone and minimal
+answers, ranking by cost then headroom, outputs, the cache, Ray = local, bad plan sections."""
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ def write_const_profile(tmp_path, step_s=STEP_S):
     (tmp_path / "const.json").write_text(json.dumps(prof))
 
 
-def queue_scenario(tmp_path, arrival="constant", target=30, slo=None, grid=None, requests=200, rel_tol=0.02,
+def queue_scenario(tmp_path, arrival="constant", target=30, slo=None, grid=None, rel_tol=0.02,
                    name="queue.yaml", extra_plan=None):
     """One request per step (16-token prompt, 1 output token, max_num_seqs 1): a single-server
     queue with deterministic service STEP_S."""
@@ -31,13 +32,13 @@ def queue_scenario(tmp_path, arrival="constant", target=30, slo=None, grid=None,
         "deployment": {"model": "llama-3.1-8b", "device": "h100-sxm", "tp": 1, "num_gpu_blocks": 64},
         "scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": 1},
         "cost_model": {"type": "fitted", "profile": "const.json"},
-        "workload": {"num_requests": requests, "arrival": {"type": arrival, "rate": 10},
+        "workload": {"num_requests": 200, "arrival": {"type": arrival, "rate": 10},
                      "prompt_len": {"type": "fixed", "value": 16}, "output_len": {"type": "fixed", "value": 1}},
         "plan": {"target": {"rate": target},
                  "slo": slo or {"ttft_s": {"p99": 1.5 * STEP_S if arrival == "constant" else 0.2}},
                  "grid": grid or {"device": ["h100-sxm"]},
-                 "search": {"seeds": 2, "requests": requests, "rel_tol": rel_tol, "min_rate": 0.5,
-                            "max_rate": 1000, **(extra_plan or {})}},
+                 "search": {"seeds": 2, "rel_tol": rel_tol, "min_rate": 0.5, "min_requests": 500,
+                            "confirm_requests": 1000, **(extra_plan or {})}},
     }
     path = tmp_path / name
     path.write_text(yaml.safe_dump(data))
@@ -90,35 +91,83 @@ def test_prune_says_why_weights_or_kv_do_not_fit():
     assert "tp=3 does not divide" in prune_reason(base, {**cand, "tp": 3}, 110)
 
 
-# ------------------------------------------------------------------ the rate search
+# ------------------------------------------------------------------ steady-state probes
+def _queue_data(tmp_path, arrival="poisson", max_num_seqs=1):
+    write_const_profile(tmp_path)
+    return {"name": "queue", "seed": 0,
+            "deployment": {"model": "llama-3.1-8b", "device": "h100-sxm", "tp": 1, "num_gpu_blocks": 64},
+            "scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": max_num_seqs},
+            "cost_model": {"type": "fitted", "profile": "const.json"},
+            "workload": {"num_requests": 100, "arrival": {"type": arrival, "rate": 10},
+                         "prompt_len": {"type": "fixed", "value": 16}, "output_len": {"type": "fixed", "value": 1}}}
+
+
+def test_a_probe_above_capacity_is_refused_as_unstable_whatever_its_slo(tmp_path):
+    """Service 20 ms, one at a time: capacity 50 req/s. At 60 req/s the queue grows without end;
+    with an SLO no queue could miss (p99 TTFT <= 10,000 s) the probe still fails, as unstable,
+    and its window's served rate is the queue's capacity. At 30 req/s it passes."""
+    from scenarios.probe import probe
+    data = _queue_data(tmp_path)
+    slo = {"percentiles": [["ttft_s", "p99", 1e4]], "attainment": None}
+    search = {"seeds": [0, 1], "min_requests": 2000}
+    over = probe(data, tmp_path, 60.0, 1, slo, search, 1.0)
+    assert not over["ok"]
+    v = over["runs"][-1]["violations"]
+    assert [x["slo"] for x in v] == ["unstable"]
+    assert over["runs"][-1]["stage"] == 2  # the prefix (from empty) met the SLO: the window decided
+    assert v[0]["value"] == pytest.approx(1 / STEP_S, rel=0.03)  # served: the capacity
+    ok = probe(data, tmp_path, 30.0, 1, slo, search, 1.0)
+    assert ok["ok"] and [r["stage"] for r in ok["runs"]] == [2, 2]
+    # The measured window: after the warm-up, before the cool-down, as the layout says.
+    lay = ok["layout"]
+    assert lay["measured"] == 2000 and lay["warmup"] >= 500 and lay["cooldown"] >= 50
+
+
+def test_a_probe_that_misses_its_slo_early_stops_at_its_prefix(tmp_path):
+    from scenarios.probe import probe
+    data = _queue_data(tmp_path)
+    slo = {"percentiles": [["ttft_s", "p99", 0.5 * STEP_S]], "attainment": None}  # below one step
+    res = probe(data, tmp_path, 10.0, 1, slo, {"seeds": [0, 1]}, 1.0)
+    assert not res["ok"] and len(res["runs"]) == 1
+    run = res["runs"][0]
+    # p99: 2,000 measured requests; the prefix is a quarter of them.
+    assert run["stage"] == 1 and run["requests"] == 500 and res["layout"] is None
+
+
+def test_md1_capacity_under_a_mean_ttft_slo_matches_theory(tmp_path):
+    """Poisson arrivals, deterministic 20 ms service, FCFS, one server: M/D/1. Mean TTFT =
+    D + rho D / (2 (1 - rho)) (Pollaczek-Khinchine). A mean TTFT SLO of 2D puts the capacity at
+    rho = 2/3, 33.3 req/s; the plan's answer for one GPU must be within 5% of it."""
+    data = _queue_data(tmp_path)
+    data["plan"] = {"target": {"gpus": 1}, "slo": {"ttft_s": {"mean": 2 * STEP_S}},
+                    "grid": {"device": ["h100-sxm"]},
+                    "search": {"seeds": 2, "min_requests": 20000, "rel_tol": 0.01, "confirm_requests": 20000,
+                               "alternatives": 0}}
+    path = tmp_path / "md1.yaml"
+    path.write_text(yaml.safe_dump(data))
+    res = plan(path, workers=1, progress=False)
+    w = res["winner"]
+    rho = 2 / 3
+    assert STEP_S + rho * STEP_S / (2 * (1 - rho)) == pytest.approx(2 * STEP_S)
+    assert w["capacity_rps"] == pytest.approx(rho / STEP_S, rel=0.05)
+    assert w["confirmation"]["pass"] and w["confirmation"]["requests"] >= 20000
+
+
 def test_rate_search_brackets_the_capacity_of_a_deterministic_queue(tmp_path):
-    """Constant arrivals, constant service 20 ms: TTFT is exactly 20 ms below 50 req/s and grows
-    by (i x (20 ms - 1/rate)) for the i-th request above it. With p99 TTFT <= 30 ms and 200
-    requests, the threshold is where 197 x (0.02 - 1/r) = 0.01: r* = 50.13 req/s."""
-    r_star = 1 / (STEP_S - 0.01 / 197)
-    res = plan(queue_scenario(tmp_path), workers=1, progress=False)
-    c = res["candidates"][0]
+    """Constant arrivals, constant service 20 ms: TTFT is exactly 20 ms below 50 req/s, and above
+    it the queue grows without end. The capacity interval of the winner brackets 50 req/s."""
+    res = plan(queue_scenario(tmp_path, target=30, extra_plan={"refine_steps": 8}), workers=1, progress=False)
+    c = res["winner"]
     lo, hi = c["rate_interval"]
-    assert lo <= r_star <= hi
-    assert hi / lo <= 1.02 + 1e-9
+    assert c["replicas"] == 1
+    assert lo <= 1 / STEP_S <= hi and hi / lo <= 1.02 + 1e-9
     assert c["max_rate_per_replica"] == lo
-    assert c["binding_slo"] == "p99 ttft_s"
-    # Every probe ran both seeds unless its first seed already failed.
-    for p in c["probes"]:
-        assert p["seeds"] == ([0, 1] if p["ok"] else [0])
-        assert (p["rate"] <= lo) == p["ok"] or p["rate"] > r_star
+    assert c["headroom"] == pytest.approx(lo / 30)
+    assert c["predicted"]["p99_ttft_s"] == pytest.approx(STEP_S)
 
 
-def test_rate_search_on_poisson_arrivals_stays_below_capacity(tmp_path):
-    """M/D/1: no rate at or above 1/service meets a p99 TTFT SLO; a loose one comes near it."""
-    res = plan(queue_scenario(tmp_path, arrival="poisson", slo={"ttft_s": {"p99": 0.2}}), workers=1, progress=False)
-    lo, hi = res["candidates"][0]["rate_interval"]
-    assert 25 < lo < 50
-    assert hi <= 1.02 * lo + 1e-9
-
-
-# ------------------------------------------------------------------ monotone answers
-def test_more_traffic_never_needs_fewer_gpus(tmp_path):
+# ------------------------------------------------------------------ monotone, minimal answers
+def test_more_traffic_never_needs_fewer_gpus_and_one_fewer_fails(tmp_path):
     gpus = []
     for target in (30, 70, 120, 170):
         res = plan(queue_scenario(tmp_path, target=target), workers=1, progress=False, target_rate=target)
@@ -126,6 +175,10 @@ def test_more_traffic_never_needs_fewer_gpus(tmp_path):
         # Each replica serves up to 50 req/s of evenly spaced arrivals: ceil(target / 50) replicas.
         assert w["replicas"] == math.ceil(target / 50)
         assert w["predicted"]["p99_ttft_s"] <= 1.5 * STEP_S
+        conf = w["confirmation"]
+        assert conf["pass"] and conf["requests"] >= 1000
+        if w["replicas"] > 1:
+            assert conf["one_fewer"]["units"] == w["replicas"] - 1 and not conf["one_fewer"]["pass"]
         gpus.append(w["gpus"])
     assert gpus == sorted(gpus) and gpus[0] < gpus[-1]
 
@@ -135,11 +188,9 @@ def test_a_looser_slo_never_needs_more_gpus(tmp_path):
     out = []
     for limit in (0.04, 0.08, 0.16, 0.32):
         res = plan(path, workers=1, progress=False, slo_override={"ttft_s": {"p99": limit}})
-        w = res["winner"]
-        out.append((w["gpus"], w["max_rate_per_replica"]))
-    assert [g for g, _ in out] == sorted([g for g, _ in out], reverse=True)
-    assert [r for _, r in out] == sorted(r for _, r in out)
-    assert out[0][0] > out[-1][0]
+        out.append(res["winner"]["gpus"])
+    assert out == sorted(out, reverse=True)
+    assert out[0] > out[-1]
 
 
 # ------------------------------------------------------------------ ranking, outputs, cache, Ray
@@ -148,64 +199,102 @@ def _ranked(res):
              c["cost_per_hour"], c["binding_slo"]) for c in res["candidates"]]
 
 
-def test_ranking_by_cost_and_outputs(tmp_path, capsys):
+def test_ties_on_cost_break_on_headroom():
+    """The issue's case: H200 TP8 x1 (4.16 req/s in all) and TP4 x2 (4.57) cost the same for a
+    4.07 req/s target; the one with more headroom ranks first, whatever its rate per replica."""
+    from scenarios.plan import rank_key
+    from scenarios.search import State
+    tp8 = State(key=0, bound=10.0, unit_cost=8 * 3.7, max_units=10, fail_n=0, pass_n=1, lo=4.16)
+    tp4 = State(key=1, bound=10.0, unit_cost=4 * 3.7, max_units=10, fail_n=1, pass_n=2, lo=4.57)
+    assert tp8.cost == pytest.approx(tp4.cost)
+    assert sorted([tp8, tp4], key=rank_key) == [tp4, tp8]
+    # Cost still comes first: a cheaper candidate with less headroom wins.
+    tp4.pass_n, tp4.lo = 1, 4.10
+    assert sorted([tp8, tp4], key=rank_key) == [tp4, tp8]
+
+
+def test_ranking_by_cost_then_headroom_and_outputs(tmp_path, capsys):
     from scenarios.cli import main
     path = queue_scenario(tmp_path, arrival="poisson", target=70, rel_tol=0.05,
-                          grid={"device": ["h200", "h100-sxm", "a10g"], "policy": ["fcfs", "priority"]})
+                          grid={"device": ["h200", "h100-sxm", "a10g"], "max_num_seqs": [1, 2]},
+                          extra_plan={"confirm_requests": 2000})
     out = tmp_path / "out"
     rc = main(["plan", str(path), "--out", str(out), "--workers", "1", "--no-progress"])
     printed = capsys.readouterr().out
     assert rc == 0
     res = json.loads((out / "plan.json").read_text())
     cands = res["candidates"]
-    # Same step time on every device (the constant profile): the cheapest GPU wins.
-    assert cands[0]["device"] == "a10g" and cands[0]["status"] == "confirmed"
-    costs = [c["cost_per_hour"] for c in cands if c["status"] == "confirmed"]
+    # Same step time on every device (the constant profile): the cheapest GPU wins, and of its two
+    # equal-cost shapes the one running two requests per step (twice the capacity) ranks first.
+    w = cands[0]
+    assert w["device"] == "a10g" and w["status"] == "confirmed" and w["max_num_seqs"] == 2
+    tie = next(c for c in cands if c["device"] == "a10g" and c["max_num_seqs"] == 1)
+    if tie["cost_per_hour"] == w["cost_per_hour"]:
+        assert w["headroom"] >= tie["headroom"]
+    costs = [c["cost_per_hour"] for c in cands if c["status"] in ("confirmed", "estimated")]
     assert costs == sorted(costs)
     for key in ("device", "tp", "replicas", "gpus", "max_num_batched_tokens", "max_num_seqs", "policy",
-                "max_rate_per_replica", "cost_per_hour", "binding_slo", "predicted"):
-        assert key in cands[0]
-    w = cands[0]
+                "max_rate_per_replica", "cost_per_hour", "headroom", "binding_slo", "predicted", "confirmation",
+                "cost_model", "table_fallbacks", "probes"):
+        assert key in w
     assert w["cost_per_hour"] == pytest.approx(w["gpus"] * 0.75)
     assert "p99_ttft_s" in w["predicted"] and "p99_tpot_s" in w["predicted"]
-    assert "vllm serve meta-llama/Llama-3.1-8B-Instruct --tensor-parallel-size 1 --max-num-seqs 1 " \
-           "--max-num-batched-tokens 64 --gpu-memory-utilization 0.9" in printed
-    assert "servetwin serve" in printed and "won because" in printed
+    conf = w["confirmation"]
+    assert conf["pass"] and conf["requests"] >= 2000 and conf["simulated_s"] > 0 and len(conf["runs"]) == 2
+    assert all(r["percentiles"]["ttft_s"]["p99"] <= 0.2 for r in conf["runs"])
+    # Pasteable deploy lines: one vllm serve per replica on its own GPU and port.
+    assert ("CUDA_VISIBLE_DEVICES=0 vllm serve meta-llama/Llama-3.1-8B-Instruct --tensor-parallel-size 1 "
+            "--max-num-seqs 2 --max-num-batched-tokens 64 --gpu-memory-utilization 0.9 --port 8000 &") in printed
+    assert "servetwin serve --model ./Llama-3.1-8B-Instruct --port 8000" in printed
+    assert "aiperf profile" in printed and "--request-rate 70" in printed and "won:" in printed
     assert (out / "plan.csv").read_text().splitlines()[0].startswith("rank,status,label,device,tp,replicas,gpus")
     html = (out / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 2 and "vllm serve" in html
+    assert html.count("data:image/png;base64,") == 2 and "vllm serve" in html and "fitted" in html
+    assert res["pareto"] == []  # one-token outputs: no TPOT, so no per-user throughput to plot
+    winner = yaml.safe_load((out / "winner.yaml").read_text())
+    assert winner["deployment"]["replicas"] == w["replicas"] and winner["workload"]["arrival"]["rate"] == 70
+
+
+def test_fixed_gpu_budget_gives_the_most_traffic(tmp_path):
+    """Four GPUs of a queue with capacity 50 req/s each under constant arrivals: about 200 req/s,
+    on four replicas; the next step up fails in the cluster."""
+    path = queue_scenario(tmp_path, target=30, rel_tol=0.05, extra_plan={"confirm_requests": 2000})
+    res = plan(path, workers=1, progress=False, target_gpus=4)
+    w = res["winner"]
+    assert res["mode"] == "gpus" and w["replicas"] == 4 and w["gpus"] == 4
+    assert 4 / STEP_S / 1.06 <= w["capacity_rps"] <= 4 / STEP_S
+    more = w["confirmation"]["one_step_more"]
+    assert more["rate"] > 4 / STEP_S and not more["pass"]
 
 
 def test_cache_rerun_only_simulates_new_candidates(tmp_path):
     out = tmp_path / "out"
-    path = queue_scenario(tmp_path, arrival="poisson", target=70, rel_tol=0.05, grid={"device": ["h100-sxm"]})
+    path = queue_scenario(tmp_path, arrival="poisson", target=70, rel_tol=0.05, grid={"device": ["h100-sxm"]},
+                          extra_plan={"confirm_requests": 1000})
     first = plan(path, out, workers=1, progress=False)
-    assert first["simulated_by_kind"].get("search") == 1
+    assert first["simulated_by_kind"].get("probe_task", 0) >= 1
     again = plan(path, out, workers=1, progress=False)
     assert again["simulated_tasks"] == 0
     assert _ranked(again) == _ranked(first)
-    path = queue_scenario(tmp_path, arrival="poisson", target=70, rel_tol=0.05, grid={"device": ["h100-sxm", "h200"]})
-    more = plan(path, out, workers=1, progress=False)
-    assert more["simulated_by_kind"].get("search") == 1  # only h200's rate search is new
-    assert more["cached_tasks"] >= 1
 
 
 def test_cache_is_not_served_to_other_code(tmp_path, monkeypatch):
     """A cost-model or scheduler change must not be answered with results cached before it."""
-    import scenarios.plan as planmod
+    import scenarios.runner as runnermod
     out = tmp_path / "out"
-    path = queue_scenario(tmp_path, arrival="poisson", target=70, rel_tol=0.05, grid={"device": ["h100-sxm"]})
+    path = queue_scenario(tmp_path, arrival="poisson", target=70, rel_tol=0.05, grid={"device": ["h100-sxm"]},
+                          extra_plan={"confirm_requests": 1000})
     first = plan(path, out, workers=1, progress=False)
-    assert first["simulated_by_kind"].get("search") == 1
-    monkeypatch.setattr(planmod, "code_digest", lambda: "other-code")
+    monkeypatch.setattr(runnermod, "code_digest", lambda: "other-code")
     again = plan(path, out, workers=1, progress=False)
-    assert again["simulated_by_kind"].get("search") == 1 and _ranked(again) == _ranked(first)
+    assert again["simulated_tasks"] == first["simulated_tasks"] and _ranked(again) == _ranked(first)
 
 
 def test_ray_run_equals_local_run(tmp_path):
     import ray
     path = queue_scenario(tmp_path, arrival="poisson", target=70, rel_tol=0.05,
-                          grid={"device": ["h100-sxm", "a100-80g"], "policy": ["fcfs", "priority"]})
+                          grid={"device": ["h100-sxm", "a100-80g"], "policy": ["fcfs", "priority"]},
+                          extra_plan={"confirm_requests": 1000})
     local = plan(path, None, workers=2, progress=False)
     try:
         on_ray = plan(path, None, workers=2, progress=False, ray_address="local")
@@ -241,8 +330,11 @@ def test_runs_reused_across_max_num_seqs_are_identical_to_fresh_runs():
     (lambda p: p["slo"].update(ttft_s={"p100": 1.0}), "plan.slo.ttft_s.p100"),
     (lambda p: p["grid"].update(tp=[]), "plan.grid.tp=[]"),
     (lambda p: p["grid"].update(device=["tpu-v9"]), "plan.grid.device='tpu-v9'"),
-    (lambda p: p["search"].update(seeds=1), "plan.search.seeds=1"),
+    (lambda p: p["search"].update(seeds=0), "plan.search.seeds=0"),
+    (lambda p: p["search"].update(requests=200), "plan.search.requests=200: probes are steady-state"),
     (lambda p: p["target"].update(rate=0), "plan.target.rate=0"),
+    (lambda p: p["target"].update(gpus=8), "give exactly one of rate"),
+    (lambda p: p["slo"].update(ttft_s={"avg": 1.0}), "plan.slo.ttft_s.avg"),
     (lambda p: p.pop("slo"), "plan.slo: required"),
 ])
 def test_bad_plan_section_is_refused_naming_the_field(tmp_path, edit, field):

@@ -101,19 +101,56 @@ def test_plan_evaluates_pd_candidates_as_units(tmp_path):
     data["output"] = {}
     data["plan"] = {"target": {"rate": 20}, "slo": {"ttft_s": {"p99": 0.5}, "tpot_s": {"p99": 0.05}},
                     "grid": {"pd": [None, {"prefill_replicas": 1, "decode_replicas": 2}]},
-                    "search": {"seeds": 2, "requests": 100, "rel_tol": 0.2}}
+                    "search": {"seeds": 2, "min_requests": 300, "rel_tol": 0.2, "confirm_requests": 1000}}
     path = tmp_path / "pd.yaml"
     path.write_text(yaml.safe_dump(data))
     res = plan(path, workers=1, progress=False)
     by = {c["label"]: c for c in res["candidates"]}
     unit = by["h100-sxm P1xtp1+D2xtp1 B2048 S64 fcfs"]
     assert unit["gpus_per_replica"] == 3
-    assert unit["max_rate_per_replica"] > 0
     if unit["gpus"] is not None:
         assert unit["gpus"] == 3 * unit["replicas"]
+    assert res["winner"] is not None and res["winner"]["confirmation"]["pass"]
     cmds = deploy_commands(res, {**unit, "replicas": 2})
-    assert "kv_transfer_config" not in cmds[0] and "--kv-transfer-config" in cmds[0]
-    assert cmds[0].endswith("x 2 prefill replica(s)") and cmds[1].endswith("x 4 decode replica(s)")
+    text = "\n".join(cmds)
+    assert "kv_transfer_config" not in text and "--kv-transfer-config" in text
+    assert "# prefill pool: 2 replica(s), tensor parallel 1" in text
+    assert "# decode pool: 4 replica(s), tensor parallel 1" in text
+    assert sum(line.startswith("CUDA_VISIBLE_DEVICES=") for line in cmds) == 6
+
+
+def test_pd_and_aggregated_pools_get_one_timing_composition():
+    """Every pool's step time comes from one builder: with kernel tables (GPU time + CPU work,
+    async scheduling by default) the prefill and decode pools time a step exactly as the
+    aggregated replicas do, max(cpu, gpu), not the bare model's cpu + gpu."""
+    from engine.core.features import BatchFeatures
+    from sim.cpu_work import WithCpuWork
+    data = pd_scenario(500, 50)
+    data["cost_model"] = {"type": "kernels"}
+    sc = parse_scenario(data)
+    agg = parse_scenario({**data, "deployment": {k: v for k, v in data["deployment"].items() if k != "pd"}})
+    f = BatchFeatures(num_reqs=3, num_decode_reqs=2, decode_context_tokens=900)
+    f.add(400, 0)
+    f.num_reqs = 3
+    pre, dec = sc.pd["prefill"][1], sc.pd["decode"][1]
+    for pool in (pre, dec):
+        assert isinstance(pool, WithCpuWork) and pool.async_scheduling
+        assert pool.step_time(f) == agg.cost_model.step_time(f)
+    g, c = pre.gpu_time(f), pre.cpu_time(f)
+    assert pre.step_time(f) == pytest.approx(max(g, c)) and max(g, c) < g + c
+    # The decode pool prices an arrived prompt as one decode reading its KV, through the same
+    # composition (its CPU work and async scheduling included).
+    from sim.disagg import KVArrivedCost
+    kv = KVArrivedCost(dec)
+    d = BatchFeatures(num_reqs=1, num_decode_reqs=1, decode_context_tokens=500)
+    arrived = BatchFeatures(num_reqs=1)
+    arrived.add(500, 0)
+    assert kv.step_time(arrived) == pytest.approx(dec.step_time(d)) and kv.async_scheduling
+    # ...and a scenario's own CPU work reaches every pool alike.
+    data["scheduler"]["cpu_work"] = {"step_s": 0.05}
+    sc = parse_scenario(data)
+    assert sc.pd["prefill"][1].step_time(f) == pytest.approx(0.05 + 3 * 2e-5 + (400 + 2) * 5e-8)
+    assert sc.pd["decode"][1].step_time(f) == sc.cost_model.step_time(f)
 
 
 def test_pd_sizes_pools_not_replicas_and_simulate_reports_transfers(tmp_path, capsys):

@@ -83,7 +83,8 @@ def test_budget_study_shows_the_budget_trade_off():
     assert by[512]["p99_itl_s"] < by[2048]["p99_itl_s"] < by[8192]["p99_itl_s"]
 
 
-@pytest.mark.parametrize("name", ["capacity-chat-h100", "rag-long-prompt", "pd-vs-agg", "policy-study",
+@pytest.mark.parametrize("name", ["capacity-chat-h100", "rag-long-prompt", "pd-vs-agg", "aiconfigurator-8b-h100",
+                                  "policy-study",
                                   "budget-study"])
 def test_example_scenarios_are_valid(name):
     from scenarios.compose import load_raw, strip
