@@ -379,7 +379,7 @@ def why(result: dict) -> str:
     if w.get("headroom"):
         tail += f"; it sustains {w['capacity_rps']:.1f} req/s in all (headroom {w['headroom']:.2f}x)"
     if ties:
-        tail += f"; {len(ties)} other candidate(s) cost the same and have less headroom"
+        tail += f"; {len(ties)} other candidate(s) cost the same and have no more headroom"
     if dearer:
         tail += f"; the next cheapest, {dearer[0]['label']}, costs ${dearer[0]['cost_per_hour']:.2f}/h"
     return (f"{w['label']} won: the cheapest configuration whose cluster meets {result['slo_text']} at "
