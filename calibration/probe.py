@@ -43,6 +43,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -57,8 +58,42 @@ COMPUTE_REPEATS = 3
 _calls = itertools.count()
 
 
+# The scheduler the probes run under, whatever the engine serves with: a setting's budget,
+# max_num_seqs, policy or max_model_len must not change the reference's shape (a 128-token budget
+# once cut the 256-token compute reference in two and read the machine as twice as fast).
+PROBE_KNOBS = {"max_num_batched_tokens": 512, "max_num_seqs": 32, "policy": "fcfs", "enable_chunked_prefill": True,
+               "long_prefill_token_threshold": 0, "enable_prefix_caching": True, "watermark": 0.0,
+               "reserve_full_prompt": True}
+
+
+@contextmanager
+def probe_scheduler(engine):
+    """Run the block under the probes' own scheduler (PROBE_KNOBS, max_model_len as large as the
+    KV pool and the model allow) and give the engine its own back afterwards, with its prefix
+    cache emptied (the probe wrote into blocks it may have cached). An engine without
+    `reconfigure` (a stand-in) runs as it is."""
+    if not hasattr(engine, "reconfigure"):
+        yield
+        return
+    saved, saved_cfg, saved_len = engine.scheduler, engine.scheduler_config, engine.max_model_len
+    cap = (engine.num_gpu_blocks - 1) * engine.block_size
+    engine.reconfigure(**PROBE_KNOBS, max_model_len=min(cap, engine.model.config.max_position_embeddings))
+    try:
+        yield
+    finally:
+        engine.scheduler, engine.scheduler_config, engine.max_model_len = saved, saved_cfg, saved_len
+        engine.memory_profile["max_model_len"] = saved_len
+        engine.reset_prefix_cache()
+
+
 def speed_probe(engine, seed: int = 20261130) -> float:
-    """Median step period (s) of the reference decode on `engine` now."""
+    """Median step period (s) of the reference decode on `engine` now (under the probes' own
+    scheduler: the same shape whatever the engine serves with)."""
+    with probe_scheduler(engine):
+        return _speed_probe(engine, seed)
+
+
+def _speed_probe(engine, seed: int) -> float:
     rng = np.random.default_rng(seed)
     vocab = engine.vocab_size
     k, prompt = probe_shape(engine)
@@ -76,7 +111,13 @@ def speed_probe(engine, seed: int = 20261130) -> float:
 
 def compute_probe(engine, seed: int = 20261201) -> float:
     """Median duration (s) of a prefill-only step of COMPUTE_PROMPT tokens (fewer on an engine too
-    small for them) on `engine` now, over COMPUTE_REPEATS steps."""
+    small for them) on `engine` now, over COMPUTE_REPEATS steps (under the probes' own scheduler:
+    the same shape whatever the engine serves with)."""
+    with probe_scheduler(engine):
+        return _compute_probe(engine, seed)
+
+
+def _compute_probe(engine, seed: int) -> float:
     n = next(_calls)
     rng = np.random.default_rng(seed + n)
     vocab = engine.vocab_size

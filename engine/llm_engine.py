@@ -366,6 +366,39 @@ class LLMEngine:
             if live is not None:
                 self.book.finish(live.record, reason, t)
 
+    def reconfigure(self, **knobs: Any) -> SchedulerConfig:
+        """Serve with other scheduler knobs (any SchedulerConfig field: max_num_batched_tokens,
+        max_num_seqs, max_model_len, policy, enable_prefix_caching, ...) from now on, over a
+        KV pool of `num_gpu_blocks` (default: the current one; another count allocates a new
+        pool). max_model_len stays as it was unless given (or the pool is too small for it). Only
+        while idle; the new scheduler starts with an empty prefix cache. Returns the new config. This engine keeps `uncache_unscheduled_victims` on (it reads the KV its cache
+        points at); asking for it off is refused."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("reconfigure: requests are still running")
+        if knobs.get("uncache_unscheduled_victims") is False:
+            raise ValueError("uncache_unscheduled_victims=False: this engine reads the KV its prefix cache "
+                             "points at, so preempted victims' unwritten blocks must leave the cache")
+        if knobs.get("block_size", self.block_size) != self.block_size:
+            raise ValueError(f"block_size={knobs['block_size']}: the engine's KV pool was built with "
+                             f"block_size={self.block_size}; load a new engine for another")
+        blocks = knobs.pop("num_gpu_blocks", None) or self.num_gpu_blocks
+        capacity = (blocks - 1) * self.block_size
+        knobs.setdefault("max_model_len", min(self.max_model_len, capacity))
+        if knobs["max_model_len"] > capacity:
+            raise ValueError(f"max_model_len={knobs['max_model_len']} exceeds what the KV pool holds: "
+                             f"{blocks - 1} usable blocks x {self.block_size} = {capacity} tokens")
+        cfg = dataclasses.replace(self.scheduler_config, **knobs, num_gpu_blocks=blocks,
+                                  uncache_unscheduled_victims=True)
+        if blocks != self.num_gpu_blocks:
+            self.runner.initialize_kv_cache(blocks)
+            self.num_gpu_blocks = blocks
+            self.memory_profile["num_gpu_blocks"] = blocks
+        self.scheduler_config = cfg
+        self.scheduler = Scheduler(cfg)
+        self.max_model_len = cfg.max_model_len
+        self.memory_profile["max_model_len"] = cfg.max_model_len
+        return cfg
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash (vLLM's /reset_prefix_cache). Refused (False) while
         any request holds blocks, as in vLLM."""

@@ -212,7 +212,11 @@ def test_calibrate_and_validate_end_to_end(tmp_path, monkeypatch):
         drive_calls.append(_hashed_blocks(engine))
         return real_drive(engine, arrivals, *a, **k)
     monkeypatch.setattr(val_mod, "drive", spy)
-    assert _hashed_blocks(eng) > 0  # calibration left cached blocks behind
+    # A request whose blocks stay cached after it (the closing probe emptied the cache).
+    from calibration.driver import Arrival, drive
+    from engine.core import SamplingParams
+    drive(eng, [Arrival(0.0, "warm", list(range(100, 164)), SamplingParams(max_tokens=2, ignore_eos=True))])
+    assert _hashed_blocks(eng) > 0
     rep = validate(eng, prof, scen, tmp_path / "val", loads=(0.5,), seeds=1, duration_s=1, min_requests=3,
                    progress=False)
     # The capacity burst and the run started as the simulator does: nothing cached.
@@ -506,3 +510,43 @@ def test_sweep_divides_each_group_by_the_speed_around_it(tmp_path):
     for r, t in zip(logged, times):
         assert float(r["probe_s"]) == pytest.approx(probe_s[r["group"]])
         assert t == pytest.approx(float(r["period_s"]) * 2.0 / probe_s[r["group"]])
+
+
+def test_probes_keep_their_shape_under_any_setting():
+    """A 128-token budget and two sequences must not change the references: the compute probe is
+    still one prefill-only step of COMPUTE_PROMPT tokens (not cut in two, which once read the
+    machine as twice as fast) and the speed probe still decodes PROBE_REQUESTS requests at once.
+    The engine serves with its own setting again afterwards."""
+    from calibration.probe import COMPUTE_PROMPT, PROBE_REQUESTS, compute_probe, speed_probe
+    from engine.llm_engine import LLMEngine
+    eng = LLMEngine(model="default", device="cpu", max_num_batched_tokens=128, max_num_seqs=2,
+                    num_gpu_blocks=128, max_model_len=512)
+    before = eng.scheduler_config
+    n0 = len(eng.step_log)
+    assert compute_probe(eng) > 0
+    pre = [s for s in eng.step_log[n0:] if s.num_prefill_reqs]
+    assert pre and all(s.num_prefill_tokens == COMPUTE_PROMPT and s.num_decode_reqs == 0 for s in pre)
+    n1 = len(eng.step_log)
+    assert speed_probe(eng) > 0
+    assert max(s.num_decode_reqs for s in eng.step_log[n1:]) == PROBE_REQUESTS
+    assert eng.scheduler_config is before and eng.max_model_len == 512
+    assert eng.scheduler_config.max_num_batched_tokens == 128 and eng.scheduler.config.max_num_seqs == 2
+
+
+def test_reconfigure_serves_with_new_knobs_over_the_same_pool():
+    from engine.core import SamplingParams
+    from engine.llm_engine import LLMEngine
+    eng = LLMEngine(model="default", device="cpu", max_num_batched_tokens=128, max_num_seqs=4, num_gpu_blocks=64)
+    cfg = eng.reconfigure(max_num_batched_tokens=32, max_num_seqs=1, policy="priority")
+    assert (cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.num_gpu_blocks) == (32, 1, 64)
+    assert eng.scheduler.config is cfg and cfg.uncache_unscheduled_victims
+    eng.add_request("a", list(range(100, 180)), SamplingParams(max_tokens=2, ignore_eos=True))
+    eng.step()
+    assert eng.step_log[-1].num_prefill_tokens == 32  # the new budget chunks the 80-token prompt
+    with pytest.raises(RuntimeError, match="still running"):
+        eng.reconfigure(max_num_seqs=2)
+    with pytest.raises(ValueError, match="uncache_unscheduled_victims=False"):
+        eng.abort_request("a") or eng.reconfigure(uncache_unscheduled_victims=False)
+    with pytest.raises(ValueError, match="max_model_len=5000 exceeds"):
+        eng.reconfigure(max_model_len=5000)
+    assert eng.reconfigure(num_gpu_blocks=32).num_gpu_blocks == 32 and eng.runner.num_blocks == 32
