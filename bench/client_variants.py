@@ -15,7 +15,7 @@ import warnings
 
 import pandas as pd
 
-from scenarios.schema import parse_scenario, run_scenario
+from sim.scenario import parse_scenario, run_scenario
 
 warnings.filterwarnings("ignore")
 MAX_OSL = int(sys.argv[1]) if len(sys.argv) > 1 else 8192

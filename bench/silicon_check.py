@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import yaml  # noqa: E402
 
-from scenarios.schema import parse_scenario, run_scenario  # noqa: E402
+from sim.scenario import parse_scenario, run_scenario  # noqa: E402
 from sim_speed import MOONCAKE_BLOCK as AIS_BLOCK, write_mooncake_trace  # noqa: E402  (bench/)
 
 HELD_OUT_BACKEND = "vllm"

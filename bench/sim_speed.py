@@ -67,7 +67,7 @@ def scenario(trace: Path, n: int, workload_extra: dict, steady: bool = True) -> 
 
 def capacity(trace: Path, n: int = 3000) -> float:
     """Completed requests per second when n trace requests arrive together (saturation)."""
-    from scenarios.schema import parse_scenario, run_scenario
+    from sim.scenario import parse_scenario, run_scenario
     sc = parse_scenario(scenario(trace, n, {"arrival": {"type": "constant", "rate": 1e6}}))
     s = run_scenario(sc).summary
     return s["throughput"]["requests_per_s"]
@@ -138,7 +138,7 @@ def write_mooncake_trace(path: Path, wl, timestamps: bool = True) -> None:
 def aisimulate_setup(data: dict, tmp: Path) -> Path:
     """The same workload as a Mooncake trace (unique hash ids per request) and a prediction
     config with the same KV pool, budget and max_num_seqs."""
-    from scenarios.schema import parse_scenario
+    from sim.scenario import parse_scenario
     sc = parse_scenario(data)
     wl, cfg = sc.workload, sc.scheduler_config
     trace = tmp / f"aisim-{len(wl)}.jsonl"

@@ -32,6 +32,10 @@ def add_calibration_args(sub) -> None:
     p.add_argument("--out", required=True, help="directory for validation.json and the CDF plots")
     p.add_argument("--model", default="default")
     p.add_argument("--device", default=None)
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2",
+                   help="what-if: also validate the scenario with this field set to each value (any "
+                        "scheduler or deployment field by its dotted path, as servetwin sweep takes them; "
+                        "repeat for a grid), at the base setting's absolute rates")
     p.add_argument("--loads", type=float, nargs="+", default=[0.3, 0.6, 0.9, 1.2],
                    help="fractions of the engine's measured capacity (default 0.3 0.6 0.9 and overload 1.2)")
     p.add_argument("--seeds", type=int, default=3, help="workload seeds per load (default 3)")

@@ -28,6 +28,7 @@ class Arrival:
     prompt_token_ids: list[int]
     params: SamplingParams
     group: str = ""                # the sweep group (calibration), copied to the steps it causes
+    priority: int = 0              # for the priority policy (lower first)
 
 
 @dataclass
@@ -54,7 +55,8 @@ def drive(engine, arrivals: Iterable[Arrival], refill: Callable[[str, float], li
         now = engine.now() - t0
         while pending and pending[0].at_s <= now:
             a = pending.popleft()
-            engine.add_request(a.request_id, a.prompt_token_ids, a.params, arrival_time=t0 + a.at_s)
+            engine.add_request(a.request_id, a.prompt_token_ids, a.params, arrival_time=t0 + a.at_s,
+                               priority=a.priority)
             ids.append(a.request_id)
             group = a.group
         if engine.has_unfinished_requests():

@@ -1,11 +1,25 @@
-"""`servetwin validate`: one workload through the real engine and through the simulator.
+"""`servetwin validate`: one workload through the real engine and through the simulator, at one
+setting or at several (what-if).
 
-For each load (a fraction of the engine's capacity, measured here with a burst of requests) and
-each seed, the scenario's workload is drawn at that rate (rate x duration_s requests, at least
-MIN_REQUESTS) and replayed through the engine in real
-time (calibration.driver, the server's engine loop without HTTP) and through the simulator. Both
-sides use the same SchedulerConfig object (the engine's) and so the same KV pool; the simulator
-times steps with the profile. Seeds are the outer loop, so machine drift spreads over every load.
+Settings. The workload scenario is read by the scenario schema (sim.scenario), so every
+scheduler and deployment field reaches both sides and an unknown or unsupported field is
+refused naming it (one engine replica runs: no replicas > 1, TP, P/D pools, async scheduling or
+scenario CPU work, whose time the profile's periods already hold). `--set FIELD=V1,V2` adds one
+setting per value (a grid when repeated), as `servetwin sweep` takes them. The engine is
+reconfigured for each setting's runs (LLMEngine.reconfigure: the same weights and KV pool, a new
+scheduler) and the simulator runs that very config; validation.json records, per setting,
+`settings: {engine, sim}` (the scheduler fields each side ran with).
+
+For each load (a fraction of the base setting's capacity, measured here with a burst of requests)
+and each seed, the setting's workload is drawn at that rate (rate x duration_s requests, at least
+MIN_REQUESTS) and replayed through the engine in real time (calibration.driver, the server's
+engine loop without HTTP) and through the simulator. Every setting runs at the same absolute
+rates, so the settings can be compared; a load above SATURATED x a setting's own capacity
+saturates it and is compared by throughput and queue growth instead of latency percentiles.
+Seeds are the outer loop and settings the inner one, so machine drift spreads over all of them.
+With more than one setting, `what_if.deltas` holds, per setting, load, metric and percentile,
+the engine's change from the base (pooled, and per seed: its spread) beside the simulator's
+(and its noise replicates: its interval); DIR/whatif-deltas.png plots one against the other.
 
 The simulator runs each workload NOISE_REPLICAS times with step times drawn around the fitted
 model from the profile's noise quantiles (sim.intervals.NoisyCostModel: on this project's
@@ -14,7 +28,8 @@ and ITL tails are made of that jitter). The predicted value is the median
 over replicates; its 90% interval spans the replicates and the profile's spread of systematic
 error between held-out sweep groups (sim.intervals).
 
-DIR/validation.json, per load and for each of ttft_s, tpot_s, itl_s, e2e_s and queue_s at p50,
+DIR/validation.json, per setting (the base at the top level, every setting under what_if), per
+load and for each of ttft_s, tpot_s, itl_s, e2e_s and queue_s at p50,
 p90 and p99: {"engine", "sim", "rel_error", "seed_rel_errors", "interval", "covered"}, with
 rel_error = sim / engine - 1 over the requests of all seeds pooled; plus throughput_rel_error,
 step_time_mape (the profile applied to the engine's own logged steps of the same runs: cost-model
@@ -23,7 +38,8 @@ those steps), step_time_total_rel_error (the expected sum of the simulator's noi
 those steps, prediction x the mean noise ratio of each step's kind, over the measured sum, minus 1:
 the cost model's bias in time, which latency and throughput inherit), a signed bias summary and
 interval coverage.
-DIR/cdf-load<L>.png overlays the engine's and the simulator's CDFs per load.
+DIR/cdf-load<L>.png overlays the engine's and the simulator's CDFs per load (other settings:
+cdf-<setting>-load<L>.png).
 
 Each row also says where the simulator's value falls in the engine's pooled sample:
 engine_rank_of_sim (0-1, the inverse of the percentile) and rank_error = that rank - the row's
@@ -60,6 +76,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -71,7 +88,9 @@ from engine.core import SamplingParams
 from sim.cost_model import FittedCostModel
 from sim.intervals import NoisyCostModel, group_bias_range
 from sim.metrics import itl_from_token_times, request_table, summarize
+from sim.scenario import ScenarioError, parse_scenario, parse_set, read_yaml, set_field, setting_label, settings
 from sim.simulation import Simulation
+from sim.specmap import SpecError
 from sim.workload import build_workload
 
 METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
@@ -88,6 +107,9 @@ DURATION_S = 40.0
 # load's p99 then rests on 90 or more requests. At 12 (the earlier floor) the 30% load's p99 was
 # the largest of 36 values and swung by tens of percent between otherwise identical runs.
 MIN_REQUESTS = 30
+# A load offered above this share of a setting's own capacity (a burst's throughput) saturates it:
+# such a load is compared by throughput and queue growth, not by latency percentiles.
+SATURATED = 0.95
 IN_SITU_WINDOW_S = 10.0   # width of the window of decode-only steps that sets the speed at a moment
 IN_SITU_MIN_STEPS = 5     # fewer in the window: the nearest this many decode-only steps
 
@@ -136,7 +158,7 @@ def engine_token_ids(spec, vocab: int) -> list[int]:
 
 def arrivals(workload, vocab: int) -> list[Arrival]:
     return [Arrival(s.arrival_s, s.request_id, engine_token_ids(s, vocab),
-                    SamplingParams(max_tokens=s.output_len, ignore_eos=True, temperature=0))
+                    SamplingParams(max_tokens=s.output_len, ignore_eos=True, temperature=0), priority=s.priority)
             for s in workload]
 
 
@@ -192,43 +214,124 @@ def rank_in(v: np.ndarray, x: float) -> float | None:
     return float(np.interp(x, v, np.linspace(0.0, 1.0, len(v))))
 
 
-def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(0.3, 0.6, 0.9, 1.2),
-             seeds: int = 3, duration_s: float = DURATION_S, min_requests: int = MIN_REQUESTS, progress: bool = True,
-             speed_probe: bool = True) -> dict:
-    """With `speed_probe` and a profile that recorded one (servetwin calibrate), the machine's
+@dataclass
+class Setting:
+    """One setting a validation compares: the scenario with some fields changed (`values`),
+    parsed by the scenario schema; `knobs` are the scheduler fields the engine is reconfigured
+    with for its runs (the KV pool and max_model_len only where the scenario gives them)."""
+
+    label: str
+    values: dict
+    knobs: dict
+    workload: dict
+    scenario: object = field(repr=False, default=None)
+
+
+class ValidateError(ScenarioError):
+    pass
+
+
+UNSUPPORTED = {
+    ("scheduler", "async_scheduling"): "the engine schedules synchronously",
+    ("scheduler", "cpu_work"): "the profile's step periods already hold the engine's own CPU work",
+    ("deployment", "pd"): "validate runs one engine replica",
+    ("deployment", "interconnect"): "validate runs one engine replica on one device",
+}
+
+
+def parse_setting(data: dict, base_dir=None, label: str = "base", values: dict | None = None,
+                  profile_ref: str | Path | None = None) -> Setting:
+    """A validation setting from a scenario mapping, through the scenario schema (an unknown
+    field or value is refused naming it), plus what one engine replica cannot run (refused too).
+    The simulator's step times come from the validation's profile (`profile_ref`: the scenario's
+    cost_model is replaced by it; without one, the scenario is read with the analytic model
+    only to check it)."""
+    d = copy.deepcopy(data)
+    for (section, key), why in UNSUPPORTED.items():
+        if isinstance(d.get(section), dict) and d[section].get(key) is not None:
+            raise ValidateError(f"{section}.{key}={d[section][key]!r}: not supported by validate: {why}")
+    dep = d.get("deployment") or {}
+    for key in ("replicas", "tp"):
+        if dep.get(key, 1) != 1:
+            raise ValidateError(f"deployment.{key}={dep[key]!r}: not supported by validate: it runs one "
+                                "engine replica on one device")
+    sched = d.get("scheduler") or {}
+    d["cost_model"] = ({"type": "fitted", "profile": str(profile_ref)} if profile_ref is not None
+                       else {"type": "analytic"})
+    try:
+        sc = parse_scenario(d, base_dir=Path(base_dir) if base_dir else None)
+    except SpecError as e:
+        raise ValidateError(str(e)) from None
+    cfg = sc.scheduler_config
+    skip = {"num_gpu_blocks", "max_model_len", "track_block_ids", "uncache_unscheduled_victims"}
+    knobs = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in skip}
+    if sched.get("uncache_unscheduled_victims") is not None:
+        knobs["uncache_unscheduled_victims"] = sched["uncache_unscheduled_victims"]
+    if sched.get("max_model_len") is not None:
+        knobs["max_model_len"] = cfg.max_model_len
+    if dep.get("num_gpu_blocks") is not None:
+        knobs["num_gpu_blocks"] = cfg.num_gpu_blocks
+    return Setting(label, dict(values or {}), knobs, dict(d["workload"]), sc)
+
+
+def scheduler_fields(cfg) -> dict:
+    """A SchedulerConfig as plain values (the policy by name), less track_block_ids (how the
+    simulator's KV pool keeps its books, which changes no decision)."""
+    out = {}
+    for f in fields(cfg):
+        if f.name == "track_block_ids":
+            continue
+        v = getattr(cfg, f.name)
+        out[f.name] = v if isinstance(v, (int, float, bool, str)) or v is None else getattr(v, "__name__", str(v))
+    return out
+
+
+def validate(engine, profile: dict, settings: list[Setting] | dict, out_dir: str | Path,
+             loads=(0.3, 0.6, 0.9, 1.2), seeds: int = 3, duration_s: float = DURATION_S,
+             min_requests: int = MIN_REQUESTS, progress: bool = True, speed_probe: bool = True) -> dict:
+    """Every setting through the engine and the simulator at the same absolute rates: `loads`
+    x the capacity the engine measures at the first setting (the base). `settings`: parsed
+    settings, the base first (or a mapping with a `workload`: one run at the engine's own
+    setting).
+
+    With `speed_probe` and a profile that recorded one (servetwin calibrate), the machine's
     speed is measured before and after each engine run and the simulator's side of that run uses
     the profile scaled by the geometric mean of the two over the profile's median probe (the
     validation's level in full, the run's deviation from it to the profile's probe exponent:
     applied_factors); the interval widens by the probe drift seen during calibration."""
+    if isinstance(settings, dict):  # a workload alone: the engine's own setting
+        settings = [Setting("base", {}, {}, dict(settings["workload"]))]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     base = FittedCostModel.from_profile(profile)
-    cfg = engine.scheduler_config          # one object, shared by both sides
-    wl_spec = dict(scenario["workload"])
+    engine.reconfigure(**settings[0].knobs)
     warm_up(engine)
-    capacity = measure_capacity(engine, wl_spec, n=max(16, 2 * min(cfg.max_num_seqs, 32)))
-    b_lo, b_hi = group_bias_range(profile["metadata"])
+    # Each setting's own capacity (a burst); the rates of every setting are the base's.
+    capacities = []
+    for st in settings:
+        engine.reconfigure(**st.knobs)
+        capacities.append(measure_capacity(engine, st.workload,
+                                           n=max(16, 2 * min(engine.scheduler_config.max_num_seqs, 32))))
+    capacity = capacities[0]
+    bounds = group_bias_range(profile["metadata"])
     ref = profile["metadata"].get("speed_probe") if speed_probe else None
-    d_lo, d_hi = ref["drift_range"] if ref else (1.0, 1.0)
     cref = (ref or {}).get("compute")  # a profile that recorded the compute probe too
     exponent = float((ref or {}).get("exponent", 1.0))  # calibration.calibrate.fit_probe_exponent
     factors: list[dict] = []
     before = probe_speed(engine) if ref else None  # each run's probe after is the next one's before
     before_c = compute_probe(engine) if cref else None
-    runs = [(s, load) for s in range(seeds) for load in loads]  # seeds outer: drift spreads evenly
-    step_rows: list = []  # (load, seed, StepRecord, period): DIR/engine-steps.csv
+    # Seeds outermost, settings innermost: drift spreads evenly over loads and settings alike.
+    runs = [(s, load, k) for s in range(seeds) for load in loads for k in range(len(settings))]
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(runs), desc="validating", unit="run")
-    per_load: dict[float, dict] = {load: {"engine": [], "sim": [], "sim_reps": [], "steps": [],
-                                          "engine_tput": [], "sim_tput": [], "insitu_reps": [],
-                                          "insitu_tput": []} for load in loads}
-    insitu_runs: list[dict] = []
-    done = []  # per engine run: (seed, load, workload, result, raw decode and compute factors)
-    for seed, load in runs:
+    done = []  # per engine run: (setting, seed, load, workload, result, config, decode and compute factors)
+    for seed, load, k in runs:
+        st = settings[k]
+        cfg = engine.reconfigure(**st.knobs)  # a new scheduler: its prefix cache starts empty
         rate = load * capacity
-        spec = copy.deepcopy(wl_spec)
+        spec = copy.deepcopy(st.workload)
         spec.update(num_requests=max(min_requests, int(round(rate * duration_s))),
                     arrival={"type": "poisson", "rate": rate})
         wl = build_workload(spec, seed=1000 * seed + int(load * 100))
@@ -238,7 +341,7 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
         if ref:  # the machine's speed around the run, as calibrate measures it around a group
             after = probe_speed(engine)
             scale = cscale = speed_around(before, after) / ref["median_s"]
-            run = {"load": load, "seed": seed, "probe_before_s": round(before, 6),
+            run = {"setting": st.label, "load": load, "seed": seed, "probe_before_s": round(before, 6),
                    "probe_after_s": round(after, 6), "speed_factor": round(scale, 4)}
             before = after
             if cref:
@@ -248,38 +351,50 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
                            compute_factor=round(cscale, 4))
                 before_c = after_c
             factors.append(run)
-        done.append((seed, load, wl, res, scale, cscale))
+        done.append((k, seed, load, wl, res, cfg, scale, cscale))
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
     # The applied factors (module doc, "Machine drift"): the validation's level in full, each run's
     # deviation from it to the profile's exponent.
-    level, applied = applied_factors([x[4] for x in done], exponent)
-    level_c, applied_c = applied_factors([x[5] for x in done], exponent)
+    level, applied = applied_factors([x[6] for x in done], exponent)
+    level_c, applied_c = applied_factors([x[7] for x in done], exponent)
+    per = [{load: {"engine": [], "sim_reps": [], "steps": [], "engine_tput": [], "sim_tput": [],
+                   "insitu_reps": [], "insitu_tput": [], "engine_growth": [], "sim_growth": [],
+                   "engine_rps": [], "sim_rps": [], "sim_config": None, "engine_config": None}
+            for load in loads} for _ in settings]
+    step_rows: list = []  # (setting, load, seed, StepRecord, period, model): DIR/engine-steps.csv
+    insitu_runs: list[dict] = []
     sims = zip(done, factors if ref else [{}] * len(done), applied, applied_c)
     if progress:
         from tqdm import tqdm
         sims = tqdm(sims, total=len(done), desc="simulating", unit="run")
-    for (seed, load, wl, res, _, _), run, scale, cscale in sims:
+    for (k, seed, load, wl, res, cfg, _, _), run, scale, cscale in sims:
         if ref:
             run.update(applied_speed_factor=round(scale, 4), applied_compute_factor=round(cscale, 4))
         model = SplitSpeedModel(base, scale, cscale)  # = base x scale without a compute probe
-        d = per_load[load]
+        d = per[k][load]
+        d["engine_config"] = cfg
         d["engine"].append(res.records)
         d["engine_tput"].append(_summary(res.records)["throughput"]["output_tokens_per_s"])
+        d["engine_rps"].append(_summary(res.records)["throughput"]["requests_per_s"])
+        d["engine_growth"].append(queue_growth_rps(res.records))
         d["steps"].extend((s, p, model) for s, p in zip(res.steps, res.periods_s) if p is not None)
-        step_rows.extend((load, seed, s, p, model) for s, p in zip(res.steps, res.periods_s) if p is not None)
+        step_rows.extend((settings[k].label, load, seed, s, p, model)
+                         for s, p in zip(res.steps, res.periods_s) if p is not None)
         reps = []
         for r in range(NOISE_REPLICAS):
-            sim = Simulation(wl, cfg, NoisyCostModel(model, seed=seed * 100 + r),
-                             keep_token_times=True).run()
-            reps.append(sim.records)
+            sim = Simulation(wl, cfg, NoisyCostModel(model, seed=seed * 100 + r), keep_token_times=True)
+            d["sim_config"] = sim.replicas[0].scheduler.config
+            reps.append(sim.run().records)
         d["sim_reps"].append(reps)
         d["sim_tput"].append(float(np.median([_summary(x)["throughput"]["output_tokens_per_s"] for x in reps])))
+        d["sim_rps"].append(float(np.median([_summary(x)["throughput"]["requests_per_s"] for x in reps])))
+        d["sim_growth"].append(float(np.median([queue_growth_rps(x) for x in reps])))
         speed = InSituSpeed(res.steps, res.periods_s, base, fallback=scale)
-        insitu_runs.append({"load": load, "seed": seed, "probe_factor": round(scale, 4),
-                            **{k: round(v, 4) if isinstance(v, float) else v for k, v in speed.summary().items()}})
+        insitu_runs.append({"setting": settings[k].label, "load": load, "seed": seed, "probe_factor": round(scale, 4),
+                            **{k2: round(v, 4) if isinstance(v, float) else v for k2, v in speed.summary().items()}})
         reps = []
         for r in range(NOISE_REPLICAS):
             clock = [lambda: 0.0]
@@ -291,26 +406,74 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
         d["insitu_reps"].append(reps)
         d["insitu_tput"].append(float(np.median([_summary(x)["throughput"]["output_tokens_per_s"] for x in reps])))
 
+    speed_report = ({"profile_median_s": ref["median_s"], "exponent": exponent,
+                     "level_speed_factor": round(level, 4), "level_compute_factor": round(level_c, 4),
+                     "runs": factors, **speed_extrapolation(factors, ref)} if ref else
+                    "off: the profile is used as measured")
+    bounds = (*bounds, *((ref["drift_range"]) if ref else (1.0, 1.0)))
+    reports = []
+    for k, st in enumerate(settings):
+        rep = _setting_report(per[k], loads, capacity, capacities[k], bounds, profile, insitu_runs, st)
+        reports.append(rep)
+        for load in loads:
+            _plot(out_dir / (f"cdf-load{load}.png" if k == 0 else f"cdf-{_slug(st.label)}-load{load}.png"),
+                  rep.pop("_eng")[load], rep.pop("_sim")[load], load, st.label)
     report: dict = {"profile": profile["metadata"].get("source"), "host_cpu": host_cpu(),
                     "profile_host_cpu": profile["metadata"].get("host_cpu"), "capacity_requests_per_s": capacity,
-                    "loads": {}, "seeds": seeds, "noise_replicas": NOISE_REPLICAS,
+                    "seeds": seeds, "noise_replicas": NOISE_REPLICAS,
                     "interval": "90%: noise replicates x the profile's 5-95% held-out group bias"
                                 + (" x the 5-95% ratio of consecutive speed probes" if ref else ""),
-                    "speed_probe": ({"profile_median_s": ref["median_s"], "exponent": exponent,
-                                     "level_speed_factor": round(level, 4),
-                                     "level_compute_factor": round(level_c, 4), "runs": factors,
-                                     **speed_extrapolation(factors, ref)} if ref else
-                                    "off: the profile is used as measured")}
-    all_rows = []
+                    "speed_probe": speed_report, **reports[0]}
+    if len(settings) > 1:
+        report["what_if"] = {
+            "rates": "every setting ran at the base setting's loads x its measured capacity "
+                     f"({capacity:.3f} req/s), so the settings are compared at the same absolute rates",
+            "settings": [{"label": st.label, "values": st.values, **rep} for st, rep in zip(settings, reports)],
+            "deltas": what_if_deltas(settings, per, loads)}
+        report["what_if"]["summary"] = delta_summary(report["what_if"]["deltas"])
+        _plot_deltas(out_dir / "whatif-deltas.png", report["what_if"]["deltas"])
+    with open(out_dir / "validation.json", "w") as f:
+        json.dump(report, f, indent=1)
+    _write_steps(out_dir / "engine-steps.csv", step_rows)
+    return report
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in label).strip("-")
+
+
+def queue_growth_rps(records) -> float:
+    """How fast the requests in the system (arrived, not finished) grew between the first and the
+    last arrival of a run, per second: about 0 when the run kept up with its arrivals."""
+    t = request_table(records)
+    a = np.asarray(t["arrival_s"], dtype=float)
+    f = np.nan_to_num(np.asarray(t["finish_s"], dtype=float), nan=np.inf)
+    if len(a) < 2 or a.max() <= a.min():
+        return 0.0
+    t0, t1 = float(a.min()), float(a.max())
+
+    def pop(x):
+        return int(np.sum(a <= x) - np.sum(f <= x))
+    return (pop(t1) - pop(t0)) / (t1 - t0)
+
+
+def _setting_report(per_load: dict, loads, capacity: float, own_capacity: float, bounds, profile: dict,
+                    insitu_runs, st: Setting) -> dict:
+    """One setting's error table (the report's layout of a single validation). A load above
+    SATURATED x the setting's own capacity is saturated: reported by throughput and queue growth,
+    left out of the summary's latency rows."""
+    rep: dict = {"capacity_requests_per_s": own_capacity, "loads": {}, "_eng": {}, "_sim": {}}
+    all_rows, insitu_rows = [], []
     insitu_report: dict = {"definition": "step times scaled at each simulated moment by the machine's speed "
                                          "then, read from the run's own decode-only steps (see module doc)",
-                           "window_s": IN_SITU_WINDOW_S, "runs": insitu_runs, "loads": {}}
-    insitu_rows = []
+                           "window_s": IN_SITU_WINDOW_S,
+                           "runs": [r for r in insitu_runs if r["setting"] == st.label], "loads": {}}
+    sim_cfg = None
     for load in loads:
         d = per_load[load]
+        sim_cfg = sim_cfg or d["sim_config"]
         eng = {k: _pool([_latencies(r)[k] for r in d["engine"]]) for k in METRICS}
-        rows, rep_pools = _rows(d, eng, "sim_reps", (b_lo, b_hi, d_lo, d_hi))
-        all_rows.extend(rows.values())
+        rows, rep_pools = _rows(d, eng, "sim_reps", bounds)
         irows, _ = _rows(d, eng, "insitu_reps", None)
         insitu_rows.extend(irows.values())
         steps = d["steps"]
@@ -322,38 +485,139 @@ def validate(engine, profile: dict, scenario: dict, out_dir: str | Path, loads=(
         noise = {id(m): NoisyCostModel(m, 0) for _, m in feats}
         noisy = pred * np.array([noise[id(m)].mean_ratio(f) for f, m in feats])
         et, stp = float(np.mean(d["engine_tput"])), float(np.mean(d["sim_tput"]))
-        report["loads"][str(load)] = {
-            "rate_requests_per_s": load * capacity, "metrics": rows,
+        offered = load * capacity
+        saturated = offered > SATURATED * own_capacity
+        if not saturated:
+            all_rows.extend(rows.values())
+        rep["loads"][str(load)] = {
+            "rate_requests_per_s": offered, "metrics": rows, "saturated": saturated,
             "throughput_output_tokens_per_s": {"engine": et, "sim": stp},
             "throughput_rel_error": stp / et - 1,
+            "requests_per_s": {"engine": float(np.mean(d["engine_rps"])), "sim": float(np.mean(d["sim_rps"]))},
+            "queue_growth_requests_per_s": {"engine": float(np.mean(d["engine_growth"])),
+                                            "sim": float(np.mean(d["sim_growth"]))},
             "step_time_mape": float(np.mean(np.abs(pred / meas - 1))) if len(meas) else None,
             "step_time_bias": float(np.mean(pred / meas - 1)) if len(meas) else None,
             "step_time_total_rel_error": float(noisy.sum() / meas.sum() - 1) if len(meas) else None,
             "signed_mean_error": _mean_err(rows.values()),
         }
+        et_i = float(np.mean(d["insitu_tput"]))
         insitu_report["loads"][str(load)] = {
-            "metrics": irows, "throughput_rel_error": float(np.mean(d["insitu_tput"])) / et - 1,
-            "signed_mean_error": _mean_err(irows.values())}
-        _plot(out_dir / f"cdf-load{load}.png", eng, rep_pools[0], load)
+            "metrics": irows, "throughput_rel_error": et_i / et - 1, "signed_mean_error": _mean_err(irows.values())}
+        rep["_eng"][load], rep["_sim"][load] = eng, rep_pools[0]
     errs = [r["rel_error"] for r in all_rows if r["rel_error"] is not None]
     ranks = [abs(r["rank_error"]) for r in all_rows if r.get("rank_error") is not None]
-    report["summary"] = {
-        "signed_mean_error": float(np.mean(errs)), "median_abs_error": float(np.median(np.abs(errs))),
-        "rows": len(all_rows), "interval_coverage": float(np.mean([r["covered"] for r in all_rows])),
+    mapes = [v["step_time_mape"] for v in rep["loads"].values() if v["step_time_mape"] is not None]
+    rep["summary"] = {
+        "signed_mean_error": float(np.mean(errs)) if errs else None,
+        "median_abs_error": float(np.median(np.abs(errs))) if errs else None,
+        "rows": len(all_rows),
+        "interval_coverage": float(np.mean([r["covered"] for r in all_rows])) if all_rows else None,
         "median_abs_rank_error": float(np.median(ranks)) if ranks else None,
         "max_abs_rank_error": float(np.max(ranks)) if ranks else None,
-        "step_time_mape": float(np.mean([v["step_time_mape"] for v in report["loads"].values()
-                                         if v["step_time_mape"] is not None])),
+        "step_time_mape": float(np.mean(mapes)) if mapes else None,
+        "saturated_loads": [load for load, v in rep["loads"].items() if v["saturated"]],
         "profile_cv_mape": profile["metadata"].get("cv_mape"), "profile_cv": profile["metadata"].get("cv")}
     ierrs = [r["rel_error"] for r in insitu_rows if r["rel_error"] is not None]
     insitu_report["summary"] = {"signed_mean_error": _mean_err(insitu_rows),
                                 "median_abs_error": float(np.median(np.abs(ierrs))) if ierrs else None,
                                 "rows": len(insitu_rows)}
-    report["in_situ"] = insitu_report
-    with open(out_dir / "validation.json", "w") as f:
-        json.dump(report, f, indent=1)
-    _write_steps(out_dir / "engine-steps.csv", step_rows)
-    return report
+    rep["in_situ"] = insitu_report
+    rep["settings"] = {"engine": scheduler_fields(d["engine_config"]), "sim": scheduler_fields(sim_cfg),
+                       "fields_set": st.values}
+    return rep
+
+
+DELTA_METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
+
+
+def what_if_deltas(settings: list[Setting], per: list[dict], loads) -> list[dict]:
+    """Per setting (but the base), load, metric and percentile: the engine's change from the base
+    (pooled over seeds, with each seed's own change) beside the simulator's (the median noise
+    replicate, with every replicate's change as its interval)."""
+    out = []
+    for k in range(1, len(settings)):
+        for load in loads:
+            b, s = per[0][load], per[k][load]
+            for metric in DELTA_METRICS:
+                for st in STATS:
+                    e_b = _pct(_pool([_latencies(r)[metric] for r in b["engine"]]), st)
+                    e_s = _pct(_pool([_latencies(r)[metric] for r in s["engine"]]), st)
+                    if not e_b or e_s is None:
+                        continue
+                    seeds = []
+                    for rb, rs in zip(b["engine"], s["engine"]):
+                        vb, vs = _pct(_latencies(rb)[metric], st), _pct(_latencies(rs)[metric], st)
+                        if vb and vs is not None:
+                            seeds.append(vs / vb - 1)
+                    reps = []
+                    for i in range(NOISE_REPLICAS):
+                        sb = _pct(_pool([_latencies(x[i])[metric] for x in b["sim_reps"]]), st)
+                        ss = _pct(_pool([_latencies(x[i])[metric] for x in s["sim_reps"]]), st)
+                        if sb and ss is not None:
+                            reps.append(ss / sb - 1)
+                    if not reps:
+                        continue
+                    eng, sim = e_s / e_b - 1, float(np.median(reps))
+                    spread = (max(seeds) - min(seeds)) / 2 if len(seeds) > 1 else 0.0
+                    significant = abs(eng) > spread
+                    out.append({"setting": settings[k].label, "load": load, "metric": f"{metric}.{st}",
+                                "engine": eng, "engine_seeds": seeds, "engine_spread": spread,
+                                "sim": sim, "sim_interval": [min(reps), max(reps)],
+                                "significant": significant,
+                                "sign_match": (np.sign(eng) == np.sign(sim)) if significant else None,
+                                "within_10pp": abs(sim - eng) <= 0.10})
+    for x in out:
+        if x["sign_match"] is not None:
+            x["sign_match"] = bool(x["sign_match"])
+    return out
+
+
+def delta_summary(deltas: list[dict]) -> dict:
+    sig = [d for d in deltas if d["significant"] and d["metric"].endswith(("p50", "p90"))]
+    p5090 = [d for d in deltas if d["metric"].endswith(("p50", "p90"))]
+    return {"p50_p90_deltas": len(p5090),
+            "significant": len(sig), "sign_matched": sum(bool(d["sign_match"]) for d in sig),
+            "within_10pp": sum(d["within_10pp"] for d in p5090),
+            "largest_gap_pp": max((abs(d["sim"] - d["engine"]) * 100 for d in p5090), default=None)}
+
+
+def _plot_deltas(path: Path, deltas: list[dict]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    labels = sorted({d["setting"] for d in deltas})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    lim = 0.1
+    for i, lab in enumerate(labels):
+        pts = [d for d in deltas if d["setting"] == lab and d["metric"].endswith(("p50", "p90"))]
+        if not pts:
+            continue
+        x = np.array([d["engine"] for d in pts]) * 100
+        y = np.array([d["sim"] for d in pts]) * 100
+        xe = np.array([d["engine_spread"] for d in pts]) * 100
+        ylo = y - np.array([d["sim_interval"][0] for d in pts]) * 100
+        yhi = np.array([d["sim_interval"][1] for d in pts]) * 100 - y
+        ax.errorbar(x, y, xerr=xe, yerr=[np.maximum(ylo, 0), np.maximum(yhi, 0)], fmt="o", ms=4,
+                    color=colors[i % len(colors)], label=lab, alpha=0.8, lw=0.8)
+        lim = max(lim, float(np.max(np.abs(np.concatenate([x, y])))) / 100)
+    lim = lim * 110
+    ax.plot([-lim, lim], [-lim, lim], "k-", lw=0.8)
+    ax.fill_between([-lim, lim], [-lim - 10, lim - 10], [-lim + 10, lim + 10], color="gray", alpha=0.15,
+                    label="within 10 points")
+    ax.axhline(0, color="gray", lw=0.5)
+    ax.axvline(0, color="gray", lw=0.5)
+    ax.set_xlim(-lim, lim)
+    ax.set_ylim(-lim, lim)
+    ax.set_xlabel("engine: change from the base setting (%)")
+    ax.set_ylabel("simulator: change from the base setting (%)")
+    ax.set_title("What-if: p50/p90 of TTFT, TPOT, ITL, E2E at every load")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def calibrated_speed_range(ref: dict) -> tuple[float, float]:
@@ -437,10 +701,10 @@ def _write_steps(path: Path, step_rows: list) -> None:
             "num_waiting", "kv_usage", "schedule_s", "prepare_s", "forward_s", "sample_s")
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(("load", "seed", *cols, "period_s", "predicted_s", "applied_speed_factor",
+        w.writerow(("setting", "load", "seed", *cols, "period_s", "predicted_s", "applied_speed_factor",
                     "applied_compute_factor"))
-        for load, seed, s, p, m in step_rows:
-            w.writerow((load, seed, *(getattr(s, c) for c in cols), p, m.step_time(_features(s)),
+        for label, load, seed, s, p, m in step_rows:
+            w.writerow((label, load, seed, *(getattr(s, c) for c in cols), p, m.step_time(_features(s)),
                         m.decode_factor(), m.compute_factor))
 
 
@@ -453,7 +717,7 @@ def _features(s):
     return f
 
 
-def _plot(path: Path, eng: dict, sim: dict, load: float) -> None:
+def _plot(path: Path, eng: dict, sim: dict, load: float, label: str = "") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -468,22 +732,18 @@ def _plot(path: Path, eng: dict, sim: dict, load: float) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("CDF")
     axes[0].legend()
-    fig.suptitle(f"engine vs simulator at {load:.0%} of capacity")
+    fig.suptitle(f"engine vs simulator at {load:.0%} of capacity" + (f", {label}" if label else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
 def print_table(report: dict) -> None:
-    print(f"{'load':>5} {'metric':<12}{'engine ms':>11}{'sim ms':>10}{'rel err':>9}{'eng rank':>9}  seeds")
-    for load, d in report["loads"].items():
-        for name, r in d["metrics"].items():
-            rank = f"p{100 * r['engine_rank_of_sim']:.1f}" if r.get("engine_rank_of_sim") is not None else "-"
-            print(f"{float(load):>5.0%} {name:<12}{r['engine'] * 1e3:>11.1f}{r['sim'] * 1e3:>10.1f}"
-                  f"{r['rel_error']:>+9.1%}{rank:>9}  {' '.join(f'{x:+.0%}' for x in r['seed_rel_errors'])}")
-        print(f"{float(load):>5.0%} throughput rel err {d['throughput_rel_error']:+.1%}, "
-              f"step-time MAPE {d['step_time_mape']:.1%} (bias {d['step_time_bias']:+.1%}, "
-              f"total with noise {d['step_time_total_rel_error']:+.1%})")
+    settings = report["what_if"]["settings"] if "what_if" in report else [dict(report, label="")]
+    for st in settings:
+        if st["label"]:
+            print(f"\n== {st['label']}")
+        _print_setting(st)
     sp = report.get("speed_probe")
     if isinstance(sp, dict) and sp.get("runs_outside"):
         f = [r["speed_factor"] for r in sp["runs"]]
@@ -491,9 +751,42 @@ def print_table(report: dict) -> None:
         print(f"warning: {len(sp['runs_outside'])} of {len(sp['runs'])} runs met the machine at a decode speed the "
               f"profile never measured (probe factors {min(f):.2f}-{max(f):.2f}, calibrated {lo:.2f}-{hi:.2f}): "
               "their simulations extrapolate the profile; recalibrate on the machine as it is now")
+    if "what_if" in report:
+        print("\nwhat-if: change from the base setting, engine vs simulator (p50/p90; * the engine's change "
+              "exceeds its seed spread)")
+        for d in report["what_if"]["deltas"]:
+            if not d["metric"].endswith(("p50", "p90")):
+                continue
+            mark = "*" if d["significant"] else " "
+            ok = ("sign ok" if d["sign_match"] else "SIGN") if d["significant"] else ""
+            print(f"  {d['setting'][:28]:<28} {float(d['load']):>4.0%} {d['metric']:<11} engine {d['engine']:+7.1%}{mark} "
+                  f"sim {d['sim']:+7.1%} [{d['sim_interval'][0]:+.0%},{d['sim_interval'][1]:+.0%}]  "
+                  f"{'within 10 pts' if d['within_10pp'] else 'OFF':<13} {ok}")
+        w = report["what_if"]["summary"]
+        print(f"what-if: {w['sign_matched']} of {w['significant']} significant changes matched in sign, "
+              f"{w['within_10pp']} of {w['p50_p90_deltas']} within 10 points (largest gap {w['largest_gap_pp']:.1f})")
+
+
+def _print_setting(report: dict) -> None:
+    print(f"{'load':>5} {'metric':<12}{'engine ms':>11}{'sim ms':>10}{'rel err':>9}{'eng rank':>9}  seeds")
+    for load, d in report["loads"].items():
+        if d.get("saturated"):
+            g = d["queue_growth_requests_per_s"]
+            r = d["requests_per_s"]
+            print(f"{float(load):>5.0%} saturated: served {r['engine']:.2f} req/s (sim {r['sim']:.2f}) of "
+                  f"{d['rate_requests_per_s']:.2f}; queue grows {g['engine']:.2f} req/s (sim {g['sim']:.2f})")
+            continue
+        for name, r in d["metrics"].items():
+            rank = f"p{100 * r['engine_rank_of_sim']:.1f}" if r.get("engine_rank_of_sim") is not None else "-"
+            print(f"{float(load):>5.0%} {name:<12}{r['engine'] * 1e3:>11.1f}{r['sim'] * 1e3:>10.1f}"
+                  f"{r['rel_error']:>+9.1%}{rank:>9}  {' '.join(f'{x:+.0%}' for x in r['seed_rel_errors'])}")
+        print(f"{float(load):>5.0%} throughput rel err {d['throughput_rel_error']:+.1%}, "
+              f"step-time MAPE {d['step_time_mape']:.1%} (bias {d['step_time_bias']:+.1%}, "
+              f"total with noise {d['step_time_total_rel_error']:+.1%})")
     s = report["summary"]
-    print(f"signed mean error {s['signed_mean_error']:+.1%}, median |error| {s['median_abs_error']:.1%}, "
-          f"interval coverage {s['interval_coverage']:.0%} of {s['rows']} rows")
+    if s["signed_mean_error"] is not None:
+        print(f"signed mean error {s['signed_mean_error']:+.1%}, median |error| {s['median_abs_error']:.1%}, "
+              f"interval coverage {s['interval_coverage']:.0%} of {s['rows']} rows")
     if s.get("max_abs_rank_error") is not None:
         print(f"the simulator's value as a percentile of the engine's sample: off by {100 * s['median_abs_rank_error']:.1f} "
               f"points in the median row, {100 * s['max_abs_rank_error']:.1f} at most")
@@ -523,10 +816,32 @@ def device_is_cpu(device: str | None) -> bool:
     return device == "cpu" or (device is None and not torch.cuda.is_available())
 
 
+def load_settings(workload: str | Path, set_items: list[str] | None, profile_ref: str | Path | None) -> list[Setting]:
+    """The base setting (the scenario as written) and, with --set FIELD=V1,V2 ..., one setting
+    per combination of the values; each through the scenario schema (errors name the field)."""
+    path = Path(workload)
+    data = read_yaml(path)
+    if not isinstance(data, dict):
+        raise ValidateError(f"{path}: must be a mapping")
+    data = {k: v for k, v in data.items() if k not in ("plan", "sweep")}
+    out = []
+    try:
+        out.append(parse_setting(data, path.parent, "base", {}, profile_ref))
+        for values in (settings(parse_set(set_items)) if set_items else []):
+            d = data
+            for k, v in values.items():
+                d = set_field(d, k, v)
+            out.append(parse_setting(d, path.parent, setting_label(values), values, profile_ref))
+    except ScenarioError as e:
+        raise ValidateError(f"{path}: {e}") from None
+    return out
+
+
 def main(a) -> int:
     """`servetwin validate` (arguments from calibration.cli)."""
+    import sys
+
     import torch
-    import yaml
 
     from engine.llm_engine import LLMEngine
     from sim.cost_model import load_profile
@@ -534,22 +849,25 @@ def main(a) -> int:
     threads = a.threads or profile["metadata"].get("torch_threads")
     if threads and device_is_cpu(a.device):
         torch.set_num_threads(int(threads))
-    with open(a.workload) as f:
-        scenario = yaml.safe_load(f)
+    try:
+        found = load_settings(a.workload, getattr(a, "set", None), Path(a.profile).resolve()
+                              if str(a.profile).endswith(".json") else a.profile)
+    except ValidateError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     meta = profile["metadata"]
     other = other_host(meta) if device_is_cpu(a.device) else None
     if other:
         print(f"warning: {a.profile} {other}")
-    sched = scenario.get("scheduler", {})
-    dep = scenario.get("deployment", {})
+    base = found[0]
+    cfg = base.scenario.scheduler_config
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = LLMEngine(model=a.model, device=device,
-                       max_num_batched_tokens=sched.get("max_num_batched_tokens", meta.get("max_num_batched_tokens", 512)),
-                       max_num_seqs=sched.get("max_num_seqs", meta.get("max_num_seqs", 32)),
-                       max_model_len=sched.get("max_model_len"),
-                       num_gpu_blocks=dep.get("num_gpu_blocks", meta.get("num_gpu_blocks")))
-    report = validate(engine, profile, scenario, a.out, loads=tuple(a.loads), seeds=a.seeds,
-                      duration_s=a.duration_s or DURATION_S, min_requests=a.min_requests or MIN_REQUESTS, speed_probe=not a.no_speed_probe)
+    engine = LLMEngine(model=a.model, device=device, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                       max_num_seqs=cfg.max_num_seqs, max_model_len=base.knobs.get("max_model_len"),
+                       block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks)
+    report = validate(engine, profile, found, a.out, loads=tuple(a.loads), seeds=a.seeds,
+                      duration_s=a.duration_s or DURATION_S, min_requests=a.min_requests or MIN_REQUESTS,
+                      speed_probe=not a.no_speed_probe)
     print_table(report)
     print(f"wrote {Path(a.out) / 'validation.json'}")
     return 0

@@ -49,7 +49,7 @@ def format_summary(summary: dict) -> str:
 
 
 def cmd_simulate(a) -> int:
-    from scenarios.schema import ScenarioError, load_scenario, run_scenario
+    from sim.scenario import ScenarioError, load_scenario, run_scenario
     try:
         sc = load_scenario(a.scenario, seed=a.seed)
     except ScenarioError as e:
@@ -74,7 +74,7 @@ def cmd_simulate(a) -> int:
 def add_replicate_intervals(path, sc, summary: dict, n: int) -> None:
     """90% intervals for every percentile: n more runs with other workload seeds and, when the
     profile has measured residuals, step times drawn from them (sim.intervals)."""
-    from scenarios.schema import load_scenario, run_scenario
+    from sim.scenario import load_scenario, run_scenario
     from sim.intervals import NoisyCostModel, add_intervals, has_residuals
     noisy = has_residuals(sc.cost_model)
     reps = []
@@ -94,7 +94,7 @@ def add_replicate_intervals(path, sc, summary: dict, n: int) -> None:
 def cmd_plan(a) -> int:
     from scenarios.plan import PlanError, plan
     from scenarios.plan_report import deploy_commands, format_table, provenance_text, why
-    from scenarios.schema import ScenarioError
+    from sim.scenario import ScenarioError
     out = Path(a.out) if a.out else None
     try:
         result = plan(a.scenario, out, workers=a.workers, ray_address=a.ray, progress=not a.no_progress,
@@ -124,7 +124,7 @@ def cmd_plan(a) -> int:
 
 
 def cmd_sweep(a) -> int:
-    from scenarios.schema import ScenarioError
+    from sim.scenario import ScenarioError
     from scenarios.sweep import format_table, sweep
     try:
         rates = [float(x) for x in a.rates.split(",")] if a.rates else None

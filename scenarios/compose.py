@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scenarios.schema import ScenarioError, parse_scenario, read_yaml, run_scenario
+from sim.scenario import ScenarioError, parse_scenario, read_yaml, run_scenario, set_field  # noqa: F401 (set_field: composing is this module's job)
 from sim.metrics import meets_slo
 
 OPEN_LOOP = ("poisson", "gamma", "constant")
@@ -31,22 +31,6 @@ def load_raw(path: str | Path) -> tuple[dict, Path]:
 def strip(data: dict) -> dict:
     """The scenario alone: no plan or sweep sections (they do not change a simulation)."""
     return {k: copy.deepcopy(v) for k, v in data.items() if k not in ("plan", "sweep")}
-
-
-def set_field(data: dict, dotted: str, value) -> dict:
-    """A copy with `a.b.c` set (mappings created on the way); value None removes the key."""
-    out = copy.deepcopy(data)
-    node = out
-    keys = dotted.split(".")
-    for k in keys[:-1]:
-        if not isinstance(node.get(k), dict):
-            node[k] = {}
-        node = node[k]
-    if value is None:
-        node.pop(keys[-1], None)
-    else:
-        node[keys[-1]] = copy.deepcopy(value)
-    return out
 
 
 def at_rate(data: dict, rate: float, num_requests: int | None = None) -> dict:

@@ -58,7 +58,7 @@ from scenarios.bounds import capacity_bound
 from scenarios.compose import load_raw, set_field, strip
 from scenarios.probe import layout, measured_requests, workload_stats
 from scenarios.runner import Runner
-from scenarios.schema import ScenarioError, parse_scenario
+from sim.scenario import ScenarioError, parse_scenario
 from scenarios.search import CONFIRM, PROBE, State, refine, search_budget, search_rate
 from sim.simulation import ROUTERS
 from sim.specmap import SpecError, SpecMap

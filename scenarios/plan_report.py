@@ -12,7 +12,6 @@ from pathlib import Path
 
 import yaml
 
-from scenarios.compose import set_field
 
 SLO_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
 CSV_COLUMNS = ("rank", "status", "label", "device", "tp", "replicas", "gpus", "max_num_batched_tokens",

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from scenarios.compose import LATENCY_KEYS, at_rate
-from scenarios.schema import ScenarioError, parse_scenario, run_scenario
+from sim.scenario import ScenarioError, parse_scenario, run_scenario
 from sim.metrics import meets_slo, stats
 
 TAIL_SAMPLES = 20          # requests beyond the strictest percentile in the measured window

@@ -16,43 +16,18 @@ Defaults may sit in the scenario:
 """
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from scenarios.compose import at_rate, load_raw, measure, set_field, strip
-from scenarios.schema import ScenarioError, parse_scenario
+from sim.scenario import ScenarioError, parse_scenario, parse_set, setting_label, settings
 
 
 class SweepError(ScenarioError):
     pass
-
-
-def parse_set(items: list[str]) -> dict[str, list]:
-    """["a.b=1,2", "c=x,y"] -> {"a.b": [1, 2], "c": ["x", "y"]} (each value read as YAML)."""
-    out: dict[str, list] = {}
-    for item in items:
-        if "=" not in item:
-            raise SweepError(f"--set {item!r}: expected FIELD=V1,V2,... (e.g. scheduler.max_num_seqs=64,256)")
-        key, vals = item.split("=", 1)
-        values = [yaml.safe_load(v) for v in vals.split(",") if v.strip() != ""]
-        if not key or not values:
-            raise SweepError(f"--set {item!r}: needs a field and at least one value")
-        out[key.strip()] = values
-    return out
-
-
-def settings(fields: dict[str, list]) -> list[dict]:
-    keys = list(fields)
-    return [dict(zip(keys, combo)) for combo in itertools.product(*(fields[k] for k in keys))] or [{}]
-
-
-def setting_label(s: dict) -> str:
-    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in s.items()) or "scenario as is"
 
 
 def sweep_task(t: dict) -> dict:

@@ -91,7 +91,7 @@ class _Handoff:
 class DisaggSimulation(Simulation):
     """`pd`: {prefill_replicas, decode_replicas, link_bandwidth_gb_s, link_latency_s,
     kv_bytes_per_token, prefill: (SchedulerConfig, CostModel), decode: (SchedulerConfig, CostModel)}
-    (scenarios.schema builds it from `deployment.pd`). `router` routes arrivals to prefill replicas."""
+    (sim.scenario builds it from `deployment.pd`). `router` routes arrivals to prefill replicas."""
 
     def __init__(self, workload, pd: dict, router: str = "round_robin", seed: int = 0,
                  keep_token_times: bool = False, keep_steps: bool = True, progress: bool = False,

@@ -1,5 +1,6 @@
 """Calibration: the fitter recovers known step-time models; the engine profiler makes a usable profile."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -233,7 +234,7 @@ def test_calibrate_and_validate_end_to_end(tmp_path, monkeypatch):
     assert saved["loads"]["0.5"]["step_time_mape"] >= 0 and "throughput_rel_error" in saved["loads"]["0.5"]
     assert (tmp_path / "val" / "cdf-load0.5.png").stat().st_size > 1000
     logged = (tmp_path / "val" / "engine-steps.csv").read_text().splitlines()
-    assert logged[0].startswith("load,seed,num_reqs") and len(logged) > 1
+    assert logged[0].startswith("setting,load,seed,num_reqs") and len(logged) > 1
     # The simulator's side of the run was scaled by the probe measured before it.
     (run,) = saved["speed_probe"]["runs"]
     assert run["speed_factor"] == pytest.approx(np.sqrt(run["probe_before_s"] * run["probe_after_s"]) / m["speed_probe"]["median_s"], rel=1e-3)
@@ -247,6 +248,7 @@ def test_calibrate_and_validate_end_to_end(tmp_path, monkeypatch):
     assert saved["speed_probe"]["level_speed_factor"] == pytest.approx(run["speed_factor"], rel=1e-3)
     assert run["applied_speed_factor"] == pytest.approx(run["speed_factor"], rel=1e-3)
     first = dict(zip(logged[0].split(","), logged[1].split(",")))
+    assert first["setting"] == "base"
     assert float(first["applied_speed_factor"]) == pytest.approx(run["applied_speed_factor"], rel=1e-3)
     assert run["compute_factor"] == pytest.approx(
         np.sqrt(run["compute_before_s"] * run["compute_after_s"]) / m["speed_probe"]["compute"]["median_s"], rel=1e-3)
@@ -550,3 +552,68 @@ def test_reconfigure_serves_with_new_knobs_over_the_same_pool():
     with pytest.raises(ValueError, match="max_model_len=5000 exceeds"):
         eng.reconfigure(max_model_len=5000)
     assert eng.reconfigure(num_gpu_blocks=32).num_gpu_blocks == 32 and eng.runner.num_blocks == 32
+
+
+def _tiny_scenario(tmp_path, **sched):
+    import yaml
+    data = {"name": "tiny", "deployment": {"model": "smollm2-135m", "device": "cpu-2core", "num_gpu_blocks": 128},
+            "scheduler": {"max_num_batched_tokens": 128, "max_num_seqs": 4, **sched},
+            "workload": {"num_requests": 4, "arrival": {"type": "poisson", "rate": 1},
+                         "prompt_len": {"type": "uniform", "min": 16, "max": 48},
+                         "output_len": {"type": "uniform", "min": 4, "max": 8}}}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_validate_reads_settings_through_the_scenario_schema(tmp_path):
+    """Every setting reaches the engine and the simulator through the schema: unknown fields and
+    values are refused naming them, and so is what one engine replica cannot run."""
+    from calibration.validate import ValidateError, load_settings
+    path = _tiny_scenario(tmp_path)
+    base, small = load_settings(path, ["scheduler.max_num_batched_tokens=32"], None)
+    assert base.knobs["max_num_batched_tokens"] == 128 and small.knobs["max_num_batched_tokens"] == 32
+    assert small.values == {"scheduler.max_num_batched_tokens": 32} and small.knobs["num_gpu_blocks"] == 128
+    pol, = load_settings(_tiny_scenario(tmp_path, policy="priority", enable_prefix_caching=False), None, None)
+    assert pol.knobs["policy"] == "priority" and pol.knobs["enable_prefix_caching"] is False
+    for items, field in ((["scheduler.colour=1"], "scheduler.colour"),
+                         (["scheduler.policy=lifo"], "scheduler.policy='lifo'"),
+                         (["scheduler.async_scheduling=true"], "scheduler.async_scheduling=True: not supported"),
+                         (["deployment.replicas=2"], "deployment.replicas=2: not supported"),
+                         (["scheduler.max_num_seqs=0"], "scheduler.max_num_seqs=0")):
+        with pytest.raises(ValidateError, match=re.escape(field)):
+            load_settings(path, items, None)
+
+
+def test_what_if_validation_runs_every_setting_at_the_base_rates(tmp_path):
+    """A base and a what-if setting (budget 128 -> 32) through the real engine and the simulator:
+    each side records the scheduler it ran with, both settings run at the same absolute rate,
+    and the report has each setting's table and the changes from the base side by side."""
+    from calibration.calibrate import calibrate, sweep_groups
+    from calibration.validate import load_settings, validate
+    from engine.llm_engine import LLMEngine
+    eng = LLMEngine(model="default", device="cpu", max_num_batched_tokens=128, max_num_seqs=4, num_gpu_blocks=128)
+    groups = sweep_groups(4, eng.max_model_len, concurrency=(1, 4), bands={"short": (16, 40)},
+                          requests_per_slot=1.0, min_requests=2)
+    prof = calibrate(eng, tmp_path / "p.json", groups=groups, progress=False, probe=False)
+    found = load_settings(_tiny_scenario(tmp_path), ["scheduler.max_num_batched_tokens=32"], None)
+    rep = validate(eng, prof, found, tmp_path / "val", loads=(0.5,), seeds=1, duration_s=1, min_requests=3,
+                   progress=False)
+    saved = json.loads((tmp_path / "val" / "validation.json").read_text())
+    wi = saved["what_if"]
+    assert [s["label"] for s in wi["settings"]] == ["base", "max_num_batched_tokens=32"]
+    for s, budget in zip(wi["settings"], (128, 32)):
+        assert s["settings"]["engine"]["max_num_batched_tokens"] == budget
+        assert s["settings"]["sim"] == s["settings"]["engine"]
+        assert s["loads"]["0.5"]["rate_requests_per_s"] == pytest.approx(0.5 * saved["capacity_requests_per_s"])
+    assert saved["settings"]["engine"]["max_num_batched_tokens"] == 128  # the base, at the top level too
+    d = next(x for x in wi["deltas"] if x["metric"] == "ttft_s.p50")
+    assert d["setting"] == "max_num_batched_tokens=32" and d["sim_interval"][0] <= d["sim"] <= d["sim_interval"][1]
+    assert wi["summary"]["p50_p90_deltas"] == len([x for x in wi["deltas"] if x["metric"].endswith(("p50", "p90"))])
+    assert (tmp_path / "val" / "whatif-deltas.png").stat().st_size > 1000
+    assert rep["what_if"]["settings"][1]["summary"]["rows"] >= 0
+    # The engine ran the small budget's runs with its prefills cut to 32 tokens.
+    steps = (tmp_path / "val" / "engine-steps.csv").read_text().splitlines()
+    cols = steps[0].split(",")
+    small = [dict(zip(cols, r.split(","))) for r in steps[1:] if r.startswith("max_num_batched_tokens=32")]
+    assert small and max(int(r["num_prefill_tokens"]) + int(r["num_decode_reqs"]) for r in small) <= 32

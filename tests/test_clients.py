@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from engine.core import SchedulerConfig
-from scenarios.schema import parse_scenario
+from sim.scenario import parse_scenario
 from sim.clients import ENGINE_DIRECT, HTTP_DEFAULTS, ClientModel
 from sim.cost_model import AnalyticCostModel
 from sim.simulation import Simulation
@@ -204,7 +204,7 @@ def test_vllm_bench_keys_and_shared_prefix():
 def test_example_benchmark_scenario_runs():
     from pathlib import Path
 
-    from scenarios.schema import load_scenario, run_scenario
+    from sim.scenario import load_scenario, run_scenario
     sc = load_scenario(Path(__file__).resolve().parents[1] / "scenarios" / "benchmark-h100.yaml")
     assert sc.cost_model.describe()["async_scheduling"] is True
     s = run_scenario(sc).summary

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from engine.core import SchedulerConfig
 from engine.core.features import BatchFeatures
-from scenarios.schema import ScenarioError, _M, parse_scenario
+from sim.scenario import ScenarioError, _M, parse_scenario
 from sim.cost_model import AnalyticCostModel, FittedCostModel
 from sim.cpu_work import CpuWork, WithCpuWork, with_cpu_work
 from sim.simulation import Simulation
@@ -95,7 +95,7 @@ def test_scenario_switch_changes_decode_period():
     base = {"deployment": {"model": "llama-3.1-8b", "device": "h100-sxm", "num_gpu_blocks": 20000},
             "cost_model": {"type": "analytic"},
             "workload": {"benchmark": {"concurrency": 16, "isl": 256, "osl": 64, "num_prompts": 32}}}
-    from scenarios.schema import run_scenario
+    from sim.scenario import run_scenario
     tpot = {}
     for a in (False, True):
         sc = parse_scenario({**base, "scheduler": {"async_scheduling": a}})

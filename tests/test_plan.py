@@ -366,7 +366,7 @@ def test_missing_plan_section_is_refused():
 
 def test_target_rate_rescales_a_trace(tmp_path):
     """A trace's timestamps are scaled to the plan's rate (the planner's probes and cluster check)."""
-    from scenarios.schema import parse_scenario
+    from sim.scenario import parse_scenario
     rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
     rows += [f"2023-11-16 18:00:{i // 10:02d}.{(i % 10) * 100000:07d},{100 + i},{10 + i % 7}" for i in range(41)]
     (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")

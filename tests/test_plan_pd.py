@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from scenarios.schema import ScenarioError, parse_scenario, run_scenario
+from sim.scenario import ScenarioError, parse_scenario, run_scenario
 
 KV_PER_TOKEN = 128 * 1024  # Llama-3.1-8B bf16
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from scenarios.cli import main as cli
-from scenarios.schema import ScenarioError, load_scenario
+from sim.scenario import ScenarioError, load_scenario
 from sim.cost_model import FittedCostModel, load_profile
 from sim.intervals import NoisyCostModel
 

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from scenarios.cli import main
-from scenarios.schema import ScenarioError, load_scenario, parse_scenario
+from sim.scenario import ScenarioError, load_scenario, parse_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"name": "t", "workload": {"num_requests": 50, "arrival": {"type": "poisson", "rate": 20},

@@ -11,7 +11,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import silicon_check as sc  # noqa: E402
-from scenarios.schema import parse_scenario  # noqa: E402
+from sim.scenario import parse_scenario  # noqa: E402
 
 COLUMNS = ["backend", "system", "model_path", "mode", "gemm_quant_mode", "pp_size", "attention_dp_size",
            "batch_size", "tp_size", "isl", "osl", "silicon_ttft_ms", "silicon_tpot_ms", "silicon_data_source"]

@@ -7,7 +7,7 @@ import pytest
 
 from engine.core.records import STEP_COLUMNS
 
-from scenarios.schema import parse_scenario, run_scenario
+from sim.scenario import parse_scenario, run_scenario
 
 COLUMNS = ["arrival_s", "first_scheduled_s", "first_token_s", "last_token_s", "finish_s",
            "num_output_tokens", "num_cached_tokens", "num_preemptions", "finish_reason", "replica"]

@@ -7,7 +7,7 @@ import pytest
 from sim.cost_model import AnalyticCostModel
 from sim.kernel_model import KernelCostModel
 from sim.specs import GiB, get_device, get_model, kv_cache_blocks, memory_breakdown
-from scenarios.schema import ScenarioError, parse_scenario
+from sim.scenario import ScenarioError, parse_scenario
 
 L8 = dict(layers=32, h=4096, inter=14336, vocab=128256)
 WORKLOAD = {"num_requests": 4, "arrival": {"type": "poisson", "rate": 1},

@@ -89,7 +89,7 @@ def test_budget_study_shows_the_budget_trade_off():
 def test_example_scenarios_are_valid(name):
     from scenarios.compose import load_raw, strip
     from scenarios.plan import candidates, parse_plan
-    from scenarios.schema import parse_scenario
+    from sim.scenario import parse_scenario
     data, base = load_raw(f"scenarios/{name}.yaml")
     parse_scenario(strip(data), base_dir=base)
     if "plan" in data:

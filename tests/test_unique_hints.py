@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from engine.core import Request, SamplingParams, Scheduler, SchedulerConfig
-from scenarios.schema import parse_scenario, run_scenario
+from sim.scenario import parse_scenario, run_scenario
 from sim.workload import Workload
 from tests.test_sim_fuzz import COLUMNS, random_scenario
 

@@ -28,6 +28,8 @@ on a data-center GPU (8192 batched tokens, 1024 sequences), not the scheduler cl
 """
 from __future__ import annotations
 
+import copy
+import itertools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -35,7 +37,7 @@ import yaml
 
 from engine.core import SchedulerConfig
 from engine.core.policy import POLICIES
-from sim.cost_model import (PROFILES_DIR, AnalyticCostModel, CostModel, FittedCostModel,
+from sim.cost_model import (PROFILES_DIR, AnalyticCostModel, CostModel,
                              cost_model_from_profile, load_profile)
 from sim.kernel_model import KernelCostModel
 from sim.cpu_work import timing_model, timing_settings
@@ -91,6 +93,45 @@ class Scenario:
                 f"budget {c.max_num_batched_tokens} tokens / {c.max_num_seqs} seqs; "
                 f"{len(self.workload)} requests ({w.get('source', '?')}), "
                 f"cost model {self.cost_model.kind}")
+
+
+def set_field(data: dict, dotted: str, value) -> dict:
+    """A copy with `a.b.c` set (mappings created on the way); value None removes the key."""
+    out = copy.deepcopy(data)
+    node = out
+    keys = dotted.split(".")
+    for k in keys[:-1]:
+        if not isinstance(node.get(k), dict):
+            node[k] = {}
+        node = node[k]
+    if value is None:
+        node.pop(keys[-1], None)
+    else:
+        node[keys[-1]] = copy.deepcopy(value)
+    return out
+
+
+def parse_set(items: list[str]) -> dict[str, list]:
+    """["a.b=1,2", "c=x,y"] -> {"a.b": [1, 2], "c": ["x", "y"]} (each value read as YAML)."""
+    out: dict[str, list] = {}
+    for item in items:
+        if "=" not in item:
+            raise ScenarioError(f"--set {item!r}: expected FIELD=V1,V2,... (e.g. scheduler.max_num_seqs=64,256)")
+        key, vals = item.split("=", 1)
+        values = [yaml.safe_load(v) for v in vals.split(",") if v.strip() != ""]
+        if not key or not values:
+            raise ScenarioError(f"--set {item!r}: needs a field and at least one value")
+        out[key.strip()] = values
+    return out
+
+
+def settings(fields: dict[str, list]) -> list[dict]:
+    keys = list(fields)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(fields[k] for k in keys))] or [{}]
+
+
+def setting_label(s: dict) -> str:
+    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in s.items()) or "scenario as is"
 
 
 def read_yaml(path: Path):
@@ -372,5 +413,5 @@ def run_scenario(sc: Scenario, progress: bool = False) -> SimResult:
     return result
 
 
-__all__ = ["Scenario", "ScenarioError", "load_scenario", "parse_scenario", "run_scenario",
+__all__ = ["Scenario", "ScenarioError", "load_scenario", "parse_scenario", "run_scenario", "set_field", "parse_set", "settings", "setting_label",
            "MODELS", "DEVICES"]
