@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from calibration.driver import Arrival, drive, warm_up
-from calibration.fit import FEATURES, fit_cost_model
+from calibration.fit import FEATURES, fit_cost_model, fit_plain
 from calibration.probe import compute_probe, probe_metadata, speed_around, speed_probe, split_time
 from engine.core import SamplingParams
 from engine.core.features import BatchFeatures
@@ -41,20 +41,65 @@ OUTPUT_LEN = (8, 64)
 PROBE_EXPONENTS = tuple(i / 10 for i in range(11))  # candidates of fit_probe_exponent
 
 
+# Groups at other scheduler settings (LLMEngine.reconfigure), so one calibration covers the step
+# shapes the settings users compare produce: decode batches past the engine's own max_num_seqs
+# (concurrency: prompt bands), and prefill chunks cut by a small budget or packed by a large one
+# ((budget, concurrency, band)). A group whose requests cannot all hold their KV at once is left
+# out (it would preempt).
+WIDE_CONCURRENCY = {64: ("short", "medium"), 128: ("short",)}
+BUDGET_GROUPS = ((64, 4, "medium"), (64, 16, "long"), (2048, 16, "long"), (2048, 32, "medium"))
+
+
 def sweep_groups(max_num_seqs: int, max_model_len: int, concurrency=CONCURRENCY, bands=PROMPT_BANDS,
-                 requests_per_slot: float = 2.0, min_requests: int = 6) -> list[dict]:
-    """The sweep: one closed-loop group per (concurrency, prompt band) that fits the engine."""
+                 requests_per_slot: float = 2.0, min_requests: int = 6, num_gpu_blocks: int | None = None,
+                 block_size: int = 16, wide_concurrency: dict | None = None,
+                 budget_groups: tuple | None = None) -> list[dict]:
+    """The sweep: one closed-loop group per (concurrency, prompt band) that fits the engine and,
+    given the KV pool (`num_gpu_blocks`), the groups at other settings (`wide_concurrency`,
+    `budget_groups`: by default WIDE_CONCURRENCY and BUDGET_GROUPS), each with the scheduler
+    `knobs` it runs under."""
+    wide_concurrency = WIDE_CONCURRENCY if wide_concurrency is None else wide_concurrency
+    budget_groups = BUDGET_GROUPS if budget_groups is None else budget_groups
     out = []
+    fitted = {}
     for name, (lo, hi) in bands.items():
         hi = min(hi, max_model_len - OUTPUT_LEN[1] - 1)
         if hi <= lo:
             continue
+        fitted[name] = (lo, hi)
         for k in concurrency:
             if k > max_num_seqs:
                 continue
             out.append({"name": f"c{k}-{name}", "concurrency": k, "prompt": (lo, hi),
                         "requests": max(min_requests, int(requests_per_slot * k))})
+    if num_gpu_blocks is None:
+        return out
+
+    def fits(k: int, band: tuple) -> bool:
+        return k * -(-(band[1] + OUTPUT_LEN[1]) // block_size) <= num_gpu_blocks - 1
+
+    for k, names in wide_concurrency.items():
+        for name in names:
+            if k > max_num_seqs and name in fitted and fits(k, fitted[name]):
+                out.append({"name": f"c{k}-{name}", "concurrency": k, "prompt": fitted[name],
+                            "requests": max(min_requests, int(requests_per_slot * k)),
+                            "knobs": {"max_num_seqs": k}})
+    for budget, k, name in budget_groups:
+        if name in fitted and fits(k, fitted[name]):
+            out.append({"name": f"b{budget}-c{k}-{name}", "concurrency": k, "prompt": fitted[name],
+                        "requests": max(min_requests, int(requests_per_slot * k)),
+                        "knobs": {"max_num_batched_tokens": budget, "max_num_seqs": max(k, max_num_seqs)}})
     return out
+
+
+def setting_of(group: dict) -> str:
+    """The family of scheduler settings a sweep group ran under (cross-validation by setting)."""
+    knobs = group.get("knobs") or {}
+    if "max_num_batched_tokens" in knobs:
+        return f"budget {knobs['max_num_batched_tokens']}"
+    if "max_num_seqs" in knobs:
+        return "max_num_seqs above the engine's"
+    return "the engine's own"
 
 
 def _requests(group: dict, rng: np.random.Generator, vocab: int):
@@ -122,6 +167,8 @@ def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None 
         if f is not None:
             f.flush()
 
+    cfg = engine.scheduler_config
+    own = {"max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs}
     try:
         if probe is not None:
             probes.append(probe(engine))
@@ -135,7 +182,11 @@ def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None 
                 nxt = next(rest, None)
                 return [] if nxt is None else [nxt]
 
+            if g.get("knobs"):  # the group's own setting; the engine's is restored after it
+                engine.reconfigure(**{**own, **g["knobs"]})
             res = drive(engine, first, refill, on_finish=(lambda _r: bar.update(1)) if bar else None)
+            if g.get("knobs"):
+                engine.reconfigure(**own)
             for s, period in zip(res.steps, res.periods_s):
                 if period is not None:
                     pending.append((g["name"], {k: getattr(s, k) for k in FEATURES}, period, s))
@@ -163,16 +214,39 @@ def run_sweep(engine, groups: list[dict], seed: int = 0, steps_csv: Path | None 
     return rows, times, labels, interrupted, probes
 
 
+def row_features(row: dict) -> BatchFeatures:
+    """The batch features of a steps.csv / sweep row."""
+    dec = int(row["num_reqs"] - row["num_prefill_reqs"])
+    return BatchFeatures(num_reqs=int(row["num_reqs"]), num_prefill_reqs=int(row["num_prefill_reqs"]),
+                         num_prefill_tokens=int(row["num_tokens"]) - dec, num_decode_reqs=dec,
+                         prefill_attn_pairs=int(row["prefill_attn_pairs"]),
+                         prefill_context_tokens=int(row["prefill_context_tokens"]),
+                         decode_context_tokens=int(row["decode_context_tokens"]))
+
+
+def cv_by_setting(rows, times, labels, family: dict) -> dict:
+    """Cross-validation by scheduler setting: for each family of groups (setting_of), a fit on
+    every other family's steps, tested on this family's: its MAPE and bias (prediction / measured
+    - 1), i.e. how well the model carries to a setting it was not fitted on."""
+    times = np.asarray(times, dtype=float)
+    fam = np.asarray([family.get(lab, "the engine's own") for lab in labels])
+    out = {}
+    for name in sorted(set(fam)):
+        test = fam == name
+        if test.all() or test.sum() < 3 or (~test).sum() < 8:
+            continue
+        m = fit_plain([r for r, t in zip(rows, test) if not t], times[~test])
+        pred = np.array([m.step_time(row_features(r)) for r, t in zip(rows, test) if t])
+        rel = pred / times[test] - 1
+        out[name] = {"steps": int(test.sum()), "fit_on": sorted(set(fam[~test])),
+                     "mape": float(np.mean(np.abs(rel))), "bias": float(np.mean(rel))}
+    return out
+
+
 def prefill_share(model, row: dict) -> float:
     """The fraction of a fitted step time that its prefill chunks add (calibration.probe.split_time
     on a steps.csv row)."""
-    dec = int(row["num_reqs"] - row["num_prefill_reqs"])
-    f = BatchFeatures(num_reqs=int(row["num_reqs"]), num_prefill_reqs=int(row["num_prefill_reqs"]),
-                      num_prefill_tokens=int(row["num_tokens"]) - dec, num_decode_reqs=dec,
-                      prefill_attn_pairs=int(row["prefill_attn_pairs"]),
-                      prefill_context_tokens=int(row["prefill_context_tokens"]),
-                      decode_context_tokens=int(row["decode_context_tokens"]))
-    rest, added = split_time(model, f)
+    rest, added = split_time(model, row_features(row))
     return added / (rest + added) if rest + added > 0 else 0.0
 
 
@@ -294,7 +368,8 @@ def calibrate(engine, out: str | Path, seed: int = 0, groups: list[dict] | None 
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg = engine.scheduler_config
     if groups is None:
-        groups = sweep_groups(cfg.max_num_seqs, engine.max_model_len)
+        groups = sweep_groups(cfg.max_num_seqs, engine.max_model_len, num_gpu_blocks=engine.num_gpu_blocks,
+                              block_size=engine.block_size)
     groups = [groups[i] for i in np.random.default_rng(seed).permutation(len(groups))]
     warm_up(engine)
     t0 = time.perf_counter()
@@ -334,6 +409,10 @@ def calibrate(engine, out: str | Path, seed: int = 0, groups: list[dict] | None 
                                metadata=meta, seed=seed, groups=labels)
     else:
         prof = fit_cost_model(rows, times, metadata=meta, seed=seed, groups=labels).to_profile()
+    family = {g["name"]: setting_of(g) for g in groups}
+    if len(set(family.values())) > 1:
+        prof["metadata"]["cv_by_setting"] = cv_by_setting(rows, times, labels, family)
+    prof["metadata"]["group_settings"] = {g["name"]: g.get("knobs", {}) for g in groups}
     with open(out, "w") as f:
         json.dump(prof, f, indent=1)
     return prof
@@ -367,11 +446,16 @@ def refit(profile_path: str | Path, out: str | Path) -> dict:
               "residual_quantiles_are"):
         meta.pop(k, None)
     meta["source"] = f"{meta.get('source', src.name)}; refit {today()} (servetwin calibrate --refit)"
+    meta.pop("cv_by_setting", None)
     if "compute" in sp and med and all(a is not None for a in around) and all(c is not None for c in around_c):
         prof = _probed_profile(rows, periods, around, around_c, med, sp["compute"]["median_s"],
                                metadata=meta, groups=labels)
     else:
         prof = fit_cost_model(rows, times, metadata=meta, groups=labels).to_profile()
+    gs = meta.get("group_settings") or {}
+    family = {name: setting_of({"knobs": k}) for name, k in gs.items()}
+    if len(set(family.values())) > 1:
+        prof["metadata"]["cv_by_setting"] = cv_by_setting(rows, times, labels, family)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:
         json.dump(prof, f, indent=1)
@@ -386,6 +470,7 @@ def _report(out, prof: dict) -> None:
                       "fit_mape": round(m["fit_mape"], 4), "cv": m["cv"], "cv_mape": round(m["cv_mape"], 4),
                       "cv_p95_abs_rel_error": round(m["cv_p95_abs_rel_error"], 4),
                       "probe_exponent": (m.get("speed_probe") or {}).get("exponent"),
+                      "cv_by_setting": m.get("cv_by_setting"),
                       "num_gpu_blocks": m["num_gpu_blocks"]}, indent=1))
 
 
@@ -404,7 +489,8 @@ def main(a) -> int:
                        max_num_seqs=a.max_num_seqs, num_gpu_blocks=a.num_gpu_blocks,
                        gpu_memory_utilization=a.gpu_memory_utilization, max_model_len=a.max_model_len)
     groups = sweep_groups(engine.scheduler_config.max_num_seqs, engine.max_model_len,
-                          requests_per_slot=a.requests_per_slot)
+                          requests_per_slot=a.requests_per_slot, num_gpu_blocks=engine.num_gpu_blocks,
+                          block_size=engine.block_size)
     prof = calibrate(engine, a.out, a.seed, groups, probe=not a.no_speed_probe)
     _report(a.out, prof)
     return 0

@@ -58,6 +58,21 @@ def _model(coef: np.ndarray, knots: Sequence[float], metadata: dict | None = Non
         metadata=dict(metadata or {}))
 
 
+def _terms(rows, knots, caps) -> tuple[list, list]:
+    """The hinge knots and saturation caps below the largest step of the rows (unless given)."""
+    max_tok = max(r["num_tokens"] for r in rows)
+    knots = [k for k in DEFAULT_KNOTS if k < max_tok] if knots is None else list(knots)
+    caps = [c for c in DEFAULT_CAPS if c < max_tok] if caps is None else list(caps)
+    return knots, caps
+
+
+def fit_plain(rows: Sequence[dict], times_s: Sequence[float]) -> FittedCostModel:
+    """The same least-squares fit as fit_cost_model, without its cross-validation and residuals
+    (a fit used only to predict, e.g. on held-out settings)."""
+    knots, caps = _terms(rows, None, None)
+    return _model(_solve(design_matrix(rows, knots, caps), np.asarray(times_s, dtype=float)), knots, None, caps)
+
+
 def fit_cost_model(rows: Sequence[dict], times_s: Sequence[float], knots: Sequence[float] | None = None,
                    metadata: dict | None = None, folds: int = 5, seed: int = 0,
                    groups: Sequence | None = None, caps: Sequence[float] | None = None) -> FittedCostModel:
@@ -81,12 +96,7 @@ def fit_cost_model(rows: Sequence[dict], times_s: Sequence[float], knots: Sequen
     y = np.asarray(times_s, dtype=float)
     if len(rows) != len(y) or len(y) < 8:
         raise ValueError(f"fit_cost_model: need >= 8 rows with one time each, got {len(rows)} rows, {len(y)} times")
-    if knots is None:
-        max_tok = max(r["num_tokens"] for r in rows)
-        knots = [k for k in DEFAULT_KNOTS if k < max_tok]
-    if caps is None:
-        max_tok = max(r["num_tokens"] for r in rows)
-        caps = [c for c in DEFAULT_CAPS if c < max_tok]
+    knots, caps = _terms(rows, knots, caps)
     X = design_matrix(rows, knots, caps)
     model = _model(_solve(X, y), knots, metadata, caps)
     pred = X @ _coef_vector(model, knots, caps)

@@ -73,6 +73,8 @@ class Plan:
     validate_requests: int
     workload: dict
     greedy_model: str = "default"      # the model of the greedy-tokens check
+    wide_concurrency: dict = dataclasses.field(default_factory=dict)  # calibrate.sweep_groups' groups at
+    budget_groups: tuple = ()                                           # other settings (see there)
 
 
 GPU = Plan(
@@ -85,7 +87,9 @@ GPU = Plan(
     loads=(0.3, 0.6, 0.9), seeds=1, duration_s=10.0, validate_requests=12,
     workload={"prompt_len": {"type": "uniform", "min": 32, "max": 1024},
               "output_len": {"type": "uniform", "min": 16, "max": 128},
-              "shared_prefix": {"num_prefixes": 2, "length": 64, "fraction": 0.5}})
+              "shared_prefix": {"num_prefixes": 2, "length": 64, "fraction": 0.5}},
+    wide_concurrency={256: ("short", "medium")},
+    budget_groups=((256, 16, "long"), (512, 64, "medium"), (8192, 64, "long"), (8192, 16, "xlong")))
 DRY = Plan(
     device="cpu", models=("default", "random:tiny-llama"),
     engine={"max_num_batched_tokens": 64, "max_num_seqs": 2, "max_model_len": 128,
@@ -95,7 +99,8 @@ DRY = Plan(
     loads=(0.5,), seeds=1, duration_s=1.0, validate_requests=3,
     workload={"prompt_len": {"type": "uniform", "min": 8, "max": 24},
               "output_len": {"type": "uniform", "min": 2, "max": 4}},
-    greedy_model="random:tiny-llama")
+    greedy_model="random:tiny-llama", wide_concurrency={4: ("short",)},
+    budget_groups=((16, 2, "medium"), (128, 2, "medium")))
 
 
 @contextlib.contextmanager
@@ -207,7 +212,9 @@ def profile_and_validate(plan: Plan, model: str, out: Path) -> dict:
     load_s = time.perf_counter() - t0
     groups = cal.sweep_groups(engine.scheduler_config.max_num_seqs, engine.max_model_len,
                               concurrency=plan.concurrency, bands=plan.bands,
-                              requests_per_slot=plan.requests_per_slot, min_requests=plan.min_requests)
+                              requests_per_slot=plan.requests_per_slot, min_requests=plan.min_requests,
+                              num_gpu_blocks=engine.num_gpu_blocks, block_size=engine.block_size,
+                              wide_concurrency=plan.wide_concurrency, budget_groups=plan.budget_groups)
     saved = cal.OUTPUT_LEN
     if plan.output_len is not None:
         cal.OUTPUT_LEN = plan.output_len

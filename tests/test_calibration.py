@@ -617,3 +617,22 @@ def test_what_if_validation_runs_every_setting_at_the_base_rates(tmp_path):
     cols = steps[0].split(",")
     small = [dict(zip(cols, r.split(","))) for r in steps[1:] if r.startswith("max_num_batched_tokens=32")]
     assert small and max(int(r["num_prefill_tokens"]) + int(r["num_decode_reqs"]) for r in small) <= 32
+
+
+def test_sweep_covers_other_settings_and_gives_the_engine_back(tmp_path):
+    """The default sweep adds groups past the engine's max_num_seqs and at small and large
+    budgets (where the KV pool holds them); a group runs under its own knobs and the engine
+    serves with its own setting afterwards."""
+    from calibration.calibrate import BUDGET_GROUPS, run_sweep, setting_of, sweep_groups
+    from engine.llm_engine import LLMEngine
+    names = [g["name"] for g in sweep_groups(32, 8192, num_gpu_blocks=1456)]
+    assert {"c64-short", "c64-medium", "c128-short", "b64-c4-medium", "b2048-c16-long"} <= set(names)
+    assert "c128-medium" not in names  # 128 x 20 blocks do not fit in 1,456
+    assert len([n for n in names if n.startswith("b")]) == len(BUDGET_GROUPS)
+    assert setting_of({"knobs": {"max_num_batched_tokens": 64, "max_num_seqs": 32}}) == "budget 64"
+    eng = LLMEngine(model="default", device="cpu", max_num_batched_tokens=128, max_num_seqs=2, num_gpu_blocks=64)
+    groups = [{"name": "b32-c2-x", "concurrency": 2, "prompt": (60, 80), "requests": 2,
+               "knobs": {"max_num_batched_tokens": 32, "max_num_seqs": 2}}]
+    rows, *_ = run_sweep(eng, groups, 0, tmp_path / "s.csv", False)
+    assert rows and max(r["num_tokens"] for r in rows) <= 32
+    assert eng.scheduler_config.max_num_batched_tokens == 128

@@ -27,6 +27,11 @@ def test_dry_run_writes_every_output(tmp_path):
         prof = json.loads((out / "profiles" / f"{name}.json").read_text())
         check_profile(prof, name)  # a loadable fitted profile
         assert prof["metadata"]["num_samples"] >= 8 and (out / "profiles" / f"{name}.steps.csv").exists()
+        # The recipe sweeps other settings' shapes too (wider decode batches, small and large
+        # budgets) and cross-validates the fit across them.
+        gs = prof["metadata"]["group_settings"]
+        assert {"c4-short", "b16-c2-medium", "b128-c2-medium"} <= set(gs) and gs["b16-c2-medium"]["max_num_batched_tokens"] == 16
+        assert {"budget 16", "budget 128"} <= set(prof["metadata"]["cv_by_setting"])
         val = json.loads((out / f"validate-{name}" / "validation.json").read_text())
         assert val["summary"]["rows"] > 0
         assert st[name]["validation"]["rows"] == val["summary"]["rows"]
