@@ -70,9 +70,21 @@ def allowed_rows(path: str) -> list[dict]:
     return out
 
 
+def model_name(path: str) -> str | None:
+    """The catalog model a row's Hugging Face id names (any of its spellings: -Instruct, -FP8,
+    an org prefix), or None."""
+    if path in MODELS:
+        return MODELS[path]
+    from sim.specs import get_model
+    try:
+        return get_model(path).name
+    except ValueError:
+        return None
+
+
 def usable(r: dict) -> dict | None:
     """The simulator's case for a row, or None (MoE, disaggregated, PP/DP, fp4/int4, unknown)."""
-    if r["mode"] != "agg" or r["model_path"] not in MODELS or r["system"] not in DEVICES:
+    if r["mode"] != "agg" or model_name(r["model_path"]) is None or r["system"] not in DEVICES:
         return None
     q = r["gemm_quant_mode"].strip()
     if q not in QUANT:
@@ -86,7 +98,7 @@ def usable(r: dict) -> dict | None:
         return None
     if not (ttft > 0 and tpot > 0):
         return None
-    return {"backend": r["backend"], "system": r["system"], "model": MODELS[r["model_path"]],
+    return {"backend": r["backend"], "system": r["system"], "model": model_name(r["model_path"]),
             "weight_dtype": QUANT[q], "tp": tp, "concurrency": conc, "isl": int(r["isl"]),
             "osl": int(r["osl"]), "ttft_ms": ttft, "tpot_ms": tpot, "source": source_family(r)}
 

@@ -3,8 +3,8 @@
 sim/kernel_model.py reads. Run once, with a Python that has pandas + pyarrow and the wheel
 (the simulator itself never imports aisimulate):
 
-    /work/aisim-venv/bin/python calibration/convert_kernel_tables.py \
-        [--site /work/aisim-venv/lib/python3.11/site-packages] [--out calibration/kernels]
+    VENV/bin/python calibration/convert_kernel_tables.py --site VENV/lib/python3.11/site-packages \
+        [--out calibration/kernels] [--aiconfigurator]
 
 Kept (vLLM backend only, the kernels vLLM itself runs):
   gemm:        bf16 (torch linear), fp8 per-tensor (CutlassFP8ScaledMM) and fp8 128x128 blocks
@@ -20,7 +20,6 @@ Nothing else is read: in particular not silicon_sample.csv.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 from pathlib import Path
@@ -28,14 +27,22 @@ from pathlib import Path
 import pandas as pd
 
 SYSTEMS = {
-    # system: (gemm version, attention version, comm version, attention kernel)
+    # system: (gemm version, attention version, comm version, attention kernel), from the
+    # aisimulate wheel's database (package aisimulate_core)
     "h100_sxm": ("0.31.0", "0.25.0", "0.31.0", "vllm_flash_attn_fa3"),
     "h200_sxm": ("0.31.0", "0.25.0", "0.31.0", "vllm_flash_attn_fa3"),
     "b200_sxm": ("0.27.1", "0.25.0", "0.24.0", None),  # per table, below
 }
+# The GPUs the aisimulate wheel has no vLLM tables for, from AIConfigurator 0.12.0's wheel
+# (package aiconfigurator_core): Ampere A100 SXM (vLLM 0.14.0: FlashAttention 2 as
+# `vllm_flash_attn`, bf16 GEMMs as `vllm_default`) and Ada L40S (vLLM 0.24.0, FlashAttention 2).
+AIC_SYSTEMS = {
+    "a100_sxm": ("0.14.0", "0.14.0", "0.14.0", "vllm_flash_attn"),
+    "l40s": ("0.24.0", "0.24.0", "0.22.0", "vllm_flash_attn_fa2"),
+}
 B200_ATTN = {"context": "vllm_flashinfer_trtllmprefill",
              "generation": "vllm_flashinfer_flashinfertrtllmapidecode"}
-GEMM_DTYPES = {"bf16": ("bfloat16", ["torch.nn.functional.linear"]),
+GEMM_DTYPES = {"bf16": ("bfloat16", ["torch.nn.functional.linear", "vllm_default"]),
                "fp8": ("fp8", ["CutlassFP8ScaledMMLinearKernel"]),
                # 128x128 block-scaled fp8 (e.g. Qwen's own -FP8 checkpoints): DeepGEMM where measured
                # (M >= 32; vLLM's default on Hopper/Blackwell when deep_gemm is installed), else
@@ -64,10 +71,10 @@ def grid(df: pd.DataFrame, axes: list[str]) -> dict:
     return {"axes": axes, "values": values, "us": build([], 0)}
 
 
-def convert(site: Path, out: Path) -> None:
-    root = site / "aisimulate_core" / "systems" / "data"
+def convert(site: Path, out: Path, systems: dict | None = None, package: str = "aisimulate_core") -> None:
+    root = site / package / "systems" / "data"
     out.mkdir(parents=True, exist_ok=True)
-    for system, (gv, av, cv, attn_kernel) in SYSTEMS.items():
+    for system, (gv, av, cv, attn_kernel) in (systems or SYSTEMS).items():
         doc = {"system": system, "backend": "vllm", "unit": "us", "sources": {}}
         # GEMM -------------------------------------------------------------------------
         p = root / system / "gemm" / "vllm" / gv / "gemm_perf.parquet"
@@ -94,7 +101,8 @@ def convert(site: Path, out: Path) -> None:
             a = pd.read_parquet(p)
             doc["sources"][f"{phase}_attention"] = str(p.relative_to(site))
             kern = attn_kernel or B200_ATTN[phase]
-            a = a[(a.kernel_source == kern) & (a.window_size == 0) & (a.head_dim.isin([64, 128]))
+            window = a.window_size == 0 if "window_size" in a.columns else True  # older tables: none
+            a = a[(a.kernel_source == kern) & window & (a.head_dim.isin([64, 128]))
                   & (a.attn_dtype == "bfloat16")]
             if phase == "generation":
                 a = a.assign(kv_len=a.isl + a.step)  # KV tokens read per sequence
@@ -120,11 +128,17 @@ def convert(site: Path, out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sites = glob.glob("/work/aisim-venv/lib/python3*/site-packages")
-    ap.add_argument("--site", type=Path, default=Path(sites[0]) if sites else None)
+    ap.add_argument("--site", type=Path, default=None, help="site-packages of a Python with the wheel")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "kernels")
+    ap.add_argument("--aiconfigurator", action="store_true",
+                    help="convert AIC_SYSTEMS from an aiconfigurator==0.12.0 site-packages (--site) instead")
     args = ap.parse_args()
-    convert(args.site, args.out)
+    if args.site is None:
+        ap.error("--site: the site-packages folder that holds the wheel")
+    if args.aiconfigurator:
+        convert(args.site, args.out, AIC_SYSTEMS, "aiconfigurator_core")
+    else:
+        convert(args.site, args.out)
 
 
 if __name__ == "__main__":

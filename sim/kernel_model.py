@@ -272,14 +272,24 @@ class Overheads:
       requests) are not floored: the figure was fitted on prefill steps, and no data here says
       what a graph-less decode step costs on the host.
 
+    - serving_slowdown: the kernels' time in serving over their micro-benchmark time (1: as
+      measured).
+    - tp_step_s: per step and per GPU of a TP group beyond the first, the group's coordination
+      that no kernel table holds (vLLM's multiprocess executor hands every step's inputs to each
+      worker and waits for them all).
+
     elementwise_latency_s (1.5 us) and eager_layer_launch_s (1.0 ms) were chosen against the
     allowed vLLM B200 serving rows (`python bench/silicon_check.py --backend vllm --system
-    b200_sxm`; the sweep is in the README), never against the held-out vLLM H100/H200 rows."""
+    b200_sxm`; the sweep is in the README), never against the held-out vLLM H100/H200 rows.
+    tp_step_s (0.6 ms) was fitted on the 11 published vLLM H100 runs of ../shared/gpu-runs
+    (`python bench/gpu_runs.py --loro` refits it without each run and reports that run's error)."""
 
     elementwise_latency_s: float = 1.5e-6
     sampler_s: float = 6.0e-5
     cudagraph_max_tokens: int = 512
     eager_layer_launch_s: float = 1.0e-3
+    serving_slowdown: float = 1.0
+    tp_step_s: float = 6.0e-4
 
     def __post_init__(self) -> None:
         for k, v in self.__dict__.items():
@@ -307,6 +317,52 @@ def _overheads(d: dict) -> Overheads:
 _BUILT: dict = {}
 
 
+def derive_head_table(tabs: dict, kvn: str, q: int, kv: int, head_dim: int, phase: str, roof=None):
+    """An attention table for a head configuration the measurements lack (e.g. Llama-2's 32 query
+    and 32 KV heads, Qwen2.5-7B's 28/4), from measured neighbours of the same KV dtype and head
+    dim, as (axes, microseconds, note), or None:
+      1. the same KV heads, query heads bracketed (q1 < q < q2): geometric interpolation in q;
+      2. the same queries per KV head, KV heads bracketed: geometric interpolation in kv;
+      3. the nearest measured configuration, scaled by the work that grows with the heads:
+         KV heads for decode (it streams each KV head once), query heads for prefill.
+    Interpolation runs on the first table's axes, the other table read there by its own grid
+    (holes filled by `roof`, the roofline of the configuration asked for, scaled to a neighbour)."""
+    have = []
+    for k in tabs:
+        parts = k.split("/")
+        if len(parts) == 4 and parts[0] == kvn and int(parts[3]) == head_dim:
+            have.append((int(parts[1]), int(parts[2]), k))
+    if not have:
+        return None
+
+    def blend(ka, kb, w, note):
+        ta, tb = tabs[ka], tabs[kb]
+        ga = Grid(ta["values"], ta["us"], roof)
+        gb = Grid(tb["values"], tb["us"], roof)
+        us = [[float(np.exp((1 - w) * np.log(ga(b, s)[0]) + w * np.log(gb(b, s)[0]))) for s in ta["values"][1]]
+              for b in ta["values"][0]]
+        return ta["values"], us, note
+
+    def bracket(pairs, x):  # (value, key) pairs: the nearest below and above x
+        lo = max((p for p in pairs if p[0] < x), default=None)
+        hi = min((p for p in pairs if p[0] > x), default=None)
+        return lo, hi
+
+    lo, hi = bracket([(qq, k) for qq, kk, k in have if kk == kv], q)
+    if lo and hi:
+        w = math.log(q / lo[0]) / math.log(hi[0] / lo[0])
+        return blend(lo[1], hi[1], w, f"interpolated in query heads between {lo[1]} and {hi[1]}")
+    lo, hi = bracket([(kk, k) for qq, kk, k in have if qq * kv == q * kk], kv)
+    if lo and hi:
+        w = math.log(kv / lo[0]) / math.log(hi[0] / lo[0])
+        return blend(lo[1], hi[1], w, f"interpolated in KV heads between {lo[1]} and {hi[1]}")
+    qq, kk, k = min(have, key=lambda t: abs(math.log(t[0] / q)) + abs(math.log(t[1] / kv)))
+    scale = kv / kk if phase == "generation" else q / qq
+    t = tabs[k]
+    return (t["values"], [[None if u is None else u * scale for u in row] for row in t["us"]],
+            f"{k} scaled by {scale:.3g}")
+
+
 def _log_grid(lo: int, hi: int, per_octave: int = 4) -> list[int]:
     out, x = [], float(lo)
     while x < hi * 1.0001:
@@ -331,6 +387,8 @@ class KernelCostModel(CostModel):
             raise ValueError(f"deployment.tp={tp}: must be >= 1 and divide num_heads={m.num_heads}")
         self.tp = tp
         self.ovh = overheads if isinstance(overheads, Overheads) else _overheads(overheads or {})
+        self._tp_step = (tp - 1) * self.ovh.tp_step_s
+        self._plain = self.ovh.serving_slowdown == 1.0 and self._tp_step == 0.0
         self.fallbacks: dict[str, int] = {}
         # Per term, the smallest and largest query (each axis) answered outside the tables.
         self.fallback_range: dict[str, list[list[float]]] = {}
@@ -442,15 +500,21 @@ class KernelCostModel(CostModel):
         kvn = KV_NAMES.get(m.kv_dtype, "bf16")
         key = f"{kvn}/{self.q_heads}/{self.kv_heads}/{m.head_dim}"
         for phase, roof, attr in (("context", self._ctx_roof, "g_ctx"), ("generation", self._gen_roof, "g_gen")):
-            tab = (tables or {}).get(f"{phase}_attention", {}).get("tables", {}).get(key)
+            tabs = (tables or {}).get(f"{phase}_attention", {}).get("tables", {})
+            tab = tabs.get(key)
+            derived = None if tab is not None else derive_head_table(tabs, kvn, self.q_heads, self.kv_heads,
+                                                                     m.head_dim, phase, roof)
             if tab is not None:
                 setattr(self, attr, Grid(tab["values"], tab["us"], lambda b, s, r=roof: r(b, s)))
+            elif derived is not None:
+                values, us, note = derived
+                setattr(self, attr, Grid(values, us, lambda b, s, r=roof: r(b, s)))
             else:
                 bs, ss = _log_grid(1, 4096, 1), _log_grid(1, 262144, 1)
                 us = [[roof(b, s) * 1e6 for s in ss] for b in bs]
                 setattr(self, attr, Grid([bs, ss], us, lambda b, s, r=roof: r(b, s),
                                          np.zeros((len(bs), len(ss)), dtype=bool)))
-            cov[f"{phase}_attention"] = key if tab is not None else None
+            cov[f"{phase}_attention"] = key if tab is not None else (derived[2] if derived else None)
         # All-reduce by message elements.
         self.g_ar = None
         if tp > 1:
@@ -524,9 +588,17 @@ class KernelCostModel(CostModel):
         return sum(max(lat, b / bw) for b in kernels)
 
     def gpu_time(self, f: BatchFeatures) -> float:
-        """sum(breakdown(f).values()), in the same order, without building the dict."""
+        """sum(breakdown(f).values()): the kernels' time x serving_slowdown, plus the TP group's
+        per-step coordination (Overheads)."""
+        if self._plain:
+            return self._kernel_time(f)
+        t = self._kernel_time(f)
+        return t * self.ovh.serving_slowdown + self._tp_step if t else 0.0
+
+    def _kernel_time(self, f: BatchFeatures) -> float:
+        """The step's kernel time, as the tables (and the launch floor) give it."""
         if not f.num_prefill_tokens and not f.num_prefill_reqs and f.num_decode_reqs:
-            return self.decode_gpu_time(f.num_decode_reqs, f.decode_context_tokens)
+            return self._decode_kernel_time(f.num_decode_reqs, f.decode_context_tokens)
         T = f.num_prefill_tokens + f.num_decode_reqs
         if T == 0:
             return 0.0
@@ -576,10 +648,19 @@ class KernelCostModel(CostModel):
         floor = self.ovh.launch_floor(T, f.num_prefill_reqs, L)
         if floor:  # the host's launches may outlast the kernels
             out["eager_launch"] = max(0.0, floor - sum(out.values()))
+        if not self._plain:
+            out = {k: v * self.ovh.serving_slowdown for k, v in out.items()}
+            out["tp_step"] = self._tp_step
         return out
 
     def decode_gpu_time(self, n: int, ctx: int) -> float:
-        """gpu_time of a step of n decodes reading ctx KV tokens: the terms that depend on n
+        """gpu_time of a step of n decodes reading ctx KV tokens (see _decode_kernel_time)."""
+        if self._plain:
+            return self._decode_kernel_time(n, ctx)
+        return self._decode_kernel_time(n, ctx) * self.ovh.serving_slowdown + self._tp_step
+
+    def _decode_kernel_time(self, n: int, ctx: int) -> float:
+        """The kernel time of a step of n decodes reading ctx KV tokens: the terms that depend on n
         alone are memoised as one sum (counters replayed), the attention is looked up.
 
         A simulated run asks this for most of its steps, so the attention lookup takes the grid's

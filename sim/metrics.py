@@ -232,3 +232,32 @@ def read_request_log(path):
     if "token_times_s" in raw.columns:
         df["token_times_s"] = raw["token_times_s"].fillna("").astype(str).values
     return df
+
+
+def stage_metrics(t, stages: list[dict]) -> list[dict]:
+    """Per load stage (requests by arrival in [start_s, end_s] of each stage) and for the whole
+    run: TTFT and E2E mean / p90 / p99 and the mean ITL as load-test reports define it,
+    (E2E mean - TTFT mean) / (mean output tokens - 1), over completed requests (seconds)."""
+    arrival = np.asarray(_col(t, "arrival_s"), dtype=np.float64)
+    done = _completed(t)
+    out = []
+    spans = [(st["start_s"], st["end_s"]) for st in stages] + [(-np.inf, np.inf)]
+    for i, (lo, hi) in enumerate(spans):
+        sel = done & (arrival >= lo - 1e-9) & (arrival <= hi + 1e-9)
+        ttft = np.asarray(_col(t, "ttft_s"), dtype=np.float64)[sel]
+        e2e = np.asarray(_col(t, "e2e_s"), dtype=np.float64)[sel]
+        outn = np.asarray(_col(t, "num_output_tokens"), dtype=np.float64)[sel]
+        rec = {"stage": i if i < len(stages) else "all", "completed": int(sel.sum())}
+        for name, v in (("ttft_s", ttft), ("e2e_s", e2e)):
+            if v.size:
+                p90, p99 = np.percentile(v, [90, 99])
+                rec[name] = {"mean": float(v.mean()), "p90": float(p90), "p99": float(p99)}
+            else:
+                rec[name] = {"mean": None, "p90": None, "p99": None}
+        rec["itl_s"] = {"mean": (float((e2e.mean() - ttft.mean()) / (outn.mean() - 1))
+                                 if e2e.size and outn.mean() > 1 else None)}
+        if i < len(stages):
+            rec.update(rate=stages[i]["rate"], duration_s=stages[i]["duration_s"])
+        out.append(rec)
+    return out
+

@@ -403,6 +403,9 @@ def run_scenario(sc: Scenario, progress: bool = False) -> SimResult:
                          keep_token_times=sc.record_token_times, progress=progress, slo=sc.slo,
                          max_time_s=sc.max_time_s)
     result = sim.run()
+    if getattr(sc.workload, "stages", None):
+        from sim.metrics import stage_metrics
+        result.summary["stages"] = stage_metrics(result.request_table, sc.workload.stages)
     result.summary["scenario"] = {"name": sc.name, "seed": sc.seed, **sc.deployment,
                                   "cost_model": sc.cost_model.describe(),
                                   "scheduler": {k: getattr(sc.scheduler_config, k) for k in (

@@ -210,21 +210,30 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("qwen3-14b", 40, 5120, 40, 8, 128, 17408, 151936, False, 40960, qk_norm=True),
     ModelSpec("qwen3-32b", 64, 5120, 64, 8, 128, 25600, 151936, False, 40960, qk_norm=True),
     ModelSpec("mistral-7b", 32, 4096, 32, 8, 128, 14336, 32768, False, 32768),
+    ModelSpec("mistral-nemo", 40, 5120, 32, 8, 128, 14336, 131072, False, 1024000),
+    ModelSpec("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000, False, 4096),
+    ModelSpec("llama-2-13b", 40, 5120, 40, 40, 128, 13824, 32000, False, 4096),
+    ModelSpec("llama-2-70b", 80, 8192, 64, 8, 128, 28672, 32000, False, 4096),
+    ModelSpec("codellama-34b", 48, 8192, 64, 8, 128, 22016, 32000, False, 16384),
+    ModelSpec("yi-34b", 60, 7168, 56, 8, 128, 20480, 64000, False, 4096),
     ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, True, 8192, "float32", "float32", "float32"),
 ]}
 _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-3.1-8b",
                   "meta-llama-3.1-70b": "llama-3.1-70b", "meta-llama-3.1-405b": "llama-3.1-405b",
                   "llama-3-8b": "llama-3.1-8b", "llama-3-70b": "llama-3.1-70b",
                   "meta-llama-3-8b": "llama-3.1-8b", "meta-llama-3-70b": "llama-3.1-70b",
-                  "mistral-7b-v0.3": "mistral-7b", "smollm2-135m": "smollm2-135m"}
+                  "mistral-7b-v0.3": "mistral-7b", "smollm2-135m": "smollm2-135m",
+                  "mistral-nemo-instruct": "mistral-nemo", "mistral-nemo-base": "mistral-nemo",
+                  "llama-2-7b-chat": "llama-2-7b", "llama-2-70b-chat": "llama-2-70b",
+                  "codellama-34b-instruct": "codellama-34b", "codellama-34b-python": "codellama-34b"}
 
 DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
     DeviceSpec("h100-sxm", 81559 * MiB, 3.35e12, 989e12, 450e9, fp8_flops=1979e12, kernel_tables="h100_sxm"),
     DeviceSpec("h200", 143771 * MiB, 4.8e12, 989e12, 450e9, fp8_flops=1979e12, kernel_tables="h200_sxm"),
     DeviceSpec("b200", 183359 * MiB, 8.0e12, 2250e12, 900e9, fp8_flops=4500e12, kernel_tables="b200_sxm"),
-    DeviceSpec("a100-80g", 80 * GiB, 2.039e12, 312e12, 300e9),
+    DeviceSpec("a100-80g", 80 * GiB, 2.039e12, 312e12, 300e9, kernel_tables="a100_sxm"),
     DeviceSpec("a100-40g", 40 * GiB, 1.555e12, 312e12, 300e9),
-    DeviceSpec("l40s", 48 * GiB, 0.864e12, 362e12, 32e9, 10e-6, fp8_flops=733e12),
+    DeviceSpec("l40s", 48 * GiB, 0.864e12, 362e12, 32e9, 10e-6, fp8_flops=733e12, kernel_tables="l40s"),
     DeviceSpec("a10g", 24 * GiB, 0.6e12, 125e12, 16e9, 10e-6),
     DeviceSpec("cpu-2core", 24 * GiB, 20e9, 100e9, 10e9, 20e-6),
 ]}

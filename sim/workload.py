@@ -139,6 +139,8 @@ class Workload:
                                     else np.asarray(cancel_after_tokens, dtype=np.int64))
         self._ids = request_ids  # None: "req-<index>"
         self._unique = None
+        # Load stages (arrival type `stages`): [{rate, duration_s, requests, start_s, end_s}], else None.
+        self.stages: list[dict] | None = None
         self._check()
 
     def _id(self, i: int) -> str:
@@ -306,11 +308,11 @@ class _Map(SpecMap):
     error = WorkloadError
 
 
-_TOP_KEYS = ("num_requests", "arrival", "prompt_len", "output_len", "shared_prefix", "priority",
+_TOP_KEYS = ("num_requests", "arrival", "prompt_len", "output_len", "shared_prefix", "prompt_pool", "priority",
              "cancellation", "trace", "client", "benchmark")
 # One independent random stream per concern (see the module docstring).
 _STREAMS = {"arrival": 1, "prompt_len": 2, "output_len": 3, "shared_prefix": 4, "priority": 5,
-            "cancel": 6, "client": 7, "lengths": 8}
+            "cancel": 6, "client": 7, "lengths": 8, "prompt_pool": 9}
 
 
 def _rng(seed: int, stream: str) -> np.random.Generator:
@@ -340,6 +342,12 @@ def build_workload(spec: dict, seed: int, base_dir: Path | None = None) -> Workl
     reader = _Reader(base_dir)
     num_requests = root.integer("num_requests", None, ge=1)
     arrival_m = root.sub("arrival")
+    if arrival_m is not None and arrival_m.d.get("type") == "stages":
+        staged = _stage_count(arrival_m)
+        if num_requests is not None and num_requests != staged:
+            raise WorkloadError(f"workload.num_requests={num_requests}: the stages send {staged} requests "
+                                "(rate x duration_s each); leave num_requests out")
+        num_requests = staged
     trace_m = root.sub("trace")
     trace = (_load_trace(trace_m, num_requests, arrival_m is not None, reader)
              if trace_m is not None else None)
@@ -349,7 +357,10 @@ def build_workload(spec: dict, seed: int, base_dir: Path | None = None) -> Workl
 
     # Arrivals.
     concurrency = None
-    if arrival_m is not None:
+    stage_bounds = None
+    if arrival_m is not None and arrival_m.d.get("type") == "stages":
+        arrival, stage_bounds = _stage_arrivals(arrival_m, _rng(seed, "arrival"))
+    elif arrival_m is not None:
         arrival, concurrency = _arrivals(arrival_m, n, _rng(seed, "arrival"))
     elif trace is not None and trace.arrival is not None:
         arrival = trace.arrival
@@ -374,10 +385,16 @@ def build_workload(spec: dict, seed: int, base_dir: Path | None = None) -> Workl
 
     # Prompt segments: head pieces (shared prefix or trace hash blocks), then a unique tail.
     sp_m = root.sub("shared_prefix")
+    pool_m = root.sub("prompt_pool")
     if sp_m is not None and trace is not None and trace.hash_off is not None:
         raise WorkloadError("workload.shared_prefix: cannot combine with a trace that has hash_ids "
                             "(its hash blocks already define the shared prefixes)")
-    if sp_m is not None:
+    if pool_m is not None and (sp_m is not None or trace is not None):
+        raise WorkloadError("workload.prompt_pool: cannot combine with shared_prefix or a trace (the pool "
+                            "defines every prompt)")
+    if pool_m is not None:
+        head = _prompt_pool(pool_m, prompt, _rng(seed, "prompt_pool"))
+    elif sp_m is not None:
         head = _shared_prefix(sp_m, prompt, _rng(seed, "shared_prefix"))
     elif trace is not None and trace.hash_off is not None:
         head = _hash_blocks(trace, prompt)
@@ -389,11 +406,13 @@ def build_workload(spec: dict, seed: int, base_dir: Path | None = None) -> Workl
     cancel_s, cancel_tokens = _cancellation(root.sub("cancellation"), output, _rng(seed, "cancel"))
     source = "trace" if trace is not None else "synthetic"
     client = _client(root.sub("client"), HTTP_DEFAULTS if concurrency is not None else None)
-    return Workload(arrival_s=arrival, prompt_len=prompt, output_len=output, seg_off=seg_off,
-                    seg_keys=seg_keys, seg_lens=seg_lens, priority=priority,
-                    cancel_after_s=cancel_s, cancel_after_tokens=cancel_tokens,
-                    closed_loop_concurrency=concurrency, source=source, client=client,
-                    client_delay_s=_turnarounds(client, n, seed))
+    wl = Workload(arrival_s=arrival, prompt_len=prompt, output_len=output, seg_off=seg_off,
+                  seg_keys=seg_keys, seg_lens=seg_lens, priority=priority,
+                  cancel_after_s=cancel_s, cancel_after_tokens=cancel_tokens,
+                  closed_loop_concurrency=concurrency, source=source, client=client,
+                  client_delay_s=_turnarounds(client, n, seed))
+    wl.stages = stage_bounds
+    return wl
 
 
 def _client(m: _Map | None, default: ClientModel | None) -> ClientModel | None:
@@ -620,6 +639,79 @@ def _arrivals(m: _Map, n: int, rng: np.random.Generator):
     m.done()
     # The first request arrives at t=0, like trace replay (arrivals from 0) and vLLM's benchmark.
     return np.concatenate([[0.0], np.cumsum(gaps[:-1])]), None
+
+
+def _stage_list(m: _Map) -> list[dict]:
+    stages = m.raw("stages")
+    if not isinstance(stages, list) or not stages:
+        raise WorkloadError(f"workload.arrival.stages={stages!r}: a list of {{rate, duration_s}}")
+    out = []
+    for i, st in enumerate(stages):
+        sm = _Map(st, f"workload.arrival.stages[{i}]")
+        rate, dur = sm.number("rate", gt=0), sm.number("duration_s", gt=0)
+        sm.done()
+        if int(rate * dur) < 1:
+            raise WorkloadError(f"workload.arrival.stages[{i}]: rate x duration_s = {rate * dur:g} sends no request")
+        out.append({"rate": rate, "duration_s": dur, "requests": int(rate * dur)})
+    return out
+
+
+def _stage_count(m: _Map) -> int:
+    return sum(st["requests"] for st in _stage_list(_Map(m.d, m.path)))
+
+
+def _stage_arrivals(m: _Map, rng: np.random.Generator):
+    """inference-perf's `constant` load: each stage sends exactly int(rate x duration_s) requests
+    whose exponential gaps are rescaled to sum to the stage's duration (its last request at its
+    end); stages run back to back, the next starting `gap_s` after the last arrival."""
+    m.text("type")
+    stages = _stage_list(m)
+    gap = m.number("gap_s", 1.0, ge=0)
+    m.done()
+    out, bounds, t0 = [], [], 0.0
+    for st in stages:
+        gaps = rng.exponential(1.0 / st["rate"], st["requests"])
+        t = t0 + np.cumsum(gaps) * (st["duration_s"] / gaps.sum())
+        out.append(t)
+        bounds.append({"rate": st["rate"], "duration_s": st["duration_s"], "requests": st["requests"],
+                       "start_s": float(t[0]), "end_s": float(t[-1])})
+        t0 = float(t[-1]) + gap
+    arrival = np.concatenate(out)
+    a0 = float(arrival[0])  # the first request at 0, as every open-loop workload here
+    return arrival - a0, [dict(b, start_s=b["start_s"] - a0, end_s=b["end_s"] - a0) for b in bounds]
+
+
+def _prompt_pool(m: _Map, prompt: np.ndarray, rng: np.random.Generator):
+    """A shuffled pool of num_prompts distinct prompts, reused in turn (request i sends pool
+    prompt i mod num_prompts, so the same whole prompt comes back and the prefix cache can serve
+    it): num_prefixes system prompts of prefix_len tokens, each opening num_prompts /
+    num_prefixes prompts, then the prompt's own question. A pool prompt's length is the
+    prompt_len drawn for its first use; later uses repeat it. Edits `prompt` in place."""
+    k = m.integer("num_prompts", ge=1)
+    groups = m.integer("num_prefixes", 1, ge=1)
+    plen = m.integer("prefix_len", 0, ge=0)
+    m.done()
+    if groups > k:
+        raise WorkloadError(f"workload.prompt_pool.num_prefixes={groups}: more than num_prompts={k}")
+    n = len(prompt)
+    order = rng.permutation(k)            # the pool, shuffled: position -> pool prompt
+    first = np.minimum(np.arange(k), n - 1) if n else np.zeros(0, np.int64)
+    own = np.maximum(prompt[first] - plen, 1) if n else np.zeros(k, np.int64)  # question tokens per position
+    pos = np.arange(n) % k
+    prompt[:] = plen + own[pos]
+    which = order[pos] % groups          # its system prompt
+    q_key = groups * plen + np.concatenate([[0], np.cumsum(own)[:-1]])
+    has_sys = plen > 0
+    per = 2 if has_sys else 1
+    head_off = np.arange(n + 1, dtype=np.int64) * per
+    keys = np.empty(n * per, np.int64)
+    lens = np.empty(n * per, np.int64)
+    if has_sys:
+        keys[0::2], lens[0::2] = which * plen, plen
+        keys[1::2], lens[1::2] = q_key[pos], own[pos]
+    else:
+        keys[:], lens[:] = q_key[pos], own[pos]
+    return head_off, keys, lens, groups * plen + int(own.sum())
 
 
 def _lengths(m: _Map, key: str, n: int, rng: np.random.Generator, reader: _Reader) -> np.ndarray:

@@ -83,13 +83,19 @@ def test_kernel_model_counts_fallbacks_and_warns_once():
 
 
 def test_kernel_model_without_a_table_uses_the_roofline_and_says_so():
-    # qwen2.5-7b at tp=4: 7 query heads per GPU, a head count the attention tables do not hold.
+    # A head dim of 96: no attention table of any head count has it.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        k = KernelCostModel(get_model("qwen2.5-7b"), "h100-sxm", 4)
+        k = KernelCostModel(get_model({"base": "llama-3.1-8b", "name": "hd96", "head_dim": 96}), "h100-sxm", 1)
         assert k.coverage["generation_attention"] is None
         k.step_time(decode_step(8, 500))
     assert k.fallbacks.get("generation_attention") == 1
+    # qwen2.5-7b at tp=4: 7 query heads per GPU, a head count the tables do not hold; its
+    # neighbours of 6 and 8 query heads per KV head do, so it is interpolated, not a fallback.
+    q = KernelCostModel(get_model("qwen2.5-7b"), "h100-sxm", 4)
+    assert "between bf16/6/1/128 and bf16/8/1/128" in q.coverage["generation_attention"]
+    q.step_time(decode_step(8, 500))
+    assert "generation_attention" not in q.fallbacks
 
 
 def test_decode_step_shape_grows_with_batch_context_and_shrinks_with_tp():
@@ -158,8 +164,8 @@ def test_a_step_past_the_cuda_graph_sizes_takes_at_least_the_host_launches():
     m = get_model("llama-3.1-70b").with_dtypes(weight_dtype="fp8")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        k = KernelCostModel(m, "b200", 8, overheads=Overheads(eager_layer_launch_s=1e-3))
-        k0 = KernelCostModel(m, "b200", 8, overheads=Overheads(eager_layer_launch_s=0.0))
+        k = KernelCostModel(m, "b200", 8, overheads=Overheads(eager_layer_launch_s=1e-3, tp_step_s=0.0))
+        k0 = KernelCostModel(m, "b200", 8, overheads=Overheads(eager_layer_launch_s=0.0, tp_step_s=0.0))
     floor = m.num_layers * 1e-3                                   # 80 layers x 1 ms
     big, small = prefill_step(1024), prefill_step(512)
     assert k0.gpu_time(big) < floor                               # the kernels alone: a TP8 1k prefill is quick

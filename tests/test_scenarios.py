@@ -54,8 +54,10 @@ def test_profile_must_match_deployment():
 
 
 def test_kv_pool_from_memory_accounting():
-    sc = parse_scenario({**BASE, "deployment": {"model": "qwen2.5-7b", "device": "a100-80g"}})
-    assert sc.cost_model.kind == "analytic"  # no shipped profile for this pair
+    sc = parse_scenario({**BASE, "deployment": {"model": "qwen2.5-7b", "device": "a10g"}})
+    assert sc.cost_model.kind == "analytic"  # no shipped profile nor kernel tables for this pair
+    sc = parse_scenario({**BASE, "deployment": {"model": "qwen2.5-7b", "device": "a100-80g"},
+                         "cost_model": {"type": "analytic"}})
     # 80 GiB x 0.9 - 15.2 GB of weights - vLLM's profiled reserve (activations at 8192 tokens,
     # sampler over 1024 rows, non-torch memory, CUDA graphs), over 28 layers x 4 kv heads x 128 x 2 x 2 B x 16.
     from sim.specs import activation_reserve_bytes

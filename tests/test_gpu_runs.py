@@ -1,0 +1,192 @@
+"""Reproducing published vLLM runs: load stages, prompt pools, per-stage metrics, models by their
+Hugging Face ids, attention tables for head shapes the measurements lack, A100/L40S tables, the
+TP group's per-step cost, and the bench's scenario for a run."""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.core.features import BatchFeatures
+from sim.kernel_model import KernelCostModel, Overheads, derive_head_table
+from sim.metrics import request_table, stage_metrics
+from sim.scenario import parse_scenario, run_scenario
+from sim.specs import get_device, get_model
+from sim.workload import WorkloadError, build_workload
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+
+def test_constant_load_stages_send_exactly_rate_x_duration_back_to_back():
+    spec = {"arrival": {"type": "stages", "stages": [{"rate": 5, "duration_s": 10}, {"rate": 8, "duration_s": 5}],
+                        "gap_s": 2.0},
+            "prompt_len": {"type": "fixed", "value": 100}, "output_len": {"type": "fixed", "value": 10}}
+    w = build_workload(spec, seed=3)
+    assert len(w) == 50 + 40
+    s0, s1 = w.stages
+    a = w.arrival_s
+    assert (np.diff(a) >= 0).all() and a[0] == 0.0
+    # inference-perf's constant load: the stage's gaps are rescaled to sum to its duration
+    assert a[49] == pytest.approx(s0["end_s"]) and a[0] == s0["start_s"]
+    assert s1["start_s"] - s0["end_s"] >= 2.0 and a[50] == pytest.approx(s1["start_s"])
+    assert s1["end_s"] - s0["end_s"] - 2.0 == pytest.approx(5.0)  # its gaps sum to its duration
+    assert (s0["requests"], s1["requests"]) == (50, 40)
+    with pytest.raises(WorkloadError, match="workload.num_requests=10: the stages send 90"):
+        build_workload({**spec, "num_requests": 10}, seed=0)
+    with pytest.raises(WorkloadError, match=r"stages\[0\].rate"):
+        build_workload({**spec, "arrival": {"type": "stages", "stages": [{"rate": -1, "duration_s": 1}]}}, seed=0)
+
+
+def test_a_prompt_pool_is_reused_in_turn_and_hits_the_prefix_cache():
+    spec = {"num_requests": 30, "arrival": {"type": "poisson", "rate": 2},
+            "prompt_len": {"type": "fixed", "value": 80}, "output_len": {"type": "fixed", "value": 4},
+            "prompt_pool": {"num_prompts": 10, "num_prefixes": 2, "prefix_len": 32}}
+    w = build_workload(spec, seed=1)
+    ids = [w[i].token_ids() for i in range(30)]
+    for i in range(30):
+        assert ids[i] == ids[i % 10] and len(ids[i]) == 80
+    assert len({tuple(x) for x in ids}) == 10              # ten distinct prompts
+    assert len({tuple(x[:32]) for x in ids}) == 2           # two system prompts
+    assert all(ids[i][32:] != ids[j][32:] for i in range(10) for j in range(i))
+    # Through the simulator, every repeat hits the cache for all its full blocks.
+    data = {"deployment": {"model": "llama-3.1-8b", "num_gpu_blocks": 500}, "cost_model": {"type": "analytic"},
+            "workload": spec}
+    res = run_scenario(parse_scenario(data))
+    t = res.request_table
+    hits = np.asarray(t["num_cached_tokens"])
+    assert (hits[10:] == 64).all()  # 80 tokens: four full blocks of 16 hit, the last block is recomputed
+
+
+def test_stage_metrics_by_hand():
+    from engine.core.records import RequestRecord
+    recs = []
+    for i, (arr, first, fin, n) in enumerate([(0.0, 0.1, 1.1, 11), (1.0, 1.2, 3.2, 21), (5.0, 5.3, 6.3, 11)]):
+        r = RequestRecord(f"r{i}", arr, 10)
+        r.first_scheduled_s, r.first_token_s, r.last_token_s, r.finish_s = arr, first, fin, fin
+        r.num_output_tokens, r.finish_reason = n, "length"
+        recs.append(r)
+    t = request_table(recs)
+    out = stage_metrics(t, [{"rate": 1, "duration_s": 2, "start_s": 0.0, "end_s": 1.0},
+                            {"rate": 1, "duration_s": 1, "start_s": 5.0, "end_s": 5.0}])
+    s0, s1, whole = out
+    assert s0["completed"] == 2 and s0["ttft_s"]["mean"] == pytest.approx(0.15)
+    assert s0["e2e_s"]["mean"] == pytest.approx((1.1 + 2.2) / 2)
+    # ITL as load tests report it: (E2E mean - TTFT mean) / (mean output - 1)
+    assert s0["itl_s"]["mean"] == pytest.approx((1.65 - 0.15) / (16 - 1))
+    assert s1["completed"] == 1 and whole["stage"] == "all" and whole["completed"] == 3
+
+
+@pytest.mark.parametrize("hf_id, name, dtype", [
+    ("mistralai/Mistral-Nemo-Instruct-2407", "mistral-nemo", "bfloat16"), ("01-ai/Yi-34B", "yi-34b", "bfloat16"),
+    ("meta-llama/Llama-2-7b-hf", "llama-2-7b", "bfloat16"), ("meta-llama/Llama-2-70b-hf", "llama-2-70b", "bfloat16"),
+    ("codellama/CodeLlama-34b-Instruct-hf", "codellama-34b", "bfloat16"), ("Qwen/Qwen3-14B", "qwen3-14b", "bfloat16"),
+    ("nvidia/Llama-3.1-8B-Instruct-FP8", "llama-3.1-8b", "fp8")])
+def test_models_by_hugging_face_id(hf_id, name, dtype):
+    m = get_model(hf_id)
+    assert (m.name, m.weight_dtype) == (name, dtype)
+
+
+def test_an_unknown_hugging_face_id_is_refused_naming_it():
+    with pytest.raises(ValueError, match="some-org/NoSuchModel-9B"):
+        get_model("some-org/NoSuchModel-9B")
+
+
+def _power_table(q: int, kv: int, exp_q: float, exp_kv: float) -> dict:
+    bs, ss = [1, 4, 16], [128, 1024]
+    return {"values": [bs, ss], "us": [[b * s * q ** exp_q * kv ** exp_kv * 1e-3 for s in ss] for b in bs]}
+
+
+def test_a_missing_head_shape_is_interpolated_between_measured_neighbours():
+    """Tables that follow a power law in the heads are reproduced exactly by geometric
+    interpolation: in query heads at the same KV heads, in KV heads at the same group size."""
+    tabs = {f"bf16/{q}/{kv}/128": _power_table(q, kv, 0.5, 1.0) for q, kv in ((24, 4), (32, 4), (24, 24), (48, 48))}
+    values, us, note = derive_head_table(tabs, "bf16", 28, 4, 128, "generation")
+    assert "query heads between bf16/24/4/128 and bf16/32/4/128" in note
+    want = _power_table(28, 4, 0.5, 1.0)["us"]
+    assert np.allclose(us, want, rtol=1e-9)
+    values, us, note = derive_head_table(tabs, "bf16", 32, 32, 128, "generation")
+    assert "KV heads between bf16/24/24/128 and bf16/48/48/128" in note
+    assert np.allclose(us, _power_table(32, 32, 0.5, 1.0)["us"], rtol=1e-9)
+    # Nothing to bracket: the nearest shape, scaled by KV heads (decode) or query heads (prefill).
+    values, us, note = derive_head_table({"bf16/32/8/128": _power_table(32, 8, 1, 1)}, "bf16", 32, 32, 128, "generation")
+    assert note == "bf16/32/8/128 scaled by 4" and np.allclose(us, np.array(_power_table(32, 8, 1, 1)["us"]) * 4)
+    assert derive_head_table(tabs, "bf16", 32, 8, 64, "generation") is None  # no head_dim 64 at all
+
+
+def test_llama2_decode_attention_comes_from_measured_mha_tables_not_the_roofline():
+    k = KernelCostModel("llama-2-7b", "h100-sxm", 1)
+    assert "between bf16/24/24/128 and bf16/48/48/128" in k.coverage["generation_attention"]
+    k.gpu_time(BatchFeatures(num_reqs=32, num_decode_reqs=32, decode_context_tokens=32 * 700))
+    assert "generation_attention" not in k.fallbacks
+
+
+@pytest.mark.parametrize("device, tables", [("a100-80g", "a100_sxm"), ("l40s", "l40s")])
+def test_a100_and_l40s_are_timed_from_measured_kernel_tables(device, tables):
+    d = get_device(device)
+    assert d.kernel_tables == tables
+    sc = parse_scenario({"deployment": {"model": "llama-3.1-8b", "device": device},
+                         "workload": {"num_requests": 1, "arrival": {"type": "poisson", "rate": 1},
+                                      "prompt_len": {"type": "fixed", "value": 10},
+                                      "output_len": {"type": "fixed", "value": 2}}})
+    assert sc.cost_model.kind == "kernels"
+    k = KernelCostModel("llama-3.1-8b", device, 1)
+    assert k.coverage["gemm"] and k.coverage["generation_attention"] == "bf16/32/8/128"
+    # slower than an H100 on the same step
+    f = BatchFeatures(num_reqs=16, num_decode_reqs=16, decode_context_tokens=16 * 1000)
+    assert k.gpu_time(f) > KernelCostModel("llama-3.1-8b", "h100-sxm", 1).gpu_time(f)
+
+
+def test_the_tp_group_pays_its_coordination_once_per_step():
+    f = BatchFeatures(num_reqs=8, num_decode_reqs=8, decode_context_tokens=8000)
+    plain = KernelCostModel("llama-3.1-70b", "h100-sxm", 4, Overheads(tp_step_s=0.0))
+    paid = KernelCostModel("llama-3.1-70b", "h100-sxm", 4, Overheads(tp_step_s=5e-4))
+    assert paid.gpu_time(f) == pytest.approx(plain.gpu_time(f) + 3 * 5e-4)
+    assert paid.decode_gpu_time(8, 8000) == pytest.approx(paid.gpu_time(f))
+    assert sum(paid.breakdown(f).values()) == pytest.approx(paid.gpu_time(f)) and paid.breakdown(f)["tp_step"] == 1.5e-3
+    slow = KernelCostModel("llama-3.1-70b", "h100-sxm", 4, Overheads(tp_step_s=0.0, serving_slowdown=1.1))
+    assert slow.gpu_time(f) == pytest.approx(1.1 * plain.gpu_time(f))
+    one = KernelCostModel("llama-3.1-8b", "h100-sxm", 1)
+    assert one.gpu_time(f) == KernelCostModel("llama-3.1-8b", "h100-sxm", 1, Overheads(tp_step_s=0.0)).gpu_time(f)
+
+
+def _row(**kw):
+    row = {"exp_id": "t1", "model": "meta-llama/Llama-2-7b-hf", "hardware": "H100", "tp": "1", "precision": "FP16",
+           "max_num_batched_tokens": "2048", "max_num_seqs": "128", "max_model_len": "4096",
+           "gpu_memory_utilization": "0.9", "kv_block_size": "16", "gpu_kv_blocks_total": "7462",
+           "workload": "general", "s0_rate_rps": "2", "s0_duration_s": "20", "s1_rate_rps": "4",
+           "s1_duration_s": "10", "system_prompt_len_tok": "100", "nominal_input_len_tok": "547",
+           "output_len_tok": "248", "all_measured_input_len_mean": "575.45",
+           "all_measured_output_len_mean": "209.0", "all_ttft_mean_ms": "30", "all_e2e_mean_ms": "2000",
+           "all_itl_mean_ms": "9.5"}
+    row.update(kw)
+    return row
+
+
+def test_a_published_run_becomes_a_scenario_that_does_what_it_did():
+    from gpu_runs import scenario_for
+    data = scenario_for(_row())
+    sc = parse_scenario(data)
+    assert sc.scheduler_config.num_gpu_blocks == 7462 and sc.scheduler_config.max_num_seqs == 128
+    assert sc.deployment["model"] == "llama-2-7b" and sc.deployment["device"] == "h100-sxm"
+    w = sc.workload
+    assert len(w) == 2 * 20 + 4 * 10 and [s["requests"] for s in w.stages] == [40, 40]
+    assert (w.prompt_len == 575).all() and (w.output_len == 248).all()  # the measured input, max_tokens out
+    assert w.client.http_s > 0 and w.client.output_s > 0  # the streaming HTTP path
+    a100 = parse_scenario(scenario_for(_row(hardware="A100", gpu_kv_blocks_total="")))
+    assert a100.deployment["device"] == "a100-80g"
+    with pytest.raises(ValueError, match="hardware='TPU'"):
+        scenario_for(_row(hardware="TPU"))
+
+
+def test_the_bench_reports_the_runs_itl_from_the_clients_token_count():
+    """The runs' ITL mean is (E2E - TTFT) / (tokens the client counted - 1); the engine generates
+    max_tokens. The bench computes the prediction the same way."""
+    from gpu_runs import simulate
+    res = simulate((_row(s0_rate_rps="1", s0_duration_s="8", s1_rate_rps="", s1_duration_s=""), [0], None, None))
+    p = res["predicted_s"]
+    assert p["itl_mean"] == pytest.approx((p["e2e_mean"] - p["ttft_mean"]) / (209.0 - 1))
+    assert res["rel_error"]["ttft_mean"] == pytest.approx(p["ttft_mean"] / 0.030 - 1)
+    assert math.isfinite(res["rel_error"]["e2e_mean"]) and res["stages"][0]["rate"] == 1
