@@ -13,7 +13,11 @@ so TTFT = queueing + prefill + the CPU work of both ends, and a closed-loop clie
 request a turnaround after it has read the last chunk of the previous one. The turnaround is
 random (gamma, mean think_s, coefficient of variation think_cv, drawn per request from the
 workload's seeded "client" stream), and tokenization is first-come-first-served in one process,
-so waves of equal requests do not stay in lock-step as they would with zero overheads.
+so waves of equal requests do not stay in lock-step as they would with zero overheads. The
+request path's time varies from request to request too (http_cv: gamma, exponential by default:
+nothing measured says more than its mean), from the simulation's own seeded stream; a wave of a
+closed loop then reaches the engine spread over a few steps, as real clients drift out of phase,
+instead of being prefilled in one step every time.
 
 `output_s` is the same for every token, so it shifts a request's token times: TTFT and E2E grow
 by it, TPOT and ITL do not change. The batch effect (the front end handles a step's outputs one
@@ -40,13 +44,22 @@ import numpy as np
 class ClientModel:
     think_s: float = 0.0              # client turnaround before each send, mean
     think_cv: float = 1.0             # its coefficient of variation (gamma; 1 = exponential)
-    http_s: float = 0.0               # send -> the API server hands the request on
+    http_s: float = 0.0               # send -> the API server hands the request on, mean
+    http_cv: float = 0.0              # its coefficient of variation per request (gamma; 0 = fixed)
     tokenize_s_per_token: float = 0.0  # API-server tokenization, FIFO in one process
     output_s: float = 0.0             # per streamed token: engine step end -> client has it
 
     @property
     def delays_requests(self) -> bool:
         return self.http_s > 0 or self.tokenize_s_per_token > 0
+
+    def request_path(self, rng: np.random.Generator) -> float:
+        """One request's time from send to the API server's hand-off: http_s, or a gamma draw
+        with that mean and coefficient of variation http_cv."""
+        if self.http_cv <= 0 or self.http_s <= 0:
+            return self.http_s
+        shape = 1.0 / (self.http_cv * self.http_cv)
+        return float(rng.gamma(shape, self.http_s / shape))
 
     def turnarounds(self, n: int, rng: np.random.Generator) -> np.ndarray:
         """n client turnaround delays (seconds), gamma with mean think_s and CV think_cv."""
@@ -97,7 +110,7 @@ ENGINE_DIRECT = ClientModel()
 # of TTFT on the 11 published vLLM H100 runs of ../shared/gpu-runs (`python bench/gpu_runs.py
 # --loro` refits it without each run): about 5 ms.
 REQUEST_PATH_FITTED_S = 5.0e-3
-HTTP_DEFAULTS = ClientModel(think_s=5e-4, think_cv=1.0, http_s=1e-3 + REQUEST_PATH_FITTED_S,
+HTTP_DEFAULTS = ClientModel(think_s=5e-4, think_cv=1.0, http_s=1e-3 + REQUEST_PATH_FITTED_S, http_cv=1.0,
                             tokenize_s_per_token=1.5e-6, output_s=4e-4)
 FIELDS = tuple(asdict(ENGINE_DIRECT))
 

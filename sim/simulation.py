@@ -127,6 +127,7 @@ class Simulation:
         self.max_time_s = max_time_s
         self.router = router
         self.rng = np.random.default_rng(seed)
+        self._path_rng = np.random.default_rng([seed, 10])  # the client's request-path times
         self.records: list[RequestRecord] = []      # measured requests, in send order
         self.warmup_records: list[RequestRecord] = []
         self.rejections: list[str] = []
@@ -253,7 +254,7 @@ class Simulation:
         rec = self._open_record(spec, now, warm)
         c = self.client
         if c.delays_requests:
-            start = max(now + c.http_s, self._frontend_free)
+            start = max(now + c.request_path(self._path_rng), self._frontend_free)
             self._frontend_free = t_in = start + c.tokenize_s_per_token * spec.prompt_len
             self._at(t_in, lambda: self._enter(spec, rec))
         else:

@@ -98,7 +98,7 @@ def test_output_delay_shifts_ttft_and_e2e_not_tpot():
 def test_frontend_tokenizes_one_request_at_a_time():
     # Ten prompts sent at once: the engine sees them tokenize_s_per_token * 1000 apart.
     client = ClientModel(http_s=0.001, tokenize_s_per_token=1e-5)
-    sim = Simulation(build_workload(closed(10, 10, {"think_s": 0.0, "http_s": 0.001,
+    sim = Simulation(build_workload(closed(10, 10, {"think_s": 0.0, "http_s": 0.001, "http_cv": 0.0,
                                                     "tokenize_s_per_token": 1e-5, "output_s": 0.0}), 0),
                      CFG, COST, keep_steps=True)
     assert sim.client == client
@@ -210,3 +210,28 @@ def test_example_benchmark_scenario_runs():
     s = run_scenario(sc).summary
     assert s["vllm_bench"]["completed"] == 320 and s["client"]["warmup_requests"] == 32
     assert s["requests"]["preemptions"] == 0
+
+
+def test_a_varying_request_path_breaks_the_lock_step_of_equal_requests():
+    """Eight equal requests in a closed loop: with a fixed request path every wave reaches the
+    engine together and is prefilled in one step, wave after wave; with the request path's time
+    varying per request (gamma, the HTTP default) the waves spread over several steps, as real
+    clients drift out of phase. The mean request path is the same."""
+    def first_steps(cv):
+        spec = {"benchmark": {"concurrency": 8, "isl": 512, "osl": 32, "num_prompts": 64},
+                "client": {"think_s": 0.0, "http_s": 0.005, "http_cv": cv, "tokenize_s_per_token": 0.0}}
+        sim = Simulation(build_workload(spec, 0), CFG, COST)
+        sim.run()
+        t = sim.collect(0.0).request_table
+        return np.unique(np.round(t["first_scheduled_s"], 9)).size, np.nanmean(t["queue_s"])
+    fixed, q_fixed = first_steps(0.0)
+    varied, q_varied = first_steps(1.0)
+    assert fixed <= 64 // 8 + 1      # eight waves, each admitted in one step
+    assert varied > 2 * fixed
+    from sim.clients import HTTP_DEFAULTS, ClientModel
+    assert HTTP_DEFAULTS.http_cv == 1.0
+    draws = [ClientModel(http_s=0.005, http_cv=1.0).request_path(np.random.default_rng(0)) for _ in range(1)]
+    rng = np.random.default_rng(1)
+    many = [ClientModel(http_s=0.005, http_cv=1.0).request_path(rng) for _ in range(20000)]
+    assert np.mean(many) == pytest.approx(0.005, rel=0.03) and np.std(many) == pytest.approx(0.005, rel=0.05)
+    assert draws[0] > 0 and ClientModel(http_s=0.005).request_path(rng) == 0.005
