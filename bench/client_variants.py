@@ -9,7 +9,6 @@ sync or async scheduling (sim/cpu_work.py). Prints median |error| and median sig
 mean TTFT and mean TPOT per variant. Only vLLM rows on b200_sxm are selected; the held-out vLLM
 rows on h100_sxm / h200_sxm are dropped before anything is looked at.
 """
-import glob
 import sys
 import warnings
 
@@ -23,7 +22,10 @@ BUDGET = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
 VARIANTS = {"lockstep-sync": ("engine_direct", False), "http-sync": ("http", False),
             "lockstep-async": ("engine_direct", True), "http-async": ("http", True)}
 
-path = glob.glob("/work/aisim-venv/lib/python3*/site-packages/aisimulate_core/systems/silicon_sample.csv")[0]
+from silicon_check import default_csv  # noqa: E402  (bench/)
+path = default_csv()
+if path is None:
+    sys.exit("set SILICON_SAMPLE (or AISIMULATE) to find aisimulate's silicon_sample.csv")
 df = pd.read_csv(path)
 df = df[(df.backend == "vllm") & (df.system == "b200_sxm")]  # allowed rows only
 rows = df[df.model_path.str.contains("Llama-3.1-70B") & (df.precision == "fp8") & (df.osl <= MAX_OSL)]

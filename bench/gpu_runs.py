@@ -16,9 +16,10 @@ TTFT and E2E p90/p99, signed and absolute errors) and a JSON summary: the mean a
 percentage error and the signed mean error of each metric.
 
 The cost model, the CPU work and the request path are the simulator's defaults, the same for
-every run. Two of those defaults were fitted on these runs (sim.kernel_model.Overheads.tp_step_s,
-the request path's share of sim.clients.HTTP_DEFAULTS.http_s); --loro refits them without each
-run in turn and reports that run's error, the honest measure of them.
+every run, with one setting of the runs' server build: its TP groups' per-step coordination
+(TRACED_BUILD_TP_STEP_S). That and the request path's share of the HTTP client's http_s
+(sim.clients.REQUEST_PATH_FITTED_S, a default for every HTTP client) were fitted on these runs;
+--loro refits both without each run in turn and reports that run's error, the honest measure.
 """
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ METRICS = (("ttft_mean", "ttft_s", "mean"), ("ttft_p90", "ttft_s", "p90"), ("ttf
            ("e2e_mean", "e2e_s", "mean"), ("e2e_p90", "e2e_s", "p90"), ("e2e_p99", "e2e_s", "p99"),
            ("itl_mean", "itl_s", "mean"))
 TOKENIZE_OVERHEAD = 1.05  # decoded random tokens re-tokenize a few % longer (the runs' README)
+# The runs' server: a vLLM build with per-step ("journey") tracing, whose TP groups pay a
+# per-step coordination the kernel tables do not hold (sim.kernel_model.Overheads.tp_step_s;
+# stock vLLM pays none). Fitted on these runs: --loro refits it without each run.
+TRACED_BUILD_TP_STEP_S = 6.0e-4
 
 
 def default_runs() -> list[Path]:
@@ -93,7 +98,7 @@ def scenario_for(row: dict, overheads: dict | None = None, client: dict | None =
                      "prompt_pool": {"num_prompts": 100, "num_prefixes": 10, "prefix_len": prefix},
                      "client": {"type": "http", **(client or {})}},
         "output": {"plots": False},
-        **({"cost_model": {"type": "kernels", "overheads": overheads}} if overheads else {}),
+        "cost_model": {"type": "kernels", "overheads": overheads or {"tp_step_s": TRACED_BUILD_TP_STEP_S}},
     }
 
 

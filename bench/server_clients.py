@@ -10,9 +10,9 @@ difference (client - server), in ms.
 
 Each tool lives in its own virtualenv (they pin different dependencies):
 
-    python3 -m venv /work/venvs/guidellm && /work/venvs/guidellm/bin/pip install guidellm
-    python3 -m venv /work/venvs/aiperf && /work/venvs/aiperf/bin/pip install aiperf
-    python bench/server_clients.py [--venvs /work/venvs] [--concurrency 1 8] [--rate 1] [--requests 32]
+    python3 -m venv VENVS/guidellm && VENVS/guidellm/bin/pip install guidellm
+    python3 -m venv VENVS/aiperf && VENVS/aiperf/bin/pip install aiperf
+    python bench/server_clients.py --venvs VENVS [--concurrency 1 8] [--rate 1] [--requests 32]
                                    [--warmup 8] [--aiperf-workers 4]
 
 On a 2-core machine aiperf starts one worker process (its rule: min(concurrency, 0.75 x CPUs - 1)),
@@ -111,7 +111,8 @@ def compare(client: dict[str, float], server: dict[str, float]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--venvs", default="/work/venvs", type=Path)
+    ap.add_argument("--venvs", default=os.environ.get("SERVETWIN_CLIENT_VENVS", "venvs"), type=Path,
+                    help="folder holding the guidellm/ and aiperf/ venvs (or SERVETWIN_CLIENT_VENVS)")
     ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--aiperf-workers", type=int, default=None,
                     help="aiperf --workers-max (default: aiperf's own choice, one worker on 2 cores, which "

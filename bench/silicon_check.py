@@ -28,6 +28,8 @@ import argparse
 import csv
 import glob
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -55,7 +57,14 @@ QUANT = {"": "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block"}
 
 
 def default_csv() -> str | None:
-    hits = glob.glob("/work/aisim-venv/lib/python3*/site-packages/aisimulate_core/systems/silicon_sample.csv")
+    """$SILICON_SAMPLE, else the one in the site-packages of the $AISIMULATE executable's venv."""
+    if os.environ.get("SILICON_SAMPLE"):
+        return os.environ["SILICON_SAMPLE"]
+    exe = shutil.which(os.environ.get("AISIMULATE", "aisimulate"))
+    if not exe:
+        return None
+    venv = Path(exe).resolve().parent.parent
+    hits = glob.glob(str(venv / "lib" / "python3*" / "site-packages" / "aisimulate_core" / "systems" / "silicon_sample.csv"))
     return hits[0] if hits else None
 
 
@@ -264,7 +273,7 @@ def main(argv=None) -> None:
                          "lengths for every row")
     ap.add_argument("--aisimulate", metavar="PATH",
                     help="also run the rows through AISimulate (its `aisimulate` executable, in its own venv, "
-                         "e.g. /work/aisim-venv/bin/aisimulate) with the same request lengths, concurrency and "
+                         "e.g. AISIM_VENV/bin/aisimulate) with the same request lengths, concurrency and "
                          "server settings, and report its errors beside ServeTwin's (`aisimulate` keys)")
     ap.add_argument("--no-recipe", dest="recipe", action="store_false",
                     help="simulate every row with vLLM's default server settings instead of the "

@@ -23,11 +23,11 @@ arriving at once: completed requests per second over the drain), and the trace i
 AISimulate runs in its own virtual environment (its dependencies, jax among them, are not
 ServeTwin's). Set it up once:
 
-    python -m venv /work/aisim-venv
-    /work/aisim-venv/bin/pip install aisimulate==0.13.0.dev202610270000000085
+    python -m venv AISIM_VENV
+    AISIM_VENV/bin/pip install aisimulate==0.13.0.dev202610270000000085
 
 (the plain 0.13.0 on the index is a placeholder that cannot install) and pass
-`--aisimulate /work/aisim-venv/bin/aisimulate` (the default; or set AISIMULATE). Without it the
+`--aisimulate AISIM_VENV/bin/aisimulate` (or set AISIMULATE). Without it the
 bench says so on stderr and reports ServeTwin alone.
 
     python bench/sim_speed.py [--trace PATH] [--sizes 10000 100000] [--load 0.7] [--reps 3]
@@ -50,7 +50,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
-DEFAULT_AISIMULATE = os.environ.get("AISIMULATE", "/work/aisim-venv/bin/aisimulate")
+DEFAULT_AISIMULATE = os.environ.get("AISIMULATE", "aisimulate")  # an executable on PATH, by default
 DEPLOYMENT = {"model": "llama-3.1-8b", "device": "h100-sxm", "tp": 1, "replicas": 1}
 SCHEDULER = {"max_num_batched_tokens": 8192, "max_num_seqs": 1024}
 AISIM_MODEL = "meta-llama/Meta-Llama-3.1-8B"
@@ -175,9 +175,9 @@ def aisimulate_exe(arg: str | None) -> tuple[str | None, str | None]:
         return None, "--no-aisimulate"
     if not (os.path.isfile(arg) and os.access(arg, os.X_OK)):
         return None, (f"AISimulate not found at {arg}. Set it up in its own venv: "
-                      "python -m venv /work/aisim-venv && /work/aisim-venv/bin/pip install "
+                      "python -m venv AISIM_VENV && AISIM_VENV/bin/pip install "
                       "aisimulate==0.13.0.dev202610270000000085, then pass --aisimulate "
-                      "/work/aisim-venv/bin/aisimulate (or set AISIMULATE)")
+                      "AISIM_VENV/bin/aisimulate (or set AISIMULATE)")
     return arg, None
 
 

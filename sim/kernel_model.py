@@ -274,14 +274,16 @@ class Overheads:
 
     - serving_slowdown: the kernels' time in serving over their micro-benchmark time (1: as
       measured).
-    - tp_step_s: per step and per GPU of a TP group beyond the first, the group's coordination
-      that no kernel table holds (vLLM's multiprocess executor hands every step's inputs to each
-      worker and waits for them all).
+    - tp_step_s: per step and per GPU of a TP group beyond the first, coordination that no kernel
+      table holds. 0 by default: stock vLLM shows none beyond its kernels (the allowed B200 rows
+      of `bench/silicon_check.py`, TP 1-8, lose their TPOT accuracy with any: +60% at TP 8 with
+      0.6 ms). The published H100 runs of ../shared/gpu-runs, served by a vLLM build with
+      per-step tracing, do pay one: 0.6 ms there (bench/gpu_runs.py sets it for them).
 
     elementwise_latency_s (1.5 us) and eager_layer_launch_s (1.0 ms) were chosen against the
     allowed vLLM B200 serving rows (`python bench/silicon_check.py --backend vllm --system
     b200_sxm`; the sweep is in the README), never against the held-out vLLM H100/H200 rows.
-    tp_step_s (0.6 ms) was fitted on the 11 published vLLM H100 runs of ../shared/gpu-runs
+    The 0.6 ms of tp_step_s for the traced build was fitted on its 11 published H100 runs
     (`python bench/gpu_runs.py --loro` refits it without each run and reports that run's error)."""
 
     elementwise_latency_s: float = 1.5e-6
@@ -289,7 +291,7 @@ class Overheads:
     cudagraph_max_tokens: int = 512
     eager_layer_launch_s: float = 1.0e-3
     serving_slowdown: float = 1.0
-    tp_step_s: float = 6.0e-4
+    tp_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         for k, v in self.__dict__.items():

@@ -148,8 +148,9 @@ def test_the_tp_group_pays_its_coordination_once_per_step():
     assert sum(paid.breakdown(f).values()) == pytest.approx(paid.gpu_time(f)) and paid.breakdown(f)["tp_step"] == 1.5e-3
     slow = KernelCostModel("llama-3.1-70b", "h100-sxm", 4, Overheads(tp_step_s=0.0, serving_slowdown=1.1))
     assert slow.gpu_time(f) == pytest.approx(1.1 * plain.gpu_time(f))
-    one = KernelCostModel("llama-3.1-8b", "h100-sxm", 1)
-    assert one.gpu_time(f) == KernelCostModel("llama-3.1-8b", "h100-sxm", 1, Overheads(tp_step_s=0.0)).gpu_time(f)
+    one = KernelCostModel("llama-3.1-8b", "h100-sxm", 1, Overheads(tp_step_s=5e-4))
+    assert one.gpu_time(f) == KernelCostModel("llama-3.1-8b", "h100-sxm", 1).gpu_time(f)  # TP 1: nothing to pay
+    assert KernelCostModel("llama-3.1-70b", "h100-sxm", 4).gpu_time(f) == plain.gpu_time(f)  # stock vLLM: 0
 
 
 def _row(**kw):
@@ -175,6 +176,7 @@ def test_a_published_run_becomes_a_scenario_that_does_what_it_did():
     assert len(w) == 2 * 20 + 4 * 10 and [s["requests"] for s in w.stages] == [40, 40]
     assert (w.prompt_len == 575).all() and (w.output_len == 248).all()  # the measured input, max_tokens out
     assert w.client.http_s > 0 and w.client.output_s > 0  # the streaming HTTP path
+    assert data["cost_model"]["overheads"]["tp_step_s"] > 0  # the runs' traced server build
     a100 = parse_scenario(scenario_for(_row(hardware="A100", gpu_kv_blocks_total="")))
     assert a100.deployment["device"] == "a100-80g"
     with pytest.raises(ValueError, match="hardware='TPU'"):
