@@ -154,8 +154,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--replicates", type=int, default=4,
-                   help="extra runs for the 90%% prediction intervals (other seeds, step-time noise); 0: none")
+    p.add_argument("--replicates", type=int, default=0,
+                   help="N more runs for 90%% prediction intervals (other seeds, step-time noise), at N+1 "
+                        "times the cost; default 0: one simulation, no intervals")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("plan", help="capacity plan: the cheapest deployment meeting the scenario's `plan:` SLOs")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.scenario import ScenarioError, parse_scenario, read_yaml, run_scenario, set_field  # noqa: F401 (set_field: composing is this module's job)
+from sim.scenario import ScenarioError, parse_scenario, read_yaml, run_scenario, set_field
 from sim.metrics import meets_slo
 
 OPEN_LOOP = ("poisson", "gamma", "constant")
@@ -126,3 +126,6 @@ def mean_metrics(runs: list[dict]) -> dict:
 def _mean(xs):
     xs = [x for x in xs if x is not None and x == x]
     return float(np.mean(xs)) if xs else None
+
+
+__all__ = ["load_raw", "strip", "set_field", "at_rate", "saturating", "measure", "max_in_system", "mean_metrics"]

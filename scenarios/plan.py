@@ -45,7 +45,6 @@ changed.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import time
@@ -55,11 +54,13 @@ from pathlib import Path
 
 from engine.core.policy import POLICIES
 from scenarios.bounds import capacity_bound
+from scenarios.candidates import (GRID_KEYS, budget_rank_key, candidates, compose, gpus_per_unit, label,
+                                  rank_key)
 from scenarios.compose import load_raw, set_field, strip
 from scenarios.probe import layout, measured_requests, workload_stats
 from scenarios.runner import Runner
-from sim.scenario import ScenarioError, parse_scenario
 from scenarios.search import CONFIRM, PROBE, State, refine, search_budget, search_rate
+from sim.scenario import ScenarioError, parse_scenario
 from sim.simulation import ROUTERS
 from sim.specmap import SpecError, SpecMap
 from sim.specs import DEVICES, DeviceSpec, ModelSpec, get_device, get_model, memory_breakdown
@@ -70,17 +71,6 @@ from sim.workload import build_workload
 DEFAULT_PRICES = {"h100-sxm": 3.00, "h200": 3.70, "b200": 5.50, "a100-80g": 1.80, "a100-40g": 1.30,
                   "l40s": 1.00, "a10g": 0.75, "cpu-2core": 0.05}
 
-# The Hugging Face repository a catalog model is served from (for the printed vllm command).
-HF_NAMES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
-            "llama-3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
-            "llama-3.2-1b": "meta-llama/Llama-3.2-1B-Instruct",
-            "llama-3.2-3b": "meta-llama/Llama-3.2-3B-Instruct",
-            "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct", "qwen2.5-72b": "Qwen/Qwen2.5-72B-Instruct",
-            "qwen3-8b": "Qwen/Qwen3-8B", "qwen3-14b": "Qwen/Qwen3-14B", "qwen3-32b": "Qwen/Qwen3-32B",
-            "mistral-7b": "mistralai/Mistral-7B-Instruct-v0.3",
-            "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-
-GRID_KEYS = ("device", "tp", "max_num_batched_tokens", "max_num_seqs", "policy", "router", "pd")
 SLO_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
 STATS = ("mean", "p50", "p90", "p95", "p99")
 
@@ -240,57 +230,6 @@ def _check_grid_value(key: str, v) -> None:
     elif key == "pd" and v is not None:
         if not isinstance(v, dict):
             raise bad("must be null (aggregated) or a mapping {prefill_replicas, decode_replicas, ...}")
-
-
-# ------------------------------------------------------------------------------ candidates
-def candidates(data: dict, spec: PlanSpec) -> list[dict]:
-    """The grid's points, in grid order; keys missing from the grid keep the scenario's values."""
-    dep = data.get("deployment") or {}
-    sch = data.get("scheduler") or {}
-    base = {"device": dep.get("device", "h100-sxm"), "tp": dep.get("tp", 1),
-            "max_num_batched_tokens": sch.get("max_num_batched_tokens", 8192),
-            "max_num_seqs": sch.get("max_num_seqs", 1024), "policy": sch.get("policy", "fcfs"),
-            "router": dep.get("router", "round_robin"), "pd": dep.get("pd")}
-    axes = [spec.grid.get(k, [base[k]]) for k in GRID_KEYS]
-    return [dict(zip(GRID_KEYS, combo)) for combo in itertools.product(*axes)]
-
-
-def compose(data: dict, cand: dict, units: int = 1) -> dict:
-    """The scenario of `units` units of a candidate (a unit: one replica, or one P/D group)."""
-    out = strip(data)
-    for key, path in (("device", "deployment.device"), ("tp", "deployment.tp"),
-                      ("router", "deployment.router"), ("policy", "scheduler.policy"),
-                      ("max_num_batched_tokens", "scheduler.max_num_batched_tokens"),
-                      ("max_num_seqs", "scheduler.max_num_seqs")):
-        out = set_field(out, path, cand[key])
-    pd = cand.get("pd")
-    if pd:
-        pd = dict(pd)
-        pd["prefill_replicas"] = pd.get("prefill_replicas", 1) * units
-        pd["decode_replicas"] = pd.get("decode_replicas", 1) * units
-        out = set_field(out, "deployment.pd", pd)
-        out = set_field(out, "deployment.replicas", 1)
-    else:
-        out = set_field(out, "deployment.pd", None)
-        out = set_field(out, "deployment.replicas", units)
-    return out
-
-
-def gpus_per_unit(cand: dict) -> int:
-    pd = cand.get("pd")
-    if not pd:
-        return int(cand["tp"])
-    return (pd.get("prefill_replicas", 1) * pd.get("prefill_tp", cand["tp"])
-            + pd.get("decode_replicas", 1) * pd.get("decode_tp", cand["tp"]))
-
-
-def label(cand: dict) -> str:
-    pd = cand.get("pd")
-    shape = (f"tp{cand['tp']}" if not pd else
-             f"P{pd.get('prefill_replicas', 1)}xtp{pd.get('prefill_tp', cand['tp'])}"
-             f"+D{pd.get('decode_replicas', 1)}xtp{pd.get('decode_tp', cand['tp'])}")
-    return (f"{cand['device']} {shape} B{cand['max_num_batched_tokens']} S{cand['max_num_seqs']} "
-            f"{cand['policy']}" + (f" {cand['router']}" if cand["router"] != "round_robin" else ""))
 
 
 # ------------------------------------------------------------------------------ memory
@@ -484,16 +423,6 @@ def _shown_rate(states: list[State], spec: PlanSpec) -> list[State]:
     ties = [s for s in done if s.cost <= cheapest + 1e-9]
     rest = [s for s in done if s.cost > cheapest + 1e-9][:spec.alternatives]
     return ties + rest
-
-
-def rank_key(s: State) -> tuple:
-    """Cost first, then headroom (the total rate sustained over the target: more is better)."""
-    return (s.cost if s.cost is not None else math.inf, -(s.lo or 0.0), s.key)
-
-
-def budget_rank_key(s: State, units: int) -> tuple:
-    """Fixed GPU budget: the most traffic first, then cost."""
-    return (-(s.lo or 0.0), s.unit_cost * units, s.key)
 
 
 def _confirm_rate(states: list[State], spec: PlanSpec, run_confirms) -> dict:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from scenarios.candidates import HF_NAMES, budget_rank_key, compose, rank_key
+
 
 SLO_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
 CSV_COLUMNS = ("rank", "status", "label", "device", "tp", "replicas", "gpus", "max_num_batched_tokens",
@@ -105,7 +107,6 @@ def _fallbacks(state, confirms: dict) -> dict:
 def assemble(rows: list[dict], live: list[dict], confirms: dict, spec, data: dict, path: str,
              means: dict, model: str) -> dict:
     """The ranked candidate records of plan.json."""
-    from scenarios.plan import HF_NAMES, budget_rank_key, rank_key
     budget = spec.target_gpus is not None
     T = spec.target_rate
     results, gone = confirms["results"], set(confirms["gone"])
@@ -408,7 +409,6 @@ def winner_scenario(result: dict, data: dict) -> dict | None:
     if w is None:
         return None
     from scenarios.compose import at_rate
-    from scenarios.plan import compose
     cand = {k: w[k] for k in ("device", "tp", "max_num_batched_tokens", "max_num_seqs", "policy", "router", "pd")}
     out = compose(data, cand, w["replicas"])
     rate = result["target_rate"] or w["capacity_rps"]

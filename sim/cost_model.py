@@ -12,7 +12,8 @@ steps see the same times).
   efficiency factors can be fitted from a profile so it extrapolates to unprofiled devices/TP.
 - KernelCostModel (sim/kernel_model.py): GEMM, attention and all-reduce times measured on real
   GPUs with vLLM's kernels, per layer, interpolated; the default on H100/H200/B200. A profile of
-  kind "kernels" holds it reduced to one deployment (cost_model_from_profile reads either kind).
+  kind "kernels" holds it reduced to one deployment (sim.kernel_model.cost_model_from_profile
+  reads either kind).
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ from sim.specs import DeviceSpec, ModelSpec, get_device, get_model
 
 PROFILE_FORMAT = "servetwin-profile/1"
 PROFILES_DIR = Path(__file__).parent / "profiles"
-DEFAULT_PROFILE = "h100-sxm-llama-3.1-8b"  # kernel-table profile (sim/profiles/README.md)
 
 
 class CostModel:
@@ -247,30 +247,6 @@ def check_profile(prof, where: str) -> None:
 
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
-
-
-def make_cost_model(spec: dict | None, model=None, device=None, tp: int = 1) -> CostModel:
-    """From a scenario's `cost_model:` mapping."""
-    spec = dict(spec or {"type": "fitted", "profile": DEFAULT_PROFILE})
-    kind = spec.get("type", "fitted")
-    if kind == "fitted":
-        return FittedCostModel.from_profile(load_profile(spec.get("profile", DEFAULT_PROFILE)))
-    if kind == "analytic":
-        return AnalyticCostModel(spec.get("model", model), spec.get("device", device),
-                                 spec.get("tp", tp), spec.get("efficiency"))
-    if kind == "kernels":
-        from sim.kernel_model import KernelCostModel
-        return KernelCostModel(spec.get("model", model), spec.get("device", device), spec.get("tp", tp),
-                               spec.get("overheads"))
-    raise ValueError(f"cost_model.type={kind!r}: expected 'fitted', 'kernels' or 'analytic'")
-
-
-def cost_model_from_profile(prof: dict) -> CostModel:
-    """The cost model a profile file holds: fitted coefficients, or reduced kernel tables."""
-    if prof.get("kind") == "kernels":
-        from sim.kernel_model import KernelCostModel
-        return KernelCostModel.from_profile(prof)
-    return FittedCostModel.from_profile(prof)
 
 
 def today() -> str:

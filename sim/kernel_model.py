@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from engine.core.features import BatchFeatures
-from sim.cost_model import PROFILE_FORMAT, CostModel
+from sim.cost_model import PROFILE_FORMAT, CostModel, FittedCostModel
 from sim.specs import DeviceSpec, ModelSpec, get_device, get_model
 
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "calibration" / "kernels"
@@ -853,3 +853,10 @@ def write_profiles(out_dir: Path | None = None) -> list[Path]:
 if __name__ == "__main__":  # python -m sim.kernel_model: rewrite the shipped profiles
     for p in write_profiles():
         print(p, f"{p.stat().st_size / 1e3:.0f} kB")
+
+
+def cost_model_from_profile(prof: dict) -> CostModel:
+    """The cost model a profile file holds: fitted coefficients, or reduced kernel tables."""
+    if prof.get("kind") == "kernels":
+        return KernelCostModel.from_profile(prof)
+    return FittedCostModel.from_profile(prof)

@@ -35,14 +35,34 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from engine.core import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 from engine.core.bookkeeping import Book, Entry
 from engine.core.records import RequestRecord, StepRecord
 
-if TYPE_CHECKING:
-    from sim.simulation import Simulation
+
+
+class ReplicaOwner(Protocol):
+    """What a replica needs from the simulation that owns it (sim.simulation.Simulation, or the
+    P/D simulation): its clock and settings, the direct feed of arrivals, and where finished
+    requests go."""
+
+    env: object
+    use_steady: bool
+    keep_token_times: bool
+    keep_steps: bool
+    direct_feed: bool
+    quiet_finishes: bool
+    next_arrival_s: float
+
+    def feed_take(self, until_s: float) -> list: ...
+
+    def feed_next_s(self) -> float: ...
+
+    def timeout_at(self, at_s: float): ...
+
+    def on_finish(self, replica: "Replica", sreq: "SimRequest", error: str | None) -> None: ...
 
 FEED_RUN_S = 1.0  # direct feed: the simulated seconds a fast run covers at most
 TOKEN = 1  # the synthetic token every request samples (never an EOS or stop id in the simulator)
@@ -71,7 +91,7 @@ class Replica:
     # possible (SchedulerConfig.track_block_ids; tests set this True to compare).
     track_block_ids = False
 
-    def __init__(self, sim: "Simulation", index: int, config: SchedulerConfig, cost_model) -> None:
+    def __init__(self, sim: ReplicaOwner, index: int, config: SchedulerConfig, cost_model) -> None:
         self.sim = sim
         self.env = sim.env
         self.index = index

@@ -37,9 +37,8 @@ import yaml
 
 from engine.core import SchedulerConfig
 from engine.core.policy import POLICIES
-from sim.cost_model import (PROFILES_DIR, AnalyticCostModel, CostModel,
-                             cost_model_from_profile, load_profile)
-from sim.kernel_model import KernelCostModel
+from sim.cost_model import PROFILES_DIR, AnalyticCostModel, CostModel, load_profile
+from sim.kernel_model import KernelCostModel, cost_model_from_profile
 from sim.cpu_work import timing_model, timing_settings
 from sim.simulation import ROUTERS, SimResult, Simulation
 from sim.specmap import SpecError, SpecMap

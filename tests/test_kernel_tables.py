@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from engine.core.features import BatchFeatures
-from sim.cost_model import cost_model_from_profile, load_profile
+from sim.cost_model import load_profile
+from sim.kernel_model import cost_model_from_profile
 from sim.kernel_model import Grid, KernelCostModel, load_tables
 from sim.specs import get_model
 

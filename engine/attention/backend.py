@@ -7,24 +7,12 @@ to compare, or the Triton kernels on the CPU under `TRITON_INTERPRET=1`).
 from __future__ import annotations
 
 import os
-from typing import Callable, NamedTuple
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
-
-WriteKVFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+from engine.attention.base import AttentionBackend
 
 BACKEND_ENV = "SERVETWIN_ATTN_BACKEND"
-
-
-class AttentionBackend(NamedTuple):
-    """Unpacks as `(write_kv_fn, attention_fn)`; `name` says which one for logs and profiles."""
-
-    write_kv: WriteKVFn
-    attention: AttentionFn
-    name: str
 
 
 def get_attention_backend(device: torch.device | str, override: str | None = None) -> AttentionBackend:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import cpu_kernel, reference
-from engine.attention.backend import AttentionBackend
+from engine.attention.base import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 
 MAX_DECODE_BUCKETS = 4

@@ -66,7 +66,7 @@ def load() -> Any:
     try:
         from torch.utils.cpp_extension import load as build
 
-        from engine.model.loader import cache_dir
+        from engine.paths import cache_dir
 
         _ninja_on_path()
         flags = _cflags()

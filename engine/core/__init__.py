@@ -9,9 +9,10 @@ _compiled.activate(__path__)
 
 from engine.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from engine.core.config import SchedulerConfig
-from engine.core.features import BatchFeatures, batch_features
+from engine.core.features import BatchFeatures
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.output import CachedRequestData, EngineCoreOutput, NewRequestData, SchedulerOutput
+from engine.core.output import (CachedRequestData, EngineCoreOutput, NewRequestData, SchedulerOutput,
+                               batch_features)
 from engine.core.policy import (FCFSQueue, HeapQueue, PriorityQueue, ShortestPromptFirstQueue,
                                 WaitingQueue, register_policy)
 from engine.core.request import Request, RequestStatus

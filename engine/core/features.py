@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.output import SchedulerOutput
-
 
 @dataclass(slots=True)
 class BatchFeatures:
@@ -68,25 +66,3 @@ class BatchFeatures:
             "num_tokens": self.num_tokens,
             "num_preempted": self.num_preempted,
         }
-
-
-def batch_features(out: SchedulerOutput, requests: dict | None = None) -> BatchFeatures:
-    """Features of the step `out` describes.
-
-    schedule() gathers them while it decides (out.features); for an output built some other
-    way they are recomputed from `requests` (scheduler.requests, after schedule() and before
-    update_from_output(), which forgets finished requests).
-    """
-    if out.features is not None:
-        return out.features
-    return features_from_requests(out, requests)
-
-
-def features_from_requests(out: SchedulerOutput, requests: dict) -> BatchFeatures:
-    """The same features from the requests' state. schedule() has already advanced
-    num_computed_tokens, so the context before the step is num_computed_tokens - n."""
-    f = BatchFeatures(num_preempted=len(out.preempted_req_ids))
-    for rid, n in out.num_scheduled_tokens.items():
-        f.add(n, requests[rid].num_computed_tokens - n)
-    f.num_reqs = len(out.num_scheduled_tokens)
-    return f

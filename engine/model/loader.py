@@ -23,7 +23,8 @@ from typing import Any, Iterator
 
 import torch
 
-from engine.attention.backend import AttentionBackend
+from engine.attention.base import AttentionBackend
+from engine.paths import cache_dir
 from engine.model.llama import LlamaForCausalLM, ModelConfig
 
 DEFAULT_MODEL_DIRNAME = "smollm2-135m-instruct"
@@ -35,14 +36,6 @@ def _offline() -> None:
     """Forbid hub access before transformers / huggingface_hub read their settings."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
-
-
-def cache_dir() -> Path:
-    """$SERVETWIN_CACHE_DIR, else $XDG_CACHE_HOME/servetwin, else ~/.cache/servetwin."""
-    if os.environ.get("SERVETWIN_CACHE_DIR"):
-        return Path(os.environ["SERVETWIN_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "servetwin"
 
 
 def default_gguf_path() -> Path:

@@ -1,0 +1,83 @@
+"""A plan's candidates: the grid's points, the scenario of n units of one, their labels and GPU
+counts, and how candidates rank (plan.py searches them, plan_report.py reports them)."""
+from __future__ import annotations
+
+import itertools
+import math
+
+from scenarios.compose import set_field, strip
+
+# The Hugging Face repository a catalog model is served from (for the printed vllm command).
+HF_NAMES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+            "llama-3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
+            "llama-3.2-1b": "meta-llama/Llama-3.2-1B-Instruct",
+            "llama-3.2-3b": "meta-llama/Llama-3.2-3B-Instruct",
+            "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct", "qwen2.5-72b": "Qwen/Qwen2.5-72B-Instruct",
+            "qwen3-8b": "Qwen/Qwen3-8B", "qwen3-14b": "Qwen/Qwen3-14B", "qwen3-32b": "Qwen/Qwen3-32B",
+            "mistral-7b": "mistralai/Mistral-7B-Instruct-v0.3",
+            "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+GRID_KEYS = ("device", "tp", "max_num_batched_tokens", "max_num_seqs", "policy", "router", "pd")
+
+
+def candidates(data: dict, spec) -> list[dict]:
+    """The grid's points, in grid order; keys missing from the grid keep the scenario's values."""
+    dep = data.get("deployment") or {}
+    sch = data.get("scheduler") or {}
+    base = {"device": dep.get("device", "h100-sxm"), "tp": dep.get("tp", 1),
+            "max_num_batched_tokens": sch.get("max_num_batched_tokens", 8192),
+            "max_num_seqs": sch.get("max_num_seqs", 1024), "policy": sch.get("policy", "fcfs"),
+            "router": dep.get("router", "round_robin"), "pd": dep.get("pd")}
+    axes = [spec.grid.get(k, [base[k]]) for k in GRID_KEYS]
+    return [dict(zip(GRID_KEYS, combo)) for combo in itertools.product(*axes)]
+
+
+def compose(data: dict, cand: dict, units: int = 1) -> dict:
+    """The scenario of `units` units of a candidate (a unit: one replica, or one P/D group)."""
+    out = strip(data)
+    for key, path in (("device", "deployment.device"), ("tp", "deployment.tp"),
+                      ("router", "deployment.router"), ("policy", "scheduler.policy"),
+                      ("max_num_batched_tokens", "scheduler.max_num_batched_tokens"),
+                      ("max_num_seqs", "scheduler.max_num_seqs")):
+        out = set_field(out, path, cand[key])
+    pd = cand.get("pd")
+    if pd:
+        pd = dict(pd)
+        pd["prefill_replicas"] = pd.get("prefill_replicas", 1) * units
+        pd["decode_replicas"] = pd.get("decode_replicas", 1) * units
+        out = set_field(out, "deployment.pd", pd)
+        out = set_field(out, "deployment.replicas", 1)
+    else:
+        out = set_field(out, "deployment.pd", None)
+        out = set_field(out, "deployment.replicas", units)
+    return out
+
+
+def gpus_per_unit(cand: dict) -> int:
+    pd = cand.get("pd")
+    if not pd:
+        return int(cand["tp"])
+    return (pd.get("prefill_replicas", 1) * pd.get("prefill_tp", cand["tp"])
+            + pd.get("decode_replicas", 1) * pd.get("decode_tp", cand["tp"]))
+
+
+def label(cand: dict) -> str:
+    pd = cand.get("pd")
+    shape = (f"tp{cand['tp']}" if not pd else
+             f"P{pd.get('prefill_replicas', 1)}xtp{pd.get('prefill_tp', cand['tp'])}"
+             f"+D{pd.get('decode_replicas', 1)}xtp{pd.get('decode_tp', cand['tp'])}")
+    return (f"{cand['device']} {shape} B{cand['max_num_batched_tokens']} S{cand['max_num_seqs']} "
+            f"{cand['policy']}" + (f" {cand['router']}" if cand["router"] != "round_robin" else ""))
+
+
+def rank_key(s) -> tuple:
+    """Cost first, then headroom (the total rate sustained over the target: more is better)."""
+    return (s.cost if s.cost is not None else math.inf, -(s.lo or 0.0), s.key)
+
+
+def budget_rank_key(s, units: int) -> tuple:
+    """Fixed GPU budget: the most traffic first, then cost."""
+    return (-(s.lo or 0.0), s.unit_cost * units, s.key)
+
+
+__all__ = ["HF_NAMES", "GRID_KEYS", "candidates", "compose", "gpus_per_unit", "label", "rank_key", "budget_rank_key"]
