@@ -14,7 +14,8 @@ def test_parse_set_reads_values_as_yaml():
                       "scheduler.enable_prefix_caching=true"]) == {
         "scheduler.max_num_batched_tokens": [512, 2048], "scheduler.policy": ["fcfs", "priority"],
         "scheduler.enable_prefix_caching": [True]}
-    with pytest.raises(SweepError, match="FIELD=V1,V2"):
+    from sim.scenario import ScenarioError
+    with pytest.raises(ScenarioError, match="FIELD=V1,V2"):
         parse_set(["scheduler.max_num_seqs"])
 
 
