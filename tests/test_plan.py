@@ -376,3 +376,26 @@ def test_target_rate_rescales_a_trace(tmp_path):
     d = sc.workload.describe()
     assert d["num_requests"] == 41 and d["mean_rate_rps"] == pytest.approx(20.0)
     assert list(sc.workload.prompt_len[:3]) == [100, 101, 102]
+
+
+def test_an_unknown_model_is_one_error_naming_it(tmp_path):
+    path = queue_scenario(tmp_path)
+    data = yaml.safe_load(path.read_text())
+    data["deployment"]["model"] = "acme/NoSuchModel-13B"
+    data["cost_model"] = {"type": "analytic"}
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(PlanError) as e:
+        plan(path, workers=1, progress=False)
+    assert "deployment.model" in str(e.value) and "acme/NoSuchModel-13B" in str(e.value)
+    assert "nothing fits" not in str(e.value)
+
+
+def test_tp_beyond_one_node_is_pruned_unless_the_interconnect_is_declared(tmp_path):
+    base = {"deployment": {"model": "llama-3.1-70b"}, "cost_model": {"type": "analytic"},
+            "workload": {"num_requests": 10, "arrival": {"type": "poisson", "rate": 1},
+                         "prompt_len": {"type": "fixed", "value": 100}, "output_len": {"type": "fixed", "value": 10}}}
+    cand = {"device": "h100-sxm", "tp": 16, "max_num_batched_tokens": 2048, "max_num_seqs": 64,
+            "policy": "fcfs", "router": "round_robin", "pd": None}
+    assert "spans more than one node of 8 h100-sxm GPUs" in prune_reason(base, cand, 110)
+    base["deployment"]["interconnect"] = {"bandwidth_gb_s": 50}
+    assert prune_reason(base, cand, 110) is None
