@@ -415,9 +415,10 @@ def validate(engine, profile: dict, settings: list[Setting] | dict, out_dir: str
     for k, st in enumerate(settings):
         rep = _setting_report(per[k], loads, capacity, capacities[k], bounds, profile, insitu_runs, st)
         reports.append(rep)
+        eng, sim = rep.pop("_eng"), rep.pop("_sim")
         for load in loads:
             _plot(out_dir / (f"cdf-load{load}.png" if k == 0 else f"cdf-{_slug(st.label)}-load{load}.png"),
-                  rep.pop("_eng")[load], rep.pop("_sim")[load], load, st.label)
+                  eng[load], sim[load], load, st.label)
     report: dict = {"profile": profile["metadata"].get("source"), "host_cpu": host_cpu(),
                     "profile_host_cpu": profile["metadata"].get("host_cpu"), "capacity_requests_per_s": capacity,
                     "seeds": seeds, "noise_replicas": NOISE_REPLICAS,

@@ -597,7 +597,7 @@ def test_what_if_validation_runs_every_setting_at_the_base_rates(tmp_path):
                           requests_per_slot=1.0, min_requests=2)
     prof = calibrate(eng, tmp_path / "p.json", groups=groups, progress=False, probe=False)
     found = load_settings(_tiny_scenario(tmp_path), ["scheduler.max_num_batched_tokens=32"], None)
-    rep = validate(eng, prof, found, tmp_path / "val", loads=(0.5,), seeds=1, duration_s=1, min_requests=3,
+    rep = validate(eng, prof, found, tmp_path / "val", loads=(0.4, 0.5), seeds=1, duration_s=1, min_requests=3,
                    progress=False)
     saved = json.loads((tmp_path / "val" / "validation.json").read_text())
     wi = saved["what_if"]
@@ -611,6 +611,8 @@ def test_what_if_validation_runs_every_setting_at_the_base_rates(tmp_path):
     assert d["setting"] == "max_num_batched_tokens=32" and d["sim_interval"][0] <= d["sim"] <= d["sim_interval"][1]
     assert wi["summary"]["p50_p90_deltas"] == len([x for x in wi["deltas"] if x["metric"].endswith(("p50", "p90"))])
     assert (tmp_path / "val" / "whatif-deltas.png").stat().st_size > 1000
+    assert (tmp_path / "val" / "cdf-max-num-batched-tokens-32-load0.4.png").exists()
+    assert {d["load"] for d in wi["deltas"]} == {0.4, 0.5}
     assert rep["what_if"]["settings"][1]["summary"]["rows"] >= 0
     # The engine ran the small budget's runs with its prefills cut to 32 tokens.
     steps = (tmp_path / "val" / "engine-steps.csv").read_text().splitlines()
