@@ -391,6 +391,9 @@ class KernelCostModel(CostModel):
         self.ovh = overheads if isinstance(overheads, Overheads) else _overheads(overheads or {})
         self._tp_step = (tp - 1) * self.ovh.tp_step_s
         self._plain = self.ovh.serving_slowdown == 1.0 and self._tp_step == 0.0
+        if self._plain:  # the kernels' time as it is: no wrapper call per step (the hot path)
+            self.gpu_time = self._kernel_time
+            self.decode_gpu_time = self._decode_kernel_time
         self.fallbacks: dict[str, int] = {}
         # Per term, the smallest and largest query (each axis) answered outside the tables.
         self.fallback_range: dict[str, list[list[float]]] = {}
@@ -591,9 +594,7 @@ class KernelCostModel(CostModel):
 
     def gpu_time(self, f: BatchFeatures) -> float:
         """sum(breakdown(f).values()): the kernels' time x serving_slowdown, plus the TP group's
-        per-step coordination (Overheads)."""
-        if self._plain:
-            return self._kernel_time(f)
+        per-step coordination (Overheads); _kernel_time itself when both are neutral."""
         t = self._kernel_time(f)
         return t * self.ovh.serving_slowdown + self._tp_step if t else 0.0
 
@@ -657,8 +658,6 @@ class KernelCostModel(CostModel):
 
     def decode_gpu_time(self, n: int, ctx: int) -> float:
         """gpu_time of a step of n decodes reading ctx KV tokens (see _decode_kernel_time)."""
-        if self._plain:
-            return self._decode_kernel_time(n, ctx)
         return self._decode_kernel_time(n, ctx) * self.ovh.serving_slowdown + self._tp_step
 
     def _decode_kernel_time(self, n: int, ctx: int) -> float:
