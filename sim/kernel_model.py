@@ -282,7 +282,8 @@ class Overheads:
 
     elementwise_latency_s (1.5 us) and eager_layer_launch_s (1.0 ms) were chosen against the
     allowed vLLM B200 serving rows (`python bench/silicon_check.py --backend vllm --system
-    b200_sxm`; the sweep is in the README), never against the held-out vLLM H100/H200 rows.
+    b200_sxm`; the sweep is in docs/reports/2026-12-02-measurements.md), never against the held-out
+    vLLM H100/H200 rows.
     The 0.6 ms of tp_step_s for the traced build was fitted on its 11 published H100 runs
     (`python bench/gpu_runs.py --loro` refits it without each run and reports that run's error)."""
 
