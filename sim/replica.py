@@ -37,7 +37,7 @@ import heapq
 import math
 from typing import Protocol
 
-from engine.core import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from engine.core import FastForwardScheduler, Request, RequestStatus, SamplingParams, SchedulerConfig
 from engine.core.bookkeeping import Book, Entry
 from engine.core.records import RequestRecord, StepRecord
 
@@ -95,7 +95,7 @@ class Replica:
         self.sim = sim
         self.env = sim.env
         self.index = index
-        self.scheduler = Scheduler(dataclasses.replace(config, track_block_ids=self.track_block_ids))
+        self.scheduler = FastForwardScheduler(dataclasses.replace(config, track_block_ids=self.track_block_ids))
         self.cost = cost_model
         # A decode-only step's time without building its features, where the cost model has it.
         self._decode_time = getattr(cost_model, "decode_step_time", None)
@@ -176,8 +176,8 @@ class Replica:
         self._add(self.sim.feed_take(now if cutoff is None else cutoff), now)
 
     def _arrive(self, last_start: float, now: float) -> float:
-        """Scheduler.advance's `arrive` hook under the direct feed: the boundary at `now` after a
-        step that started at `last_start` takes what _feed would take there."""
+        """FastForwardScheduler.advance's `arrive` hook under the direct feed: the boundary at
+        `now` after a step that started at `last_start` takes what _feed would take there."""
         self._add(self.sim.feed_take(last_start if self.async_admission else now), now)
         return self.sim.feed_next_s()
 

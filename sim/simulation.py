@@ -156,7 +156,7 @@ class Simulation:
         # the engine (no client turnaround, no API-server time) and no cancellation, every
         # arrival is known ahead, so the replica takes its requests from the workload itself
         # (feed_next_s / feed_take) at its step boundaries, and a fast run goes on through
-        # arrivals (Scheduler.advance's `arrive`) instead of one SimPy event and one run per
+        # arrivals (FastForwardScheduler.advance's `arrive`) instead of one SimPy event and one run per
         # arrival. Plain steps (steady_decode: false) keep the client path, the reference.
         self.direct_feed = (self.use_steady and self.quiet_finishes and num_replicas == 1
                             and not self.client.delays_requests and not self._think

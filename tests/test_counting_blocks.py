@@ -126,3 +126,24 @@ def test_counting_changes_no_simulated_record(seed, monkeypatch):
         del base["workload"]["shared_prefix"]
     a, b = same_records_both_ways(base, monkeypatch, Replica, "track_block_ids")
     assert a.summary["requests"] == b.summary["requests"]
+
+
+def test_counting_is_a_pool_class_not_branches():
+    # Counting is the CountingBlockPool strategy: no `if`/conditional in the KV manager or the block
+    # pool asks whether the pool counts.
+    import ast
+    from pathlib import Path
+    core = Path(__file__).resolve().parents[1] / "engine" / "core"
+    for name in ("kv_cache_manager.py", "block_pool.py"):
+        tree = ast.parse((core / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):
+                names = {n.attr for n in ast.walk(node.test) if isinstance(n, ast.Attribute)}
+                names |= {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)}
+                assert "counting" not in names, f"{name}:{node.lineno}: a branch on counting mode"
+    from engine.core.block_pool import BlockPool, CountingBlockPool
+    kvm = Scheduler(SchedulerConfig(block_size=4, num_gpu_blocks=9, max_num_batched_tokens=64,
+                                    max_num_seqs=4, max_model_len=32, track_block_ids=False)).kv_cache_manager
+    assert type(kvm.block_pool) is CountingBlockPool and kvm.counting
+    assert type(Scheduler(SchedulerConfig(block_size=4, num_gpu_blocks=9, max_num_batched_tokens=64,
+                                          max_num_seqs=4, max_model_len=32)).kv_cache_manager.block_pool) is BlockPool

@@ -1,10 +1,14 @@
-"""Scheduler.advance() (fast steps) must leave the scheduler exactly where plain steps would."""
+"""FastForwardScheduler.advance() (fast-forward steps) must leave the scheduler exactly where plain
+steps of the plain Scheduler would."""
 import random
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine.core import Request, SamplingParams, Scheduler, SchedulerConfig
+import ast
+from pathlib import Path
+
+from engine.core import FastForwardScheduler, Request, SamplingParams, Scheduler, SchedulerConfig
 
 TOKEN = 7
 
@@ -40,7 +44,7 @@ def test_steady_steps_equal_plain_steps(data):
                reserve_full_prompt=data.draw(st.booleans()),
                long_prefill_token_threshold=data.draw(st.sampled_from([0, 0, 8, 40])),
                policy=data.draw(st.sampled_from(["fcfs", "priority"])))
-    a, b = Scheduler(SchedulerConfig(**cfg)), Scheduler(SchedulerConfig(**cfg))
+    a, b = Scheduler(SchedulerConfig(**cfg)), FastForwardScheduler(SchedulerConfig(**cfg))
     shared = [data.draw(st.integers(1, 3)) for _ in range(40)]
     reqs = []
     uniques = {}
@@ -112,7 +116,7 @@ def test_steady_steps_equal_plain_steps(data):
 
 
 def test_advance_features_and_admission():
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512,
+    s = FastForwardScheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512,
                                   block_size=16, num_gpu_blocks=200))
     for i in range(3):
         s.add_request(Request(f"r{i}", [i] * 20, SamplingParams(max_tokens=50, ignore_eos=True)))
@@ -136,7 +140,7 @@ def test_advance_features_and_admission():
 
 
 def test_advance_runs_until_the_outside_event_and_stops_at_a_finish():
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512,
+    s = FastForwardScheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512,
                                   block_size=4, num_gpu_blocks=200))
     s.add_request(Request("a", [1] * 10, SamplingParams(max_tokens=100, ignore_eos=True)))
     s.add_request(Request("b", [2] * 10, SamplingParams(max_tokens=8, ignore_eos=True)))
@@ -164,7 +168,7 @@ def test_advance_then_takes_that_many_steps_past_until():
     """Steps of 1.0 from 0.0 with until=2.5: steps start at 0, 1, 2 (the last one ends at 3.0,
     past until); then=1 adds the step starting at 3.0, then=2 two; a finish still stops the run."""
     def fresh(max_tokens=50):
-        s = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512,
+        s = FastForwardScheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512,
                                       block_size=16, num_gpu_blocks=200))
         s.add_request(Request("r", [1] * 20, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
         plain_step(s)
@@ -184,7 +188,7 @@ def test_arrivals_join_a_run_through_the_arrive_hook():
     ends, same scheduler state. The hook sees each boundary that reached its time once, with the
     start of the step that just ended."""
     def fresh():
-        s = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512,
+        s = FastForwardScheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512,
                                       block_size=4, num_gpu_blocks=200))
         s.add_request(Request("a", [1] * 10, SamplingParams(max_tokens=40, ignore_eos=True)))
         plain_step(s)
@@ -217,3 +221,15 @@ def test_arrivals_join_a_run_through_the_arrive_hook():
     r.sync()
     assert state(s) == state(r)
     s.check_invariants()
+
+
+def test_the_scheduler_module_is_the_plain_scheduler():
+    # The fast-forward lives in engine/core/fast_forward.py and extends the plain scheduler through
+    # its public hooks; scheduler.py neither imports it nor defines anything of it.
+    src = (Path(__file__).resolve().parents[1] / "engine" / "core" / "scheduler.py").read_text()
+    tree = ast.parse(src)
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "engine.core.fast_forward" not in imported
+    defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assert not defined & {"advance", "sync", "Advance", "Cut", "FastStep", "LazyDecodes"}
+    assert not hasattr(Scheduler, "advance") and issubclass(FastForwardScheduler, Scheduler)

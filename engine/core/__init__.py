@@ -9,6 +9,7 @@ _compiled.activate(__path__)
 
 from engine.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from engine.core.config import SchedulerConfig
+from engine.core.fast_forward import FastForwardScheduler
 from engine.core.features import BatchFeatures
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.output import (CachedRequestData, EngineCoreOutput, NewRequestData, SchedulerOutput,
@@ -20,7 +21,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 
 __all__ = [
-    "BatchFeatures", "BlockPool", "CachedRequestData", "EngineCoreOutput", "FCFSQueue",
+    "BatchFeatures", "BlockPool", "CachedRequestData", "EngineCoreOutput", "FastForwardScheduler", "FCFSQueue",
     "FreeBlockQueue", "HeapQueue", "KVCacheBlock", "KVCacheManager", "NewRequestData",
     "PriorityQueue", "Request", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig",
     "SchedulerOutput", "ShortestPromptFirstQueue", "WaitingQueue", "batch_features",

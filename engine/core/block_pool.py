@@ -10,15 +10,22 @@ A freed block keeps its prefix hash: it is still a cache hit until allocation po
 head, at which point its hash is dropped from the map (lazy eviction). A hit on a free cached
 block takes it out of the middle of the queue (`touch`).
 
-Counting mode (a pool made with track_ids=False, for the simulator): while no block can ever be
-a prefix-cache hit, which block a request holds cannot change any decision, only how many. The
-pool then counts: get_new_blocks hands out the shared placeholder ANONYMOUS (block_id -1) and
-nothing moves in the free queue. `materialize` leaves the mode for good (KVCacheManager calls it
-before the first block hash that someone could hit exists).
+Two pool classes with one interface, chosen by KVCacheManager:
+
+    BlockPool          tracks which block each request holds (the engine, and vLLM);
+    CountingBlockPool  counts them (the simulator, SchedulerConfig.track_block_ids=False). While
+                       no block can ever be a prefix-cache hit, which block a request holds
+                       cannot change any decision, only how many. get_new_blocks hands out the
+                       shared placeholder ANONYMOUS (block_id -1), nothing moves in a free
+                       queue, and cache marks are deferred. Before the first block hash that
+                       someone could hit exists (`needs_ids`), the manager swaps it for the
+                       BlockPool that `tracked()` builds, for good.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+from engine.core.request import Request
 
 # block_hash of a block that is cached (it goes to the tail when freed, like any hashed block)
 # but whose content is unique to its request (Request.unique_from), so no other request can hit
@@ -41,7 +48,48 @@ class KVCacheBlock:
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
 
 
-# The block a pool in counting mode hands out: every allocated slot holds this one object.
+# Seed of the hash chain; any fixed value works, it only has to be the same for every request.
+NONE_HASH = hash(("servetwin-prefix-cache", 0))
+
+
+def block_hashes(request: Request, num_full_blocks: int, block_size: int) -> list[int]:
+    """The block hash, the only place it is computed: extend the request's chain
+    (request.block_hashes) to `num_full_blocks` full blocks and return it.
+
+        hashes[i] = hash((hashes[i - 1], tuple(tokens of block i)))     hashes[-1] = NONE_HASH
+
+    Block 0 also mixes in the request's cache_salt (vLLM's) when it has one. Equal hashes mean
+    equal token prefixes (up to 64-bit collisions). A block past request.unique_from (content
+    no other request has) is keyed by the request id instead of its tokens, hashes[i] =
+    hash((hashes[i - 1], request_id)): no other request can have it either, so its tokens need
+    not exist (the simulator does not build them).
+    """
+    hashes = request.block_hashes
+    n = len(hashes)
+    if n >= num_full_blocks:
+        return hashes
+    bs = block_size
+    toks = request.all_token_ids
+    by_content = num_full_blocks
+    if request.unique_from is not None:
+        by_content = min(num_full_blocks, request.unique_from // bs)
+    parent = hashes[-1] if n else NONE_HASH
+    if n == 0 and request.cache_salt is not None:
+        key = tuple(toks[:bs]) if by_content > 0 else request.request_id
+        parent = hash((parent, key, request.cache_salt))
+        hashes.append(parent)
+        n = 1
+    for i in range(n, by_content):
+        parent = hash((parent, tuple(toks[i * bs:(i + 1) * bs])))
+        hashes.append(parent)
+    rid = request.request_id
+    for _ in range(max(n, by_content), num_full_blocks):
+        parent = hash((parent, rid))
+        hashes.append(parent)
+    return hashes
+
+
+# The block a counting pool hands out: every allocated slot holds this one object.
 ANONYMOUS = KVCacheBlock(-1)
 
 
@@ -113,10 +161,8 @@ class BlockPool:
     The hot loops below inline the queue operations: they run for every block of every request.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool, unhashed_first: bool = True,
-                 track_ids: bool = True) -> None:
-        if num_blocks < 2:
-            raise ValueError(f"num_gpu_blocks={num_blocks}: need at least 2 (block 0 is the null block)")
+    def __init__(self, num_blocks: int, enable_caching: bool, unhashed_first: bool = True) -> None:
+        _check_num_blocks(num_blocks)
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.unhashed_first = unhashed_first
@@ -124,7 +170,6 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.null_block = self.free_queue.popleft()
         self.cached: dict = {}  # hash -> KVCacheBlock | {block_id: KVCacheBlock}
-        self.counting = not track_ids  # counting mode (see the module docstring)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -144,9 +189,6 @@ class BlockPool:
         q = self.free_queue
         if n > q.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks, {q.num_free_blocks} free")
-        if self.counting:
-            q.num_free_blocks -= n
-            return [ANONYMOUS] * n
         out = []
         cached = self.cached if self.enable_caching else None
         head = q.head
@@ -168,39 +210,14 @@ class BlockPool:
         q.num_free_blocks -= n
         return out
 
-    def release(self, n: int) -> None:
-        """free_blocks in counting mode: n placeholders come back (no block moves)."""
-        self.free_queue.num_free_blocks += n
+    def needs_ids(self, request: Request, resumable: bool) -> bool:
+        """Whether the manager must swap this pool for a tracking one before looking `request` up
+        (or freeing it, `resumable`) with prefix caching on. A tracking pool: never."""
+        return False
 
-    def materialize(self, held: list[list[KVCacheBlock]]) -> None:
-        """Leave counting mode: give every placeholder in `held` (the requests' block lists, each
-        placeholder a block with one reference) a block of its own, and free the rest in id
-        order, without hashes. In counting mode no block carries a hash anyone can hit, so the
-        result differs from the tracked pool's state only in block numbering, the order of free
-        blocks and UNIQUE marks on free blocks, none of which a lookup or a later allocation can
-        tell apart (UNIQUE is never a key of the hash map; every such free block is evicted with
-        no effect when allocation reaches it)."""
-        if not self.counting:
-            return
-        blocks = self.blocks
-        k = 1  # block 0 is the null block
-        for lst in held:
-            for i in range(len(lst)):
-                b = blocks[k]
-                b.ref_cnt = 1
-                b.block_hash = None
-                lst[i] = b
-                k += 1
-        num_free = self.free_queue.num_free_blocks
-        if k - 1 + num_free != self.num_blocks - 1:
-            raise RuntimeError(f"block pool: {k - 1} held + {num_free} free != {self.num_blocks - 1} usable")
-        rest = blocks[k:]
-        for b in rest:
-            b.ref_cnt = 0
-            b.block_hash = None
-        self.free_queue = FreeBlockQueue(rest)
-        self.cached.clear()
-        self.counting = False
+    def free_request_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """Release a request's blocks, last block first (so tails are evicted before prefixes)."""
+        self.free_blocks(reversed(blocks))
 
     def evict(self, b: KVCacheBlock) -> None:
         """Take a block's hash out of the prefix-cache map (the block stays where it is)."""
@@ -276,6 +293,46 @@ class BlockPool:
         else:
             v[b.block_id] = b
 
+    def cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], start: int, num_full: int,
+                          block_size: int) -> None:
+        """Enter blocks [start, num_full) of a request in the prefix-cache map (vLLM's
+        BlockPool.cache_full_blocks); blocks past request.unique_from are marked UNIQUE instead:
+        cached, but hashed only on preemption (KVCacheManager._hash_unique_blocks)."""
+        num_hashed = num_full
+        if request.unique_from is not None:
+            num_hashed = min(num_full, request.unique_from // block_size)
+            for i in range(max(start, num_hashed), num_full):
+                b = req_blocks[i]
+                if b.block_hash is None:
+                    b.block_hash = UNIQUE
+            if start >= num_hashed:
+                return
+        hashes = block_hashes(request, num_hashed, block_size)
+        cached = self.cached
+        for i in range(start, num_hashed):
+            b = req_blocks[i]
+            if b.block_hash is None:
+                h = b.block_hash = hashes[i]
+                if cached.setdefault(h, b) is not b:  # h already cached: keep both
+                    self.cache_block(b, h)
+
+    def check_integrity(self, req_to_blocks: dict[str, list[KVCacheBlock]]) -> None:
+        """Invariants (mini-sglang style): ref counts equal holders; free queue consistent."""
+        holders: dict[int, int] = {}
+        for blocks in req_to_blocks.values():
+            for b in blocks:
+                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        in_queue = {b.block_id for b in self.free_queue}
+        assert len(in_queue) == self.free_queue.num_free_blocks, "free queue count drift"
+        for b in self.blocks[1:]:
+            want = holders.get(b.block_id, 0)
+            assert b.ref_cnt == want, f"block {b.block_id}: ref_cnt {b.ref_cnt} != holders {want}"
+            assert (b.ref_cnt == 0) == (b.block_id in in_queue), f"block {b.block_id} queue state"
+        assert 0 not in in_queue, "null block in free queue"
+        for h in self.cached:
+            for b in self.cached_blocks(h):
+                assert b.block_hash == h, f"block {b.block_id} hash map mismatch"
+
     def cached_blocks(self, block_hash: int) -> list[KVCacheBlock]:
         v = self.cached.get(block_hash)
         if v is None:
@@ -285,3 +342,75 @@ class BlockPool:
     def usage(self) -> float:
         """Fraction of usable blocks referenced by requests (cached-but-free blocks count as free)."""
         return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
+
+
+
+class CountingBlockPool(BlockPool):
+    """A pool that counts blocks instead of tracking them (see the module docstring). It holds no
+    KVCacheBlock of its own: the blocks exist once `tracked()` builds the tracking pool."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool, unhashed_first: bool = True) -> None:
+        _check_num_blocks(num_blocks)
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.unhashed_first = unhashed_first
+        self.blocks = []
+        self.free_queue = FreeBlockQueue([])
+        self.free_queue.num_free_blocks = num_blocks - 1
+        self.null_block = KVCacheBlock(0)
+        self.cached = {}  # stays empty: no block carries a hash in this pool
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        q = self.free_queue
+        if n > q.num_free_blocks:
+            raise ValueError(f"cannot allocate {n} blocks, {q.num_free_blocks} free")
+        q.num_free_blocks -= n
+        return [ANONYMOUS] * n
+
+    def free_request_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        self.free_queue.num_free_blocks += len(blocks)
+
+    def needs_ids(self, request: Request, resumable: bool) -> bool:
+        """A lookup can hit, or be hit by, a hashed block: the request is preempted and may hit its
+        own blocks when it resumes, or its prompt is not unique from its first token."""
+        return resumable or request.unique_from != 0 or request.num_preemptions > 0
+
+    def cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], start: int, num_full: int,
+                          block_size: int) -> None:
+        """Deferred: every request so far had unique_from 0 (needs_ids saw it), so its full blocks
+        are UNIQUE marks, which the manager makes when it swaps in the tracking pool."""
+
+    def tracked(self, held: list[list[KVCacheBlock]]) -> BlockPool:
+        """The tracking pool this one stands for: every placeholder in `held` (the requests' block
+        lists, each placeholder a block with one reference) gets a block of its own, in place, and
+        the rest are free in id order, without hashes. No block here carries a hash anyone can
+        hit, so the result differs from a tracking pool's state only in block numbering, the order
+        of free blocks and UNIQUE marks on free blocks, none of which a lookup or a later
+        allocation can tell apart (UNIQUE is never a key of the hash map; every such free block
+        is evicted with no effect when allocation reaches it)."""
+        pool = BlockPool(self.num_blocks, self.enable_caching, self.unhashed_first)
+        blocks = pool.blocks
+        k = 1  # block 0 is the null block
+        for lst in held:
+            for i in range(len(lst)):
+                b = blocks[k]
+                b.ref_cnt = 1
+                lst[i] = b
+                k += 1
+        num_free = self.free_queue.num_free_blocks
+        if k - 1 + num_free != self.num_blocks - 1:
+            raise RuntimeError(f"block pool: {k - 1} held + {num_free} free != {self.num_blocks - 1} usable")
+        pool.free_queue = FreeBlockQueue(blocks[k:])
+        return pool
+
+    def check_integrity(self, req_to_blocks: dict[str, list[KVCacheBlock]]) -> None:
+        held = sum(len(blocks) for blocks in req_to_blocks.values())
+        assert held + self.free_queue.num_free_blocks == self.num_blocks - 1, "block count drift"
+        assert all(b is ANONYMOUS for blocks in req_to_blocks.values() for b in blocks), \
+            "a tracked block in a counting pool"
+        assert not self.cached, "a hashed block in a counting pool"
+
+
+def _check_num_blocks(num_blocks: int) -> None:
+    if num_blocks < 2:
+        raise ValueError(f"num_gpu_blocks={num_blocks}: need at least 2 (block 0 is the null block)")

@@ -15,8 +15,8 @@ has the gap step_ends[s] - step_ends[s - 1]; the book counts those per step (ste
 the other gaps (after a preemption, or a step in which the request got no token) explicitly.
 `itl_sample()` returns the weighted sample, equal to the gaps of every request's token times.
 
-The lazy_* methods keep the same books for the steps Scheduler.advance() takes at once, where
-requests decode lazily (engine.core.steady): such a request's tokens are written back from the
+The lazy_* methods keep the same books for the steps FastForwardScheduler.advance() takes at once, where
+requests decode lazily (engine.core.fast_forward): such a request's tokens are written back from the
 step ends when something happens to it.
 """
 from __future__ import annotations

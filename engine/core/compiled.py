@@ -29,7 +29,7 @@ CORE_DIR = Path(__file__).resolve().parent
 ROOT = CORE_DIR.parents[1]
 BUILD_DIR = ROOT / "build" / "compiled"
 STAMP = BUILD_DIR / "sources.sha256"
-MODULES = ("block_pool", "kv_cache_manager", "steady", "scheduler", "request", "features", "output")
+MODULES = ("block_pool", "kv_cache_manager", "scheduler", "fast_forward", "request", "features", "output")
 # mypy cannot see the narrowing the hot loops do by hand (`v.__class__ is KVCacheBlock`, sentinels,
 # a request known present): these checks are off for the build. mypyc still checks every declared
 # type at run time, so a wrong value raises TypeError instead of passing silently.

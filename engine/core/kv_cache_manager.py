@@ -5,51 +5,10 @@ class: one KV cache group, full attention, which is what the engine and simulato
 """
 from __future__ import annotations
 
-from engine.core.block_pool import ANONYMOUS, UNIQUE, BlockPool, KVCacheBlock
+from engine.core.block_pool import NONE_HASH, UNIQUE, BlockPool, CountingBlockPool, KVCacheBlock, block_hashes
 from engine.core.request import Request
 
 _NO_BLOCKS: list = []  # shared, never mutated
-
-# Seed of the hash chain; any fixed value works, it only has to be the same for every request.
-NONE_HASH = hash(("servetwin-prefix-cache", 0))
-
-
-def block_hashes(request: Request, num_full_blocks: int, block_size: int) -> list[int]:
-    """The block hash, the only place it is computed: extend the request's chain
-    (request.block_hashes) to `num_full_blocks` full blocks and return it.
-
-        hashes[i] = hash((hashes[i - 1], tuple(tokens of block i)))     hashes[-1] = NONE_HASH
-
-    Block 0 also mixes in the request's cache_salt (vLLM's) when it has one. Equal hashes mean
-    equal token prefixes (up to 64-bit collisions). A block past request.unique_from (content
-    no other request has) is keyed by the request id instead of its tokens, hashes[i] =
-    hash((hashes[i - 1], request_id)): no other request can have it either, so its tokens need
-    not exist (the simulator does not build them).
-    """
-    hashes = request.block_hashes
-    n = len(hashes)
-    if n >= num_full_blocks:
-        return hashes
-    bs = block_size
-    toks = request.all_token_ids
-    by_content = num_full_blocks
-    if request.unique_from is not None:
-        by_content = min(num_full_blocks, request.unique_from // bs)
-    parent = hashes[-1] if n else NONE_HASH
-    if n == 0 and request.cache_salt is not None:
-        key = tuple(toks[:bs]) if by_content > 0 else request.request_id
-        parent = hash((parent, key, request.cache_salt))
-        hashes.append(parent)
-        n = 1
-    for i in range(n, by_content):
-        parent = hash((parent, tuple(toks[i * bs:(i + 1) * bs])))
-        hashes.append(parent)
-    rid = request.request_id
-    for _ in range(max(n, by_content), num_full_blocks):
-        parent = hash((parent, rid))
-        hashes.append(parent)
-    return hashes
-
 
 class KVCacheManager:
     def __init__(
@@ -64,7 +23,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_gpu_blocks, enable_caching, unhashed_first, track_block_ids)
+        # The pool strategy (engine/core/block_pool.py): tracking, or counting until a lookup needs ids.
+        self.block_pool: BlockPool = (BlockPool if track_block_ids else CountingBlockPool)(
+            num_gpu_blocks, enable_caching, unhashed_first)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Number of leading blocks of each request already entered in the prefix-cache map.
         self.num_cached_block: dict[str, int] = {}
@@ -92,15 +53,17 @@ class KVCacheManager:
 
     @property
     def counting(self) -> bool:
-        """Whether the pool counts blocks instead of tracking which (see the module docstring)."""
-        return self.block_pool.counting
+        """Whether the pool counts blocks instead of tracking which (engine/core/block_pool.py)."""
+        return isinstance(self.block_pool, CountingBlockPool)
 
-    def _materialize(self) -> None:
-        """Leave counting mode: real blocks for every placeholder, marked as the request's cached
-        blocks would be (UNIQUE up to num_cached_block: every request so far had unique_from 0)."""
+    def _track_blocks(self) -> None:
+        """Swap the counting pool for the tracking one it stands for: real blocks for every
+        placeholder, marked as the request's cached blocks would be (UNIQUE up to
+        num_cached_block: every request so far had unique_from 0)."""
         pool = self.block_pool
+        assert isinstance(pool, CountingBlockPool)
         held = list(self.req_to_blocks.items())
-        pool.materialize([blocks for _rid, blocks in held])
+        self.block_pool = pool.tracked([blocks for _rid, blocks in held])
         if self.enable_caching:
             for rid, blocks in held:
                 for i in range(self.num_cached_block[rid]):
@@ -123,8 +86,8 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
-        if self.block_pool.counting and (request.unique_from != 0 or request.num_preemptions):
-            self._materialize()  # its prompt may hit, or be hit by, a hashed block
+        if self.block_pool.needs_ids(request, False):
+            self._track_blocks()  # its prompt may hit, or be hit by, a hashed block
         max_blocks = (request.num_tokens - 1) // self.block_size
         if request.unique_from is not None and request.num_preemptions == 0:
             # Blocks past unique_from are nobody else's; it has none of its own yet.
@@ -212,7 +175,7 @@ class KVCacheManager:
         and the block the token fills enters the prefix cache. Returns the new blocks in order.
 
         The one implementation of a one-token step: schedule() calls it for a single request,
-        the fast steps of Scheduler.advance() for all the requests at a block boundary at once.
+        the fast steps of FastForwardScheduler.advance() for all the requests at a block boundary at once.
         """
         bs = self.block_size
         req_to_blocks = self.req_to_blocks
@@ -239,7 +202,7 @@ class KVCacheManager:
 
     def cache_full_blocks(self, request: Request) -> None:
         """Enter the request's full computed blocks in the prefix cache, if some are not yet (as
-        allocate_slots does for the blocks a step fills). Scheduler.advance() defers it for the
+        allocate_slots does for the blocks a step fills). FastForwardScheduler.advance() defers it for the
         UNIQUE blocks of a request decoding lazily: nobody can hit them, nothing frees them."""
         if self.enable_caching:
             num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
@@ -247,29 +210,11 @@ class KVCacheManager:
                 self._cache_full_blocks(request, self.req_to_blocks[request.request_id], num_full)
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_full: int) -> None:
-        """Enter blocks [num_cached, num_full) of a request in the prefix-cache map (blocks past
-        request.unique_from are marked UNIQUE instead: cached, but hashed only on preemption)."""
+        """Enter blocks [num_cached, num_full) of a request in the prefix cache (the pool's
+        cache_full_blocks: hashed, or UNIQUE past request.unique_from)."""
         start = self.num_cached_block[request.request_id]
         self.num_cached_block[request.request_id] = num_full
-        if self.block_pool.counting:
-            return  # unique_from is 0 (get_computed_blocks saw it): UNIQUE marks, made on leaving
-        num_hashed = num_full
-        if request.unique_from is not None:
-            num_hashed = min(num_full, request.unique_from // self.block_size)
-            for i in range(max(start, num_hashed), num_full):
-                b = req_blocks[i]
-                if b.block_hash is None:
-                    b.block_hash = UNIQUE
-            if start >= num_hashed:
-                return
-        hashes = block_hashes(request, num_hashed, self.block_size)
-        cached = self.block_pool.cached
-        for i in range(start, num_hashed):
-            b = req_blocks[i]
-            if b.block_hash is None:
-                h = b.block_hash = hashes[i]
-                if cached.setdefault(h, b) is not b:  # h already cached: keep both
-                    self.block_pool.cache_block(b, h)
+        self.block_pool.cache_full_blocks(request, req_blocks, start, num_full, self.block_size)
 
     def _hash_unique_blocks(self, request: Request, blocks: list[KVCacheBlock]) -> None:
         """Give a request's UNIQUE blocks their real hashes and enter them in the map, as they
@@ -308,39 +253,18 @@ class KVCacheManager:
         """Release a request's blocks, last block first (so tails are evicted before prefixes).
         `resumable`: the request is preempted and will look its own blocks up again."""
         blocks = self.req_to_blocks.get(request.request_id)
-        if blocks and resumable and self.block_pool.counting and self.enable_caching:
-            self._materialize()  # it may hit its own blocks when it resumes
+        if blocks and resumable and self.enable_caching and self.block_pool.needs_ids(request, True):
+            self._track_blocks()  # it may hit its own blocks when it resumes
         if blocks and resumable and request.unique_from is not None:
             self._hash_unique_blocks(request, blocks)
         self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         if blocks:
-            if self.block_pool.counting:
-                self.block_pool.release(len(blocks))
-            else:
-                self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_request_blocks(blocks)
 
     def check_integrity(self) -> None:
-        """Invariants (mini-sglang style): ref counts equal holders; free queue consistent."""
-        pool = self.block_pool
-        if pool.counting:
-            held = sum(len(blocks) for blocks in self.req_to_blocks.values())
-            assert held + pool.free_queue.num_free_blocks == pool.num_blocks - 1, "block count drift"
-            assert all(b is ANONYMOUS for blocks in self.req_to_blocks.values() for b in blocks), \
-                "a tracked block in counting mode"
-            assert not pool.cached, "a hashed block in counting mode"
-            return
-        holders: dict[int, int] = {}
-        for blocks in self.req_to_blocks.values():
-            for b in blocks:
-                holders[b.block_id] = holders.get(b.block_id, 0) + 1
-        in_queue = {b.block_id for b in self.block_pool.free_queue}
-        assert len(in_queue) == self.block_pool.free_queue.num_free_blocks, "free queue count drift"
-        for b in self.block_pool.blocks[1:]:
-            want = holders.get(b.block_id, 0)
-            assert b.ref_cnt == want, f"block {b.block_id}: ref_cnt {b.ref_cnt} != holders {want}"
-            assert (b.ref_cnt == 0) == (b.block_id in in_queue), f"block {b.block_id} queue state"
-        assert 0 not in in_queue, "null block in free queue"
-        for h in self.block_pool.cached:
-            for b in self.block_pool.cached_blocks(h):
-                assert b.block_hash == h, f"block {b.block_id} hash map mismatch"
+        """Invariants (mini-sglang style): the pool's own (ref counts equal holders, free queue
+        consistent; or, counting, held + free = usable), and the manager's books."""
+        self.block_pool.check_integrity(self.req_to_blocks)
+        for rid, n in self.num_cached_block.items():
+            assert n <= len(self.req_to_blocks.get(rid, ())), f"request {rid}: {n} cached blocks > held"

@@ -38,7 +38,7 @@ class CachedRequestData:
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_resumed_reqs: list[NewRequestData]
-    scheduled_cached_reqs: CachedRequestData | None  # None from the fast path (Scheduler.advance)
+    scheduled_cached_reqs: CachedRequestData | None  # None from the fast path (FastForwardScheduler.advance)
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     preempted_req_ids: set[str]

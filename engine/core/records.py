@@ -44,7 +44,7 @@ RequestRecord.COLUMNS = tuple(f.name for f in fields(RequestRecord) if f.name !=
 @dataclass(slots=True)
 class StepRecord:
     """One engine step (num_steps == 1), or a run of num_steps simulated steps taken at once by
-    Scheduler.advance() between two outside events.
+    FastForwardScheduler.advance() between two outside events.
 
     For a run, the feature columns (num_reqs .. num_preempted) and the time columns
     (schedule_s .. sample_s, forward_s) are SUMS over its steps; num_running, num_waiting and

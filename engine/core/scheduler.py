@@ -8,13 +8,14 @@ preemption by recompute. Pure Python; the engine and the simulator both drive it
 There are no prefill/decode phases: each request has `num_computed_tokens` and `num_tokens`, and a
 step decides only how many tokens each request advances (`num_scheduled_tokens`).
 
-A driver that samples one fixed token for every request (the simulator) may instead call
-`advance()`, which takes every step up to the next outside event at once (see there).
+This module is the plain scheduler. A driver that samples one fixed token for every request (the
+simulator) may use engine.core.fast_forward.FastForwardScheduler instead, which extends this
+class, as vLLM's AsyncScheduler extends Scheduler, and can take every step up to the next outside
+event at once through the public hooks below (`admit_waiting`, `before_finish`).
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from engine.core.admission import AdmissionError, admit
 from engine.core.config import SchedulerConfig
@@ -24,7 +25,6 @@ from engine.core.output import (CachedRequestData, EngineCoreOutput, NewRequestD
                                 SchedulerOutput)
 from engine.core.policy import make_queue
 from engine.core.request import Request, RequestStatus
-from engine.core.steady import LazyDecodes
 
 _WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING
@@ -33,67 +33,6 @@ _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
 _FINISH_REASON = {s: RequestStatus.finish_reason(s) for s in (
     RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED)}
-
-
-# Plain classes with their own __init__, not dataclasses: a step builds several, and mypyc
-# compiles an explicit __init__ natively, while a dataclass with default factories keeps the
-# generated Python __init__ (py-spy showed it among the compiled build's hottest frames).
-class FastStep:
-    """A step of Scheduler.advance() in which more happened than decodes."""
-
-    __slots__ = ("index", "admitted", "first_tokens", "finished", "watched", "leave", "features")
-
-    def __init__(self, admitted: list | None = None) -> None:
-        self.index = 0                   # its position in Advance.ends
-        self.admitted: list = admitted if admitted is not None else []  # (request, prefix-hit tokens, tokens, was new)
-        self.first_tokens: list = []     # admitted requests that sampled a token
-        self.finished: list = []         # (request, finish reason)
-        self.watched: list = []          # requests that reached their watch point
-        self.leave = False               # plain steps must follow
-        self.features = BatchFeatures()
-
-
-def _add_decodes(f: BatchFeatures, n: int, ctx: int) -> None:
-    """Count n decodes reading ctx KV tokens, summed over featureless fast steps, into f."""
-    f.num_reqs += n
-    f.num_decode_reqs += n
-    f.decode_context_tokens += ctx
-
-
-class Cut:
-    """Where a driver's step table closes a row inside one Scheduler.advance() run (after a step in
-    which a request finished, when the run goes on through finishes): the steps before it, their
-    summed features, and the scheduler's state after them."""
-
-    __slots__ = ("num_steps", "features", "num_running", "num_waiting", "num_free_blocks")
-
-    def __init__(self, num_steps: int, features: BatchFeatures, num_running: int, num_waiting: int,
-                 num_free_blocks: int) -> None:
-        self.num_steps = num_steps       # steps of the run up to and including the step it follows
-        self.features = features         # summed over the steps since the previous cut
-        self.num_running = num_running
-        self.num_waiting = num_waiting
-        self.num_free_blocks = num_free_blocks
-
-
-class Advance:
-    """The steps one Scheduler.advance() call took."""
-
-    __slots__ = ("start", "ends", "num_decodes", "events", "features", "cuts", "entered", "left")
-
-    def __init__(self, start: float, entered: list[Request] | None = None) -> None:
-        self.start = start
-        self.ends: list[float] = []          # each step's end time
-        self.num_decodes: list[int] = []     # each step's lazy decodes (one token each)
-        self.events: list[FastStep] = []     # the steps with more than decodes
-        self.features = BatchFeatures()      # summed over the steps after the last cut
-        self.cuts: list[Cut] = []            # finishes the run went on through (stop_at_finish=False)
-        self.entered: list[Request] = entered if entered is not None else []  # went lazy at the start
-        self.left: list[Request] | None = None  # fast mode ended: sync()'s result; plain steps next
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.ends)
 
 
 class Scheduler:
@@ -117,8 +56,6 @@ class Scheduler:
         # Finished since the last schedule(); reported once so the runner can drop state.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # cumulative, for metrics
-        # Fast mode (advance()): the running requests decoding lazily, or None.
-        self._lazy: LazyDecodes | None = None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -179,12 +116,7 @@ class Scheduler:
                 found.append(req)
         if not found:
             return
-        lazy = self._lazy
-        if lazy is not None:
-            for req in found:
-                seq = lazy.index.get(req.request_id)
-                if seq is not None:  # its counters, tokens and cached blocks as of the last step
-                    self.kv_cache_manager.cache_full_blocks(lazy.drop(seq))
+        self.before_finish(found)
         running_drop = {id(r) for r in found if r.status == _RUNNING}
         if running_drop:
             self.running = [r for r in self.running if id(r) not in running_drop]
@@ -194,6 +126,10 @@ class Scheduler:
         for req in found:
             req.status = finished_status
             self._free_request(req)
+
+    def before_finish(self, requests: list[Request]) -> None:
+        """Hook: called by finish_requests with the live requests it is about to finish, before it
+        touches them (a subclass brings state it keeps aside up to date). Does nothing here."""
 
     def _free_request(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
@@ -211,8 +147,6 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
-        if self._lazy is not None:
-            self.sync()
         budget = self.max_num_batched_tokens
         running = self.running
         waiting = self.waiting
@@ -249,8 +183,8 @@ class Scheduler:
             n = req.num_tokens - computed
             if n == 1:
                 # A pure counter increment: the slot exists and the token completes no block, so
-                # append_slots would allocate and cache nothing (the fast steps of advance() skip
-                # exactly these requests too).
+                # append_slots would allocate and cache nothing (a fast-forward step skips exactly
+                # these requests too).
                 if computed < len(req_to_blocks[rid]) * bs and (not caching or (computed + 1) % bs):
                     num_scheduled[rid] = 1
                     c_ids.append(rid)
@@ -281,7 +215,7 @@ class Scheduler:
                     i += 1
                     continue
             while True:
-                # One new token: the call a fast step makes for the decodes at a block boundary.
+                # One new token: the call a fast-forward step makes for decodes at a block boundary.
                 blocks = kvm.append_slots([req]) if n == 1 else kvm.allocate_slots(req, n)
                 if blocks is not None:
                     break
@@ -331,7 +265,7 @@ class Scheduler:
         new_data: list[NewRequestData] = []
         resumed_data: list[NewRequestData] = []
         if not preempted and waiting:
-            admitted, budget = self._admit_waiting(budget, thr)
+            admitted, budget = self.admit_waiting(budget, thr)
             for req, num_hit, n, was_new in admitted:
                 rid = req.request_id
                 (new_data if was_new else resumed_data).append(NewRequestData(
@@ -360,8 +294,8 @@ class Scheduler:
         self.finished_req_ids = set()
         return out
 
-    def _admit_waiting(self, budget: int, thr: int) -> tuple[list[tuple[Request, int, int, bool]], int]:
-        """The waiting part of a step: admit from the head of the queue while the token budget,
+    def admit_waiting(self, budget: int, thr: int) -> tuple[list[tuple[Request, int, int, bool]], int]:
+        """Hook (also for subclasses' steps): the waiting part of a step: admit from the head of the queue while the token budget,
         max_num_seqs and the KV pool allow (head-of-line: the first refusal ends it).
 
         Returns [(request, prefix-hit tokens, tokens scheduled, was new)] and the budget left.
@@ -462,232 +396,6 @@ class Scheduler:
             drop = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in drop]
         return outputs
-
-    # ------------------------------------------------------------ fast steps
-    def advance(self, token_id: int, step_time: Callable[[BatchFeatures], float], start: float,
-                until: float, watch: Callable[[Request], int | None] | None = None,
-                then: int = 0, decode_time: Callable[[int, int], float] | None = None,
-                stop_at_finish: bool = True, arrive: Callable[[float, float], float] | None = None,
-                arrive_at: float = math.inf) -> Advance | None:
-        """Steps back to back, for a driver that samples `token_id` for every request (the
-        simulator): the steps schedule() + update_from_output(out, {id: [token_id] for each
-        sampling request}) would take, while the clock, which starts at `start` and advances
-        by `step_time(features)` per step, is before `until` (the next outside event).
-
-        Only steps in which every running request decodes are taken here ("fast steps"); the
-        per-request work of such a step is done only for the requests whose step is more than a
-        counter increment (engine/core/steady.py), with the code schedule() runs for them:
-        KVCacheManager.append_slots at block boundaries, _admit_waiting for the waiting queue,
-        update_from_output for finishes and first tokens. Running requests stay *lazy* (their
-        counters stale) between calls, until sync(), schedule() or finish_requests() writes
-        them back.
-
-        Returns None when no fast step can be taken now (take a plain step). Otherwise the
-        steps taken (maybe none, when `until` <= `start`); the run also stops after a step in
-        which a request finished (unless `stop_at_finish` is False: a driver to which a finish
-        brings no outside event; each such finish is then a `Cut` in the result, where the driver's
-        step table can close a row) or reached its `watch(request)` num_tokens, and before a step
-        fast steps cannot take (a preemption, a partial prefill chunk, more decodes than the
-        token budget): then `left` is set and the next step must be a plain one.
-        With `then` > 0, that many more steps are taken once the clock has reached `until`
-        (unless the run stops earlier for a reason above): a driver whose next outside event
-        cannot change the step after it (async scheduling: an arrival during step n first runs
-        in step n+2) lets the run go on through that step.
-        The features passed to step_time are valid during the call only. `decode_time(n, ctx)`,
-        if given, is step_time of a step of n decodes reading ctx KV tokens and nothing else (it
-        must equal step_time on those features); such steps then build no features.
-        `arrive(last_start, now)`, if given, is the driver's own arrival handling, for a driver
-        whose arrivals are known ahead (an open loop): it is called at each boundary of the run
-        after its first step whose time `now` has reached `arrive_at`, with the start of the step
-        that just ended; it may add_request() the requests that have arrived, and returns the
-        time at which it wants to be called again (math.inf: never). Arrivals then join the run
-        instead of ending it: the next step admits them as any step admits waiting requests.
-        """
-        lazy = self._lazy
-        entered: list[Request] = []
-        if lazy is None:
-            if not self._can_go_lazy(token_id):
-                return None
-            lazy = self._lazy = LazyDecodes(self.block_size, self.kv_cache_manager.enable_caching,
-                                            token_id)
-            for r in self.running:
-                lazy.join(r, 0, watch(r) if watch is not None else None)
-            entered = list(self.running)
-        elif lazy.token_id != token_id:
-            raise ValueError(f"advance(token_id={token_id}) while fast steps run with {lazy.token_id}")
-        res = Advance(start, entered=entered)
-        ends, decodes, events = res.ends, res.num_decodes, res.events
-        total = res.features
-        n_sum = ctx_sum = 0
-        decode_f = BatchFeatures()  # reused for pure decode steps
-        t = start
-        more = then
-        while True:
-            if t >= until:
-                if more <= 0:
-                    break
-                more -= 1
-            arrived = False
-            if t >= arrive_at and ends and arrive is not None:
-                state = (len(self.running), len(self.waiting), self.kv_cache_manager.num_free_blocks)
-                arrive_at = arrive(ends[-2] if len(ends) > 1 else start, t)
-                arrived = True
-            step = self._fast_step(lazy, watch)
-            if step is None:
-                # The steps since the last cut end as they were before the arrivals: a cut there.
-                if arrived and not (res.cuts and res.cuts[-1].num_steps == len(ends)):
-                    _add_decodes(total, n_sum, ctx_sum)
-                    n_sum = ctx_sum = 0
-                    res.cuts.append(Cut(len(ends), total, state[0], state[1], state[2]))
-                    total = BatchFeatures()
-                res.left = self.sync()
-                break
-            n, ctx, f = step
-            if f is None:
-                if decode_time is not None:
-                    t += decode_time(n, ctx)
-                else:
-                    decode_f.num_reqs = decode_f.num_decode_reqs = n
-                    decode_f.decode_context_tokens = ctx
-                    t += step_time(decode_f)
-                n_sum += n
-                ctx_sum += ctx
-            else:
-                t += step_time(f.features)
-                f.index = len(ends)
-                events.append(f)
-                total.merge(f.features)
-            ends.append(t)
-            decodes.append(n)
-            if f is not None:
-                if f.leave:
-                    res.left = self.sync()
-                    break
-                if f.watched:
-                    break
-                if f.finished:
-                    if stop_at_finish:
-                        break
-                    _add_decodes(total, n_sum, ctx_sum)
-                    n_sum = ctx_sum = 0
-                    res.cuts.append(Cut(len(ends), total, len(self.running), len(self.waiting),
-                                        self.kv_cache_manager.num_free_blocks))
-                    total = BatchFeatures()
-        _add_decodes(total, n_sum, ctx_sum)
-        res.features = total
-        return res
-
-    def sync(self) -> list[Request]:
-        """Leave fast mode: write every lazy request's counters and tokens back. Returns those
-        requests (a driver brings its records up to date)."""
-        lazy = self._lazy
-        if lazy is None:
-            return []
-        self._lazy = None
-        written = lazy.drop_all()
-        for r in written:
-            self.kv_cache_manager.cache_full_blocks(r)
-        return written
-
-    def _can_go_lazy(self, token_id: int) -> bool:
-        running = self.running
-        if not running or len(running) > self.max_num_batched_tokens:
-            return False
-        for r in running:
-            if r.num_tokens - r.num_computed_tokens != 1:
-                return False
-            if r.stop_ids is not None and token_id in r.stop_ids:
-                return False  # the fixed token could stop it: every token must be checked
-        return True
-
-    def _fast_step(self, lazy: LazyDecodes, watch) -> tuple[int, int, FastStep | None] | None:
-        """One step with every running request lazy, or None (nothing changed) when schedule()
-        must take it. Returns (decodes, their KV tokens read, what else happened or None)."""
-        n_dec = len(lazy)
-        running = self.running
-        if n_dec == 0 or n_dec != len(running) or n_dec > self.max_num_batched_tokens:
-            return None
-        members = lazy.members
-        kvm = self.kv_cache_manager
-
-        # 1. Running part: the requests at a block boundary get append_slots, in running order;
-        #    the step is refused whole if the pool cannot give every block (a preemption).
-        seqs, need = lazy.block_events()
-        if seqs:
-            if need > kvm.num_free_blocks:
-                return None
-            c0s, s0s, t = lazy.c0, lazy.s0, lazy.t
-            tok = lazy.token_id
-            hashing = lazy.caching
-            at_boundary = []
-            for seq in seqs:
-                # lazy.materialize(r, computed before step t), inlined: this loop is hot. The
-                # tokens are only needed where append_slots may hash them (written back later).
-                r = members[seq]
-                p = c0s[seq] + t - s0s[seq]
-                r.num_computed_tokens = p
-                r.num_tokens = p + 1
-                if hashing and r.unique_from is None:
-                    missing = p + 1 - len(r.all_token_ids)
-                    if missing > 0:
-                        tail = [tok] * missing
-                        r.all_token_ids += tail
-                        r.output_token_ids += tail
-                at_boundary.append(r)
-            kvm.append_slots(at_boundary)  # cannot fail: need <= free
-        ctx = lazy.ctx_base + n_dec * lazy.t  # lazy.decode_context_tokens()
-
-        # 2. Waiting part: the admission code of schedule().
-        admitted: list = []
-        if self.waiting and n_dec < self.max_num_seqs and n_dec < self.max_num_batched_tokens:
-            admitted, _ = self._admit_waiting(self.max_num_batched_tokens - n_dec,
-                                              self.config.long_prefill_token_threshold)
-
-        # 3. Update: members at their length limit, then admitted requests that computed their
-        #    whole prompt, sample through update_from_output (in running order, as a plain step).
-        limit, watched = lazy.pop_limit_events()
-        t = lazy.t
-        if not admitted and not limit and not watched:
-            lazy.t = t + 1
-            return n_dec, ctx, None
-        step = FastStep(admitted=list(admitted) if admitted else [])
-        step.watched = [members[seq] for seq in watched]
-        sampling = []
-        for seq in limit:
-            r = lazy.drop(seq)  # as before step t; then as schedule() leaves it: c + 1 computed
-            r.num_computed_tokens += 1
-            kvm.cache_full_blocks(r)
-            sampling.append(r)
-        lazy.t = t + 1
-        done = [a[0] for a in admitted if a[1] + a[2] == a[0].num_tokens]
-        step.leave = len(done) < len(admitted)  # a partial chunk runs: plain steps next
-        sampling += done
-        if sampling:
-            ids = [r.request_id for r in sampling]
-            out = SchedulerOutput([], [], None, {}, 0, set(), set(), sampling_req_ids=ids)
-            outs = self.update_from_output(out, dict.fromkeys(ids, lazy.tok_list))
-            tok = lazy.token_id
-            first = len(limit)
-            for k, (r, o) in enumerate(zip(sampling, outs)):
-                if k >= first:
-                    step.first_tokens.append(r)
-                if o.finish_reason is not None:
-                    step.finished.append((r, o.finish_reason))
-                    continue
-                w = watch(r) if watch is not None else None
-                if w is not None and r.num_tokens >= w:
-                    step.watched.append(r)  # its first token already reaches the watch point
-                if r.stop_ids is not None and tok in r.stop_ids:
-                    step.leave = True  # the fixed token could stop it later (min_tokens)
-                    continue
-                lazy.join(r, t + 1, w)
-        f = step.features
-        f.num_decode_reqs = n_dec
-        f.decode_context_tokens = ctx
-        for _r, num_hit, n, _new in admitted:
-            f.add(n, num_hit)
-        f.num_reqs = n_dec + len(admitted)
-        return n_dec, ctx, step
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
