@@ -37,16 +37,27 @@ from sim.replica import Replica, SimRequest
 ROUTERS = ("round_robin", "random", "least_outstanding", "prefix_affinity")
 
 
-class TimeoutAt(Event):
-    """Like simpy's Timeout, but at an absolute time: k steady steps run back to back then end
-    at exactly the float a chain of k single-step timeouts would reach (SimPy adds now + delay)."""
+class Clock(simpy.Environment):
+    """SimPy's Environment with timeout_at(at): an event at an absolute time. A fast-forward run of
+    k steps must end at exactly the float a chain of k single-step timeouts reaches (the same
+    additions, done by the scheduler), or a later arrival and a step end could swap places.
+    timeout(at - now) does that almost always (rounded, at - now sums back to at); where the
+    difference cannot (now < at / 2 and a rounding tie: no float d has now + d == at), the event
+    is scheduled at `at` itself, as Environment.schedule does for now + delay (the one place this
+    extension uses SimPy's internals, as its own RealtimeEnvironment does)."""
 
-    def __init__(self, env: simpy.Environment, at: float) -> None:
-        self.env = env
-        self.callbacks = []
-        self._value = None
-        self._ok = True
-        heappush(env._queue, (at, NORMAL, next(env._eid), self))  # simpy's own schedule(), absolute
+    def timeout_at(self, at: float) -> Event:
+        now = self.now
+        if at < now:
+            raise ValueError(f"an event at {at!r} s is before the clock ({now!r} s)")
+        d = at - now
+        if now + d == at:
+            return self.timeout(d)
+        ev = Event(self)
+        ev._ok = True
+        ev._value = None
+        heappush(self._queue, (at, NORMAL, next(self._eid), ev))
+        return ev
 
 
 def _no_cancellation(workload) -> bool:
@@ -108,7 +119,7 @@ class Simulation:
             raise ValueError(f"deployment.router={router!r}: expected one of {list(ROUTERS)}")
         if num_replicas < 1:
             raise ValueError(f"deployment.replicas={num_replicas!r}: must be >= 1")
-        self.env = simpy.Environment()
+        self.env = Clock()
         self.workload = workload
         self.closed_loop = getattr(workload, "closed_loop_concurrency", None)
         self.client = client or getattr(workload, "client", None) or ENGINE_DIRECT
@@ -166,7 +177,7 @@ class Simulation:
         self._all_done = self.env.event()
 
     def timeout_at(self, at: float) -> Event:
-        return TimeoutAt(self.env, at)
+        return self.env.timeout_at(at)
 
     # ---------------------------------------------------------------- clients
     @property

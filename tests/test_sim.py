@@ -304,3 +304,32 @@ def test_direct_feed_only_where_every_arrival_is_known_ahead():
     assert not Simulation(_wl(1, arrival={"type": "concurrency", "concurrency": 8}), cfg, cost).direct_feed
     cancel = {"deadline_s": 4.0, "fraction": 0.3, "at_output_fraction": 0.4}
     assert not Simulation(_wl(1, cancellation=cancel), cfg, cost).direct_feed
+
+
+def test_clock_timeout_at_lands_on_the_exact_float():
+    # An event at an absolute time: also where no delay d has now + d == at (a rounding tie).
+    import random as _random
+
+    from sim.simulation import Clock
+    rng = _random.Random(7)
+    for _ in range(300):
+        env = Clock()
+        now = rng.random() * 10 ** rng.randint(-6, 3)
+        env.run(until=env.timeout(now))
+        at = now
+        for _ in range(rng.randint(1, 400)):
+            at += rng.random() * 0.05
+        got = []
+        ev = env.timeout_at(at)
+        ev.callbacks.append(lambda _e: got.append(env.now))
+        env.run()
+        assert got == [at]
+    env = Clock()
+    env.run(until=env.timeout(0.41760860720539056))  # no float delay reaches this `at` from here
+    got = []
+    ev = env.timeout_at(0.9754534991362968)
+    ev.callbacks.append(lambda _e: got.append(env.now))
+    env.run()
+    assert got == [0.9754534991362968]
+    with pytest.raises(ValueError, match="before the clock"):
+        env.timeout_at(0.5)
