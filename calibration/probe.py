@@ -49,6 +49,7 @@ import numpy as np
 
 from calibration.driver import Arrival, drive
 from engine.core import SamplingParams
+from sim.cost_model import CostModel
 
 PROBE_REQUESTS = 4
 PROBE_PROMPT = 64
@@ -140,7 +141,7 @@ def split_time(model, f) -> tuple[float, float]:
     return rest, model.step_time(f) - rest
 
 
-class SplitSpeedModel:
+class SplitSpeedModel(CostModel):
     """A fitted model at a machine speed measured by both probes: the prefill part of each step
     scaled by `compute_factor`, the rest by `decode_factor` (a callable of nothing, for a speed
     that moves with the simulated time)."""
@@ -150,9 +151,9 @@ class SplitSpeedModel:
         self.decode_factor = decode_factor if callable(decode_factor) else (lambda v=float(decode_factor): v)
         self.compute_factor = float(compute_factor)
         self.residual_quantiles = base.residual_quantiles
-        self.residual_quantiles_by_kind = getattr(base, "residual_quantiles_by_kind", {})
-        self.noise_quantiles = getattr(base, "noise_quantiles", {})
-        self.noise_quantiles_by_kind = getattr(base, "noise_quantiles_by_kind", {})
+        self.residual_quantiles_by_kind = base.residual_quantiles_by_kind
+        self.noise_quantiles = base.noise_quantiles
+        self.noise_quantiles_by_kind = base.noise_quantiles_by_kind
         self.metadata = base.metadata
         self.kind = base.kind
 

@@ -19,21 +19,57 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from types import MappingProxyType
 
 from engine.core.features import BatchFeatures
 from sim.specs import DeviceSpec, ModelSpec, get_device, get_model
 
 PROFILE_FORMAT = "servetwin-profile/1"
 PROFILES_DIR = Path(__file__).parent / "profiles"
+_EMPTY: dict = MappingProxyType({})  # type: ignore[assignment]  # read-only, shared
 
 
 class CostModel:
-    """Interface. Subclasses implement `_time` on plain numbers."""
+    """The cost-model protocol: every model the simulator runs is a CostModel, and callers read
+    these members directly (no probing for optional abilities):
+
+        step_time(f)            seconds of one engine step with batch features f
+        decode_step_time        (n, ctx) -> step_time of a step of n decodes reading ctx KV tokens
+                                and nothing else, without building features; None: not offered
+        gpu_time_fn()           the GPU-only part of step_time, or None where the model's times
+                                hold CPU work that cannot be told apart (a fitted engine profile)
+        cpu_time_fn()           the model's own CPU work around a step, or None (CpuWork's)
+        decode_gpu_time_fn(), decode_cpu_time_fn()   decode-only shortcuts of those two, or None
+        async_scheduling        whether the CPU work of step n+1 overlaps step n (the replica
+                                then admits an arrival during step n in step n+2)
+        residual_quantiles, noise_quantiles (and their _by_kind): empty unless fitted
+        kind, metadata, describe()
+
+    The base class implements step_time through `_time` on plain numbers."""
 
     kind = "base"
     metadata: dict
+    async_scheduling = False
+    decode_step_time: Callable[[int, int], float] | None = None
+    residual_quantiles: dict = _EMPTY
+    residual_quantiles_by_kind: dict = _EMPTY
+    noise_quantiles: dict = _EMPTY
+    noise_quantiles_by_kind: dict = _EMPTY
+
+    def gpu_time_fn(self) -> Callable[[BatchFeatures], float] | None:
+        return None
+
+    def cpu_time_fn(self) -> Callable[[BatchFeatures], float] | None:
+        return None
+
+    def decode_gpu_time_fn(self) -> Callable[[int, int], float] | None:
+        return None
+
+    def decode_cpu_time_fn(self) -> Callable[[int, int], float] | None:
+        return None
 
     def _time(self, num_reqs: int, num_tokens: int, num_prefill_reqs: int, prefill_pairs: int,
               prefill_ctx: int, decode_ctx: int) -> float:
@@ -163,6 +199,18 @@ class AnalyticCostModel(CostModel):
         self.metadata = {"model": m.name, "device": d.name, "tp": tp, "dtype": m.weight_dtype,
                          "weight_dtype": m.weight_dtype, "kv_dtype": m.kv_dtype, "act_dtype": m.act_dtype,
                          "efficiency": asdict(e), "source": "analytic roofline"}
+
+    def gpu_time_fn(self) -> Callable[[BatchFeatures], float]:
+        """step_time less the per-step and per-request overheads (the CPU-work stand-ins of
+        Efficiency), which CpuWork replaces when the model is wrapped."""
+        eff = self.eff
+
+        def gpu(f: BatchFeatures) -> float:
+            t = self.step_time(f)
+            if t == 0.0:
+                return 0.0
+            return max(0.0, t - eff.step_overhead_s - eff.per_req_overhead_s * f.num_reqs)
+        return gpu
 
     def _time(self, num_reqs, num_tokens, num_prefill_reqs, prefill_pairs, prefill_ctx, decode_ctx):
         if num_tokens == 0:

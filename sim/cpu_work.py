@@ -33,9 +33,11 @@ order-of-magnitude figures from public profiles, not fits to any serving benchma
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
 from engine.core.features import BatchFeatures
+from sim.cost_model import CostModel
 
 
 @dataclass(frozen=True)
@@ -64,37 +66,21 @@ class CpuWork:
                 + self.per_output_s * outputs)
 
 
-def gpu_time_fn(model):
-    """The GPU-only step time of a cost model, or ValueError when its times include CPU work
-    that cannot be told apart.
-
-    - a model with `gpu_time(features)` (e.g. kernel tables): that;
-    - a model marked `gpu_only = True`: its step_time;
-    - the analytic roofline: its step_time less its per-step and per-request overheads (the
-      CPU-work stand-ins of sim.cost_model.Efficiency), which this model replaces;
-    - a fitted profile measured on the engine: its periods already hold the engine's
-      (synchronous) CPU work, so neither CPU work nor async scheduling can be added to it.
-    """
-    if hasattr(model, "gpu_time"):
-        return model.gpu_time
-    if getattr(model, "gpu_only", False):
-        return model.step_time
-    if getattr(model, "kind", None) == "analytic" and hasattr(model, "eff"):
-        eff = model.eff
-
-        def gpu(f: BatchFeatures) -> float:
-            t = model.step_time(f)
-            if t == 0.0:
-                return 0.0
-            return max(0.0, t - eff.step_overhead_s - eff.per_req_overhead_s * f.num_reqs)
-        return gpu
+def gpu_time_fn(model: CostModel) -> Callable[[BatchFeatures], float]:
+    """The GPU-only step time of a cost model (its `gpu_time_fn()`: kernel tables' gpu_time, the
+    analytic roofline less its overhead terms), or ValueError when its times include CPU work
+    that cannot be told apart (a fitted profile measured on the engine: its periods already hold
+    the engine's synchronous CPU work, so neither CPU work nor async scheduling can be added)."""
+    fn = model.gpu_time_fn()
+    if fn is not None:
+        return fn
     raise ValueError(
-        f"cost model {getattr(model, 'kind', type(model).__name__)!r} times whole engine steps "
+        f"cost model {model.kind!r} times whole engine steps "
         "(its CPU work is inside them): scheduler.cpu_work / scheduler.async_scheduling need a "
         "cost model with a GPU-only time (analytic, or kernel tables)")
 
 
-class WithCpuWork:
+class WithCpuWork(CostModel):
     """A cost model: the wrapped model's GPU time combined with CPU work.
 
     The CPU work is `cpu` when given, else the wrapped model's own `cpu_time(features)` if it
@@ -107,23 +93,24 @@ class WithCpuWork:
         self.cpu = cpu
         self.async_scheduling = bool(async_scheduling)
         self._gpu = gpu_time_fn(base)
+        own_cpu = base.cpu_time_fn()
         if cpu is not None:
             self._cpu = cpu.time
-        elif hasattr(base, "cpu_time"):
-            self._cpu = base.cpu_time
+        elif own_cpu is not None:
+            self._cpu = own_cpu
         else:
             self.cpu = CpuWork()
             self._cpu = self.cpu.time
-        self.kind = getattr(base, "kind", "base")
-        self.metadata = dict(getattr(base, "metadata", {}))
+        self.kind = base.kind
+        self.metadata = dict(base.metadata)
         # decode_step_time(n, ctx), the fast steps' shortcut for a decode-only step: where the
         # base has one for its GPU time (kernel tables) and the CPU work of such a step depends
         # on n alone (CpuWork, or the base's own default), else step_time(features) is used.
-        gpu_decode = getattr(base, "decode_gpu_time", None) if self._gpu == getattr(base, "gpu_time", None) else None
+        gpu_decode = base.decode_gpu_time_fn()
         if cpu is not None:
             cpu_decode = self._cpu_decode
         else:
-            cpu_decode = getattr(base, "decode_cpu_time", None) if self._cpu == getattr(base, "cpu_time", None) else None
+            cpu_decode = base.decode_cpu_time_fn() if own_cpu is not None else None
         if gpu_decode is not None and cpu_decode is not None:
             self._gpu_decode, self._cpu_decode_of = gpu_decode, cpu_decode
             self._memo_c: dict[int, float] = {}
@@ -143,19 +130,25 @@ class WithCpuWork:
 
     @property
     def residual_quantiles(self) -> dict:
-        return getattr(self.base, "residual_quantiles", {})
+        return self.base.residual_quantiles
 
     @property
     def residual_quantiles_by_kind(self) -> dict:
-        return getattr(self.base, "residual_quantiles_by_kind", {})
+        return self.base.residual_quantiles_by_kind
 
     @property
     def noise_quantiles(self) -> dict:
-        return getattr(self.base, "noise_quantiles", {})
+        return self.base.noise_quantiles
 
     @property
     def noise_quantiles_by_kind(self) -> dict:
-        return getattr(self.base, "noise_quantiles_by_kind", {})
+        return self.base.noise_quantiles_by_kind
+
+    def gpu_time_fn(self) -> Callable[[BatchFeatures], float]:
+        return self.gpu_time
+
+    def cpu_time_fn(self) -> Callable[[BatchFeatures], float]:
+        return self.cpu_time
 
     def gpu_time(self, f: BatchFeatures) -> float:
         return self._gpu(f)
@@ -190,11 +183,11 @@ def timing_model(cost, settings: TimingSettings):
     prefill and decode pools) alike.
 
     async_scheduling defaults to vLLM's GPU default (true) for a cost model with a GPU-only time
-    (`gpu_time`, e.g. kernel tables); other models keep their own step times unless asked
+    and CPU work of its own (`cpu_time_fn()`, e.g. kernel tables); other models keep their own step times unless asked
     (the analytic roofline then trades its overhead terms for this CPU work; a fitted profile
     measured on the engine cannot separate them and is refused with ValueError)."""
     given = settings.async_scheduling is not None
-    if not (given or settings.cpu is not None or hasattr(cost, "gpu_time")):
+    if not (given or settings.cpu is not None or cost.cpu_time_fn() is not None):
         return cost
     return WithCpuWork(cost, settings.cpu, settings.async_scheduling if given else True)
 

@@ -53,7 +53,7 @@ class KVArrivedCost(CostModel):
         self.base = base
         self.metadata = {"decode_pool_of": base.describe()}
         # The pool's timing composition (CPU work, async scheduling) is the base's own.
-        self.async_scheduling = bool(getattr(base, "async_scheduling", False))
+        self.async_scheduling = base.async_scheduling
 
     def step_time(self, f) -> float:
         n = f.num_decode_reqs + f.num_prefill_reqs

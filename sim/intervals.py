@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from sim.cost_model import CostModel
+
 METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
 STATS = ("p50", "p90", "p95", "p99")
 
 
-class NoisyCostModel:
+class NoisyCostModel(CostModel):
     """A fitted model whose step times scatter as the profiled engine's did: each step takes the
     prediction times a ratio measured/predicted drawn from the profile's noise quantiles
     (interpolated between them): the out-of-sample residuals with each sweep group's mean ratio
@@ -35,7 +37,7 @@ class NoisyCostModel:
     kind = "fitted+noise"
 
     def __init__(self, base, seed: int, scale: float = 1.0) -> None:
-        noise = getattr(base, "noise_quantiles", None) or {}
+        noise = base.noise_quantiles
         self.source = "noise_quantiles" if len(noise) >= 2 else "residual_quantiles"
         self.source_text = ("per-step noise (its out-of-sample residuals less each group's mean)"
                             if len(noise) >= 2 else "out-of-sample residuals")
@@ -44,7 +46,7 @@ class NoisyCostModel:
             raise ValueError("cost_model.profile: residual_quantiles has fewer than 2 levels; "
                              "recalibrate with servetwin calibrate")
         self._u, self._ratio = _ratio_table(q)
-        by_kind = getattr(base, f"{self.source}_by_kind", None) or {}
+        by_kind = base.noise_quantiles_by_kind if len(noise) >= 2 else base.residual_quantiles_by_kind
         self._prefill = _ratio_table(by_kind["prefill"]) if len(by_kind.get("prefill", ())) >= 2 else None
         self._decode = _ratio_table(by_kind["decode"]) if len(by_kind.get("decode", ())) >= 2 else None
         self.base = base
@@ -80,7 +82,7 @@ def _ratio_table(q: dict) -> tuple[np.ndarray, np.ndarray]:
 
 
 def has_residuals(cost_model) -> bool:
-    return len(getattr(cost_model, "residual_quantiles", None) or {}) >= 2
+    return len(cost_model.residual_quantiles) >= 2
 
 
 def group_bias_range(meta: dict) -> tuple[float, float]:

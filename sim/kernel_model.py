@@ -593,6 +593,18 @@ class KernelCostModel(CostModel):
             kernels += [2 * T * qk * a]
         return sum(max(lat, b / bw) for b in kernels)
 
+    def gpu_time_fn(self) -> Callable[[BatchFeatures], float]:
+        return self.gpu_time
+
+    def cpu_time_fn(self) -> Callable[[BatchFeatures], float]:
+        return self.cpu_time
+
+    def decode_gpu_time_fn(self) -> Callable[[int, int], float]:
+        return self.decode_gpu_time
+
+    def decode_cpu_time_fn(self) -> Callable[[int, int], float]:
+        return self.decode_cpu_time
+
     def gpu_time(self, f: BatchFeatures) -> float:
         """sum(breakdown(f).values()): the kernels' time x serving_slowdown, plus the TP group's
         per-step coordination (Overheads); _kernel_time itself when both are neutral."""

@@ -98,7 +98,7 @@ class Replica:
         self.scheduler = FastForwardScheduler(dataclasses.replace(config, track_block_ids=self.track_block_ids))
         self.cost = cost_model
         # A decode-only step's time without building its features, where the cost model has it.
-        self._decode_time = getattr(cost_model, "decode_step_time", None)
+        self._decode_time = cost_model.decode_step_time
         self.use_steady = sim.use_steady
         # Whether a finish can cause an outside event (a closed loop's next send, a warm-up phase
         # ending, a load-aware router's choice); if not, fast steps run on through finishes.
@@ -110,7 +110,7 @@ class Replica:
         # the engine during step n first runs in step n+2. Arrivals are admitted at a boundary
         # only if they came before the start of the step that just ended (the moment the next
         # step was scheduled); an idle engine takes them at once.
-        self.async_admission = bool(getattr(cost_model, "async_scheduling", False))
+        self.async_admission = bool(cost_model.async_scheduling)
         self._last_start: float | None = None  # start of the step that ended at this boundary
         self.aborts: list[str] = []
         self.deadlines: list[tuple[float, str]] = []  # heap of (abandon time, request id)

@@ -287,7 +287,9 @@ def test_in_situ_speed_by_hand():
     from types import SimpleNamespace
     from calibration.validate import InSituSpeed
 
-    class Const:
+    from sim.cost_model import CostModel
+
+    class Const(CostModel):
         residual_quantiles = {"p5": -0.0, "p95": 0.0}
         metadata: dict = {}
 

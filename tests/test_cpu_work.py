@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from engine.core import SchedulerConfig
 from engine.core.features import BatchFeatures
 from sim.scenario import ScenarioError, _M, parse_scenario
-from sim.cost_model import AnalyticCostModel, FittedCostModel
+from sim.cost_model import AnalyticCostModel, CostModel, FittedCostModel
 from sim.cpu_work import CpuWork, WithCpuWork, with_cpu_work
 from sim.simulation import Simulation
 from sim.workload import build_workload
@@ -66,9 +66,15 @@ def test_fitted_engine_profile_cannot_take_cpu_work():
 
 
 def test_a_model_with_its_own_cpu_time_is_overlapped_by_default():
-    class Kernels:
+    class Kernels(CostModel):
         kind = "kernels"
         metadata = {}
+
+        def gpu_time_fn(self):
+            return self.gpu_time
+
+        def cpu_time_fn(self):
+            return self.cpu_time
 
         def gpu_time(self, f):
             return 0.010
@@ -122,11 +128,13 @@ def test_steady_runs_use_the_same_periods(async_scheduling):
         assert np.array_equal(slow.request_table[c], fast.request_table[c])
 
 
-class _Gpu10ms:
+class _Gpu10ms(CostModel):
     """A GPU-only cost model: every step takes 10 ms."""
     kind = "const"
     metadata: dict = {}
-    gpu_only = True
+
+    def gpu_time_fn(self):
+        return self.step_time
 
     def step_time(self, f):
         return 0.010
