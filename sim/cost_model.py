@@ -178,15 +178,23 @@ class AnalyticCostModel(CostModel):
         e = efficiency if isinstance(efficiency, Efficiency) else Efficiency(**(efficiency or {}))
         self.eff = e
         m, d = self.model, self.device
-        # Weights streamed once per step: not the input embedding (a gather of a few rows).
-        self._w_time = m.weight_read_bytes_per_gpu(tp) / (d.mem_bandwidth * e.bandwidth)
-        # Dense FLOPs per token: linear layers at the weight dtype's peak (fp8 tensor cores for
+        # Weights streamed once per step: not the input embedding (a gather of a few rows), and
+        # of a MoE model's routed experts only those the step's tokens touch (_moe_time).
+        self._w_time = ((m.weight_read_bytes_per_gpu(tp) - m.expert_weight_bytes_per_gpu(tp))
+                        / (d.mem_bandwidth * e.bandwidth))
+        # Dense FLOPs per token: linear layers at their weight dtype's peak (fp8 tensor cores for
         # fp8 weights), the LM head at the activation dtype's (an upper bound: it runs per token
         # here, though only sampling rows need it).
-        lin = m.num_layers * sum(n * k for n, k in m.gemm_shapes(tp).values())
+        flop_s = sum(2 * layers * n * k / (d.peak_flops(dtype) * e.flops)
+                     for _name, n, k, layers, dtype in m.step_gemms(tp))
         head = -(-m.vocab_size // tp) * m.hidden_size
-        self._flop_time_per_token = (2 * lin / (d.peak_flops(m.weight_dtype) * e.flops)
-                                     + 2 * head / (d.peak_flops(m.act_dtype) * e.flops))
+        self._flop_time_per_token = flop_s + 2 * head / (d.peak_flops(m.act_dtype) * e.flops)
+        # Routed experts: bytes of all of them on this GPU, FLOPs per token (top-k experts).
+        self._expert_s = m.expert_weight_bytes_per_gpu(tp) / (d.mem_bandwidth * e.bandwidth)
+        edt = m.expert_dtype or m.weight_dtype
+        epeak = d.peak_flops("bfloat16" if edt in ("mxfp4", "int4") else edt)
+        self._expert_flop_s = (2 * m.num_moe_layers * m.num_experts_per_tok
+                               * sum(n * k for n, k in m.expert_gemms(tp).values()) / (epeak * e.flops)) if m.is_moe else 0.0
         self._attn_time_per_pair = 4 * m.num_layers * m.num_heads * m.head_dim / tp / (d.flops * e.attention_flops)
         # KV bytes of this GPU's KV heads (replicated, not divided, when TP > KV heads).
         self._kv_time_per_token = m.kv_bytes_per_token_per_gpu(tp) / (d.mem_bandwidth * e.bandwidth)
@@ -216,6 +224,10 @@ class AnalyticCostModel(CostModel):
         if num_tokens == 0:
             return 0.0
         lin = max(self._w_time, self._flop_time_per_token * num_tokens)
+        if self._expert_s:
+            m = self.model
+            lin += max(self._expert_s * m.experts_touched(num_tokens) / m.num_experts,
+                       self._expert_flop_s * num_tokens)
         attn = self._attn_time_per_pair * prefill_pairs + self._kv_time_per_token * (decode_ctx + prefill_ctx)
         comm = self._comm_fixed + self._comm_per_token * num_tokens
         return self.eff.step_overhead_s + self.eff.per_req_overhead_s * num_reqs + lin + attn + comm

@@ -33,7 +33,7 @@ import numpy as np
 
 from engine.core.features import BatchFeatures
 from sim.cost_model import PROFILE_FORMAT, CostModel, FittedCostModel
-from sim.specs import DeviceSpec, ModelSpec, get_device, get_model
+from sim.specs import EXPERT_DTYPE_BYTES, DeviceSpec, ModelSpec, get_device, get_model
 
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "calibration" / "kernels"
 KV_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8"}
@@ -408,6 +408,12 @@ class KernelCostModel(CostModel):
         self._cpu_work = None
         self.kv_heads = m.kv_heads_per_gpu(tp)
         self.q_heads = m.num_heads // tp
+        # Attention as its kernels see it: MLA runs as multi-query attention over the latent
+        # (one KV head of kv_lora_rank + qk_rope_head_dim, as vLLM's MLA decode kernels do).
+        self.attn_head_dim = m.head_dim
+        if m.is_mla:
+            self.kv_heads, self.attn_head_dim = 1, m.kv_lora_rank + m.qk_rope_head_dim
+        self.g_moe = None
         if reduced is not None:
             self._from_reduced(reduced)
         elif tables is None or isinstance(tables, str):
@@ -422,13 +428,15 @@ class KernelCostModel(CostModel):
                 if len(_BUILT) > 64:
                     _BUILT.clear()
                 _BUILT[key] = (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar,
-                               self.coverage, self.source)
+                               self.g_moe, self.coverage, self.source)
             (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar,
-             self.coverage, self.source) = _BUILT[key]
+             self.g_moe, self.coverage, self.source) = _BUILT[key]
         else:
             self.source = tables.get("sources", {})
             self._build(tables)
         self.metadata = {"model": m.name, "device": d.name, "tp": tp, "weight_dtype": m.weight_dtype,
+                         **({"experts": m.num_experts, "experts_per_tok": m.num_experts_per_tok,
+                             "expert_dtype": m.expert_dtype or m.weight_dtype} if m.is_moe else {}),
                          "kv_dtype": m.kv_dtype, "act_dtype": m.act_dtype, "kv_heads_per_gpu": self.kv_heads,
                          "source": "measured kernel tables (AIConfigurator, vLLM kernels); roofline outside them",
                          "tables": self.source, "table_coverage": self.coverage,
@@ -437,8 +445,9 @@ class KernelCostModel(CostModel):
     # ------------------------------------------------------------------ rooflines
     def _gemm_roof(self, dtype: str) -> Callable[..., float]:
         d, m = self.device, self.model
-        peak = d.peak_flops(dtype)
-        wb = 1 if dtype in ("fp8", "fp8_block") else 2
+        sub_byte = dtype in ("mxfp4", "int4")  # weight-only formats: bf16 math after dequantizing
+        peak = d.peak_flops("bfloat16" if sub_byte else dtype)
+        wb = EXPERT_DTYPE_BYTES[dtype] if sub_byte else (1 if dtype in ("fp8", "fp8_block") else 2)
         a = m.act_dtype_bytes
 
         def roof(M, N, K):
@@ -447,14 +456,16 @@ class KernelCostModel(CostModel):
 
     def _ctx_roof(self, b, s):
         m, d = self.model, self.device
-        flops = 2 * b * s * s * self.q_heads * m.head_dim  # causal: half of 4*s^2*h*d
-        by = b * s * (self.q_heads + 2 * self.kv_heads) * m.head_dim * m.act_dtype_bytes * 2
+        hd = self.attn_head_dim
+        flops = 2 * b * s * s * self.q_heads * hd  # causal: half of 4*s^2*h*d
+        by = b * s * (self.q_heads + 2 * self.kv_heads) * hd * m.act_dtype_bytes * 2
         return max(flops / d.flops, by / d.mem_bandwidth) + 5e-6
 
     def _gen_roof(self, b, s):
         m, d = self.model, self.device
-        by = b * s * 2 * self.kv_heads * m.head_dim * m.kv_dtype_bytes
-        flops = 4 * b * s * self.q_heads * m.head_dim
+        copies = 1 if m.is_mla else 2  # MLA: one latent per token, keys and values alike
+        by = b * s * copies * self.kv_heads * self.attn_head_dim * m.kv_dtype_bytes
+        flops = 4 * b * s * self.q_heads * self.attn_head_dim
         return max(flops / d.flops, by / d.mem_bandwidth) + 5e-6
 
     def _ar_roof(self, n):
@@ -465,19 +476,30 @@ class KernelCostModel(CostModel):
     def _build(self, tables: dict | None) -> None:
         m, tp = self.model, self.tp
         cov = {}
-        # GEMMs of one layer and the LM head, as functions of M.
-        gname = GEMM_NAMES.get(m.weight_dtype)
-        g = (tables or {}).get("gemm", {}).get(gname) if gname else None
-        roof_w = self._gemm_roof(m.weight_dtype)
-        roof_a = self._gemm_roof(m.act_dtype)
-        ga = (tables or {}).get("gemm", {}).get(GEMM_NAMES.get(m.act_dtype, ""), None)
-        measured_ms = set(g["values"][0] if g else []) | set(ga["values"][0] if ga else [])
+        # GEMMs of one layer (averaged over layer kinds: a MoE model's dense, shared-expert and
+        # router GEMMs weighted by how many layers have them) and the LM head, as functions of M;
+        # each GEMM from the table of its weight dtype.
+        grids: dict[str, tuple] = {}
+
+        def grid_of(dtype):
+            if dtype not in grids:
+                gname = GEMM_NAMES.get(dtype)
+                t = (tables or {}).get("gemm", {}).get(gname) if gname else None
+                roof = self._gemm_roof(dtype)
+                grids[dtype] = (Grid(t["values"], t["us"], roof) if t else None, roof, t)
+            return grids[dtype]
+        # (the router's few columns are often below the tables' N axis: its roofline is not
+        # counted as a fallback of the layer, it is a fraction of a percent of it)
+        step = [(n, k, layers / m.num_layers, dtype, name != "router") for name, n, k, layers, dtype in m.step_gemms(tp)]
+        for _n, _k, _w, dtype, _c in step:
+            grid_of(dtype)
+        grid_a, roof_a, ga = grid_of(m.act_dtype)
+        measured_ms = set()
+        for _g, _r, t in grids.values():
+            measured_ms |= set(t["values"][0] if t else [])
         ms = sorted(measured_ms | set(_log_grid(32768, 262144))) if measured_ms else _log_grid(1, 262144)
-        shapes = list(m.gemm_shapes(tp).values())
         vocab = -(-m.vocab_size // tp)
         layer, head, ok_l, ok_h = [], [], [], []
-        grid_w = Grid(g["values"], g["us"], roof_w) if g else None
-        grid_a = Grid(ga["values"], ga["us"], roof_a) if ga else None
 
         def gemm(grid, roof, M, n, k):
             if grid is None:
@@ -489,10 +511,11 @@ class KernelCostModel(CostModel):
 
         for M in ms:
             tot, ok = 0.0, True
-            for n, k in shapes:
-                t, e = gemm(grid_w, roof_w, M, n, k)
-                tot += t
-                ok &= e
+            for n, k, wgt, dtype, counted in step:
+                gw, rw, _t = grids[dtype]
+                t, e = gemm(gw, rw, M, n, k)
+                tot += wgt * t
+                ok &= e or not counted
             layer.append(tot)
             ok_l.append(ok)
             t, e = gemm(grid_a, roof_a, M, vocab, m.hidden_size)
@@ -500,16 +523,39 @@ class KernelCostModel(CostModel):
             ok_h.append(e)
         self.g_layer = Grid([ms], layer, self._layer_roof, ok_l)
         self.g_head = Grid([ms], head, self._head_roof, ok_h)
-        cov["gemm"] = bool(grid_w)
+        cov["gemm"] = all(grids[dtype][0] is not None for _n, _k, _w, dtype, _c in step)
         cov["lm_head_gemm"] = bool(grid_a)
+        # Routed experts of one MoE layer, as a function of the step's tokens T. A fused-MoE kernel
+        # runs the experts the tokens touch (ModelSpec.experts_touched: e of them) as one grouped
+        # GEMM, each expert's weights against its share of the T * top-k token rows: timed as one
+        # GEMM of those rows against the touched experts' weights side by side (N = e x the
+        # expert's N), from the measured GEMM table of the experts' dtype: all touched weights
+        # streamed once, one launch.
+        self.g_moe = None
+        if m.is_moe:
+            ge, re_, _t = grid_of(m.expert_dtype or m.weight_dtype)
+            shapes_e = list(m.expert_gemms(tp).values())
+            ts, moe, ok_m = _log_grid(1, 262144), [], []
+            for T in ts:
+                e = m.experts_touched(T)
+                rows = max(1.0, T * m.num_experts_per_tok / e)
+                tot, ok = 0.0, True
+                for n, k in shapes_e:
+                    t, ex = gemm(ge, re_, rows, e * n, k)
+                    tot += t
+                    ok &= ex
+                moe.append(tot)
+                ok_m.append(ok)
+            self.g_moe = Grid([ts], moe, self._moe_roof, ok_m)
+            cov["moe"] = ge is not None
         # Attention for this GPU's heads.
         kvn = KV_NAMES.get(m.kv_dtype, "bf16")
-        key = f"{kvn}/{self.q_heads}/{self.kv_heads}/{m.head_dim}"
+        key = f"{kvn}/{self.q_heads}/{self.kv_heads}/{self.attn_head_dim}"
         for phase, roof, attr in (("context", self._ctx_roof, "g_ctx"), ("generation", self._gen_roof, "g_gen")):
             tabs = (tables or {}).get(f"{phase}_attention", {}).get("tables", {})
             tab = tabs.get(key)
             derived = None if tab is not None else derive_head_table(tabs, kvn, self.q_heads, self.kv_heads,
-                                                                     m.head_dim, phase, roof)
+                                                                     self.attn_head_dim, phase, roof)
             if tab is not None:
                 setattr(self, attr, Grid(tab["values"], tab["us"], lambda b, s, r=roof: r(b, s)))
             elif derived is not None:
@@ -540,6 +586,8 @@ class KernelCostModel(CostModel):
              "coverage": self.coverage, "sources": self.source}
         if self.g_ar is not None:
             r["g_ar"] = self.g_ar.to_json()
+        if self.g_moe is not None:
+            r["g_moe"] = self.g_moe.to_json()
         return r
 
     def _from_reduced(self, r: dict) -> None:
@@ -548,12 +596,22 @@ class KernelCostModel(CostModel):
         self.g_ctx = Grid.from_json(r["g_ctx"], self._ctx_roof)
         self.g_gen = Grid.from_json(r["g_gen"], self._gen_roof)
         self.g_ar = Grid.from_json(r["g_ar"], self._ar_roof) if "g_ar" in r else None
+        self.g_moe = Grid.from_json(r["g_moe"], self._moe_roof) if "g_moe" in r else None
         self.coverage = r.get("coverage", {})
         self.source = r.get("sources", {})
 
     def _layer_roof(self, M):
-        roof = self._gemm_roof(self.model.weight_dtype)
-        return sum(roof(M, n, k) for n, k in self.model.gemm_shapes(self.tp).values())
+        m = self.model
+        return sum(layers / m.num_layers * self._gemm_roof(dtype)(M, n, k)
+                   for _name, n, k, layers, dtype in m.step_gemms(self.tp))
+
+    def _moe_roof(self, T):
+        """One MoE layer's routed experts for T tokens, by the roofline (see _build)."""
+        m = self.model
+        e = m.experts_touched(T)
+        rows = max(1.0, T * m.num_experts_per_tok / e)
+        roof = self._gemm_roof(m.expert_dtype or m.weight_dtype)
+        return sum(roof(rows, e * n, k) for n, k in m.expert_gemms(self.tp).values())
 
     def _head_roof(self, M):
         return self._gemm_roof(self.model.act_dtype)(M, -(-self.model.vocab_size // self.tp), self.model.hidden_size)
@@ -584,11 +642,15 @@ class KernelCostModel(CostModel):
         m, tp = self.model, self.tp
         a, lat, bw = m.act_dtype_bytes, self.ovh.elementwise_latency_s, self.device.mem_bandwidth
         h = m.hidden_size
-        qk = (self.q_heads + self.kv_heads) * m.head_dim
+        qk = (self.q_heads + self.kv_heads) * self.attn_head_dim
+        # the MLP's activation width per token, averaged over layer kinds (MoE: top-k experts' and
+        # the shared experts' intermediate)
+        moe_w = m.num_experts_per_tok * m.moe_intermediate_size + m.shared_intermediate_size
+        width = ((m.num_layers - m.num_moe_layers) * m.intermediate_size + m.num_moe_layers * moe_w) / m.num_layers
         kernels = [3 * T * h * a, 3 * T * h * a,                 # fused add + RMSNorm (x2)
                    2 * T * qk * a,                               # RoPE on q and k
-                   T * 2 * self.kv_heads * m.head_dim * (a + m.kv_dtype_bytes),  # KV write
-                   3 * T * m.intermediate_size // tp * a]        # SiLU * mul
+                   T * 2 * self.kv_heads * self.attn_head_dim * (a + m.kv_dtype_bytes),  # KV write
+                   3 * T * width / tp * a]                       # SiLU * mul
         if m.qk_norm:
             kernels += [2 * T * qk * a]
         return sum(max(lat, b / bw) for b in kernels)
@@ -634,7 +696,7 @@ class KernelCostModel(CostModel):
         if S:
             head, sampler, gather = self._by_rows(S)
             ar += gather
-        t = 0 + tk["gemm"] + tk["elementwise"] + ar + att + head + sampler
+        t = 0 + tk["gemm"] + tk["moe"] + tk["elementwise"] + ar + att + head + sampler
         floor = self.ovh.launch_floor(T, f.num_prefill_reqs, L)
         return floor if floor > t else t
 
@@ -707,7 +769,7 @@ class KernelCostModel(CostModel):
         before = (self.lookups, dict(self.fallbacks))
         tk = self._by_tokens(n)
         head, sampler, gather = self._by_rows(n)
-        pre = 0 + tk["gemm"] + tk["elementwise"] + (tk["allreduce"] + gather)
+        pre = 0 + tk["gemm"] + tk["moe"] + tk["elementwise"] + (tk["allreduce"] + gather)
         num_lookups, fallbacks = self._delta(before)
         grid = self.g_gen
         row = grid.row(n) if grid._fast == grid._call2 else None
@@ -743,6 +805,7 @@ class KernelCostModel(CostModel):
         before = (self.lookups, dict(self.fallbacks))
         m, L = self.model, self.model.num_layers
         out = {"gemm": L * self._look("gemm", self.g_layer, T)}
+        out["moe"] = m.num_moe_layers * self._look("moe", self.g_moe, T) if self.g_moe is not None else 0.0
         out["elementwise"] = L * self._elementwise(T) + max(
             self.ovh.elementwise_latency_s, T * m.hidden_size * m.act_dtype_bytes * 2 / self.device.mem_bandwidth)
         out["allreduce"] = 0.0

@@ -21,6 +21,10 @@ from pathlib import Path
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_block": 1}
 FP8 = ("fp8", "fp8_block")  # fp8_block: weights in 128x128 blocks with their own scales (Qwen's -FP8)
+# Sub-byte formats, for routed experts only (expert_dtype): bytes per weight with their scales.
+#   mxfp4  4-bit e2m1 values and one 8-bit e8m0 scale per 32 (gpt-oss): 0.5 + 1/32
+#   int4   4-bit weights in groups of 128 with a 16-bit scale (compressed-tensors w4a16): 0.5 + 2/128
+EXPERT_DTYPE_BYTES = {**DTYPE_BYTES, "mxfp4": 0.5 + 1 / 32, "int4": 0.5 + 2 / 128}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16", "float8": "fp8", "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8",
                   "e4m3": "fp8", "fp8_e5m2": "fp8", "auto": "bfloat16"}
@@ -52,12 +56,50 @@ class ModelSpec:
     kv_dtype: str = "bfloat16"       # KV cache
     act_dtype: str = "bfloat16"      # activations, all-reduce, embeddings, LM head, norms
     qk_norm: bool = False            # Qwen3: RMSNorm on q and k per head
+    # Mixture of experts (all 0: a dense model). A MoE layer's MLP is a router over num_experts
+    # routed experts of moe_intermediate_size, num_experts_per_tok of them per token, plus shared
+    # experts that every token runs (shared_intermediate_size: all of them together); the other
+    # num_layers - num_moe_layers layers have a dense MLP of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_intermediate_size: int = 0
+    num_moe_layers: int = 0
+    expert_dtype: str = ""           # routed experts' weights ("": weight_dtype; mxfp4, int4)
+    attn_weight_dtype: str = ""      # attention projections ("": weight_dtype; bf16 in some fp8 checkpoints)
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; kv_lora_rank 0: none): the KV cache
+    # holds one latent of kv_lora_rank + qk_rope_head_dim per token and layer, on every TP rank.
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    q_lora_rank: int = 0
+    # Sliding-window attention layers (gpt-oss: every other layer, window 128): their KV holds at
+    # most sliding_window tokens per request, so the per-token KV counts the other layers only.
+    sliding_window: int = 0
+    num_sliding_layers: int = 0
 
     def __post_init__(self) -> None:
         for key in ("weight_dtype", "kv_dtype", "act_dtype"):
             object.__setattr__(self, key, canonical_dtype(getattr(self, key), key))
         if self.kv_dtype == "fp8_block" or self.act_dtype in FP8:
             raise ValueError(f"kv_dtype={self.kv_dtype!r}, act_dtype={self.act_dtype!r}: fp8_block is a weight format")
+        if self.attn_weight_dtype:
+            object.__setattr__(self, "attn_weight_dtype", canonical_dtype(self.attn_weight_dtype, "attn_weight_dtype"))
+        if self.expert_dtype:
+            e = str(self.expert_dtype).lower()
+            e = e if e in EXPERT_DTYPE_BYTES else canonical_dtype(e, "expert_dtype")
+            object.__setattr__(self, "expert_dtype", e)
+        if self.num_experts:
+            k = self.num_experts_per_tok
+            if not 0 < k <= self.num_experts or self.moe_intermediate_size <= 0:
+                raise ValueError(f"num_experts_per_tok={k!r}, moe_intermediate_size={self.moe_intermediate_size!r}: "
+                                 f"a MoE model needs 1 <= num_experts_per_tok <= num_experts={self.num_experts} "
+                                 "and moe_intermediate_size > 0")
+            if not 0 < self.num_moe_layers <= self.num_layers:
+                raise ValueError(f"num_moe_layers={self.num_moe_layers!r}: must be in 1..num_layers={self.num_layers}")
+        if not 0 <= self.num_sliding_layers <= self.num_layers:
+            raise ValueError(f"num_sliding_layers={self.num_sliding_layers!r}: must be in 0..num_layers={self.num_layers}")
 
     # ------------------------------------------------------------ dtypes
     @property
@@ -83,6 +125,22 @@ class ModelSpec:
         return self.kv_dtype_bytes
 
     @property
+    def attn_dtype(self) -> str:
+        return self.attn_weight_dtype or self.weight_dtype
+
+    @property
+    def expert_dtype_bytes(self) -> float:
+        return EXPERT_DTYPE_BYTES[self.expert_dtype or self.weight_dtype]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
     def dense_dtype_bytes(self) -> int:
         """Embeddings, LM head and norms: unquantized (act dtype) when the linear layers are fp8."""
         return self.act_dtype_bytes if self.weight_dtype in FP8 else self.weight_dtype_bytes
@@ -93,19 +151,85 @@ class ModelSpec:
         (vLLM: max(1, num_kv_heads // tp)). Used by memory accounting and every cost model."""
         return max(1, self.num_kv_heads // tp)
 
-    def gemm_shapes(self, tp: int = 1) -> dict[str, tuple[int, int]]:
-        """(N, K) of the four GEMMs of one layer on one GPU (y[M, N] = x[M, K] @ W[K, N])."""
+    def attention_gemm_shapes(self, tp: int = 1) -> dict[str, tuple[int, int]]:
+        """(N, K) of one layer's attention GEMMs on one GPU. MLA (DeepSeek): q down/up (or one q
+        projection), the KV latent's down projection (replicated on every rank, as vLLM runs it),
+        its up projection to per-head keys and values, and o_proj."""
         h, d = self.hidden_size, self.head_dim
         q = self.num_heads // tp
-        return {"qkv": ((q + 2 * self.kv_heads_per_gpu(tp)) * d, h), "o_proj": (h, q * d),
-                "gate_up": (2 * self.intermediate_size // tp, h), "down": (h, self.intermediate_size // tp)}
+        if self.is_mla:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            out = {}
+            if self.q_lora_rank:
+                out["q_a"] = (self.q_lora_rank, h)
+                out["q_b"] = (q * qk, self.q_lora_rank)
+            else:
+                out["q"] = (q * qk, h)
+            out["kv_a"] = (self.kv_lora_rank + self.qk_rope_head_dim, h)
+            out["kv_b"] = (q * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
+            out["o_proj"] = (h, q * self.v_head_dim)
+            return out
+        return {"qkv": ((q + 2 * self.kv_heads_per_gpu(tp)) * d, h), "o_proj": (h, q * d)}
+
+    def gemm_shapes(self, tp: int = 1) -> dict[str, tuple[int, int]]:
+        """(N, K) of one dense layer's GEMMs on one GPU (y[M, N] = x[M, K] @ W[K, N])."""
+        return {**self.attention_gemm_shapes(tp), "gate_up": (2 * self.intermediate_size // tp, self.hidden_size),
+                "down": (self.hidden_size, self.intermediate_size // tp)}
+
+    def step_gemms(self, tp: int = 1) -> list[tuple[str, int, int, int, str]]:
+        """Every dense GEMM of a forward, per layer kind: (name, N, K, layers, weight dtype).
+        Routed experts are not here (their work depends on the tokens: expert_gemms)."""
+        L, h = self.num_layers, self.hidden_size
+        out = [(k, n, kk, L, self.attn_dtype) for k, (n, kk) in self.attention_gemm_shapes(tp).items()]
+        dense = L - self.num_moe_layers
+        if dense:
+            out += [("gate_up", 2 * self.intermediate_size // tp, h, dense, self.weight_dtype),
+                    ("down", h, self.intermediate_size // tp, dense, self.weight_dtype)]
+        if self.num_moe_layers and self.shared_intermediate_size:
+            s = self.shared_intermediate_size
+            out += [("shared_gate_up", 2 * s // tp, h, self.num_moe_layers, self.weight_dtype),
+                    ("shared_down", h, s // tp, self.num_moe_layers, self.weight_dtype)]
+        if self.num_moe_layers:
+            out += [("router", self.num_experts, h, self.num_moe_layers, self.act_dtype)]
+        return out
+
+    def expert_gemms(self, tp: int = 1) -> dict[str, tuple[int, int]]:
+        """(N, K) of one routed expert's GEMMs on one GPU (each rank holds a 1/tp slice of every
+        expert; with expert parallelism instead 1/ep of the experts whole: the same bytes)."""
+        mi = self.moe_intermediate_size
+        return {"gate_up": (2 * mi // tp, self.hidden_size), "down": (self.hidden_size, mi // tp)}
+
+    def experts_touched(self, num_tokens: float) -> float:
+        """Expected distinct routed experts one MoE layer runs for num_tokens tokens, each routed
+        to num_experts_per_tok distinct experts, uniformly: E * (1 - (1 - k/E)^T). One token reads
+        k experts' weights; a batch of a few hundred reads nearly all E."""
+        if not self.num_experts or num_tokens <= 0:
+            return 0.0
+        E, k = self.num_experts, self.num_experts_per_tok
+        return E * (1.0 - (1.0 - k / E) ** num_tokens)
+
+    @property
+    def attention_params_per_layer(self) -> int:
+        if self.is_mla:
+            # the full projections, kept whole: sum of N*K at tp=1, plus the latent's two norms
+            return sum(n * k for n, k in self.attention_gemm_shapes(1).values()) + self.kv_lora_rank + self.q_lora_rank
+        h, d = self.hidden_size, self.head_dim
+        return h * self.num_heads * d + 2 * h * self.num_kv_heads * d + self.num_heads * d * h
+
+    @property
+    def expert_params(self) -> int:
+        """Routed experts' weights of the whole model."""
+        return self.num_moe_layers * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
 
     @property
     def params_per_layer(self) -> int:
-        h, d = self.hidden_size, self.head_dim
-        attn = h * self.num_heads * d + 2 * h * self.num_kv_heads * d + self.num_heads * d * h
-        mlp = 3 * h * self.intermediate_size
-        return attn + mlp + 2 * h  # + two RMSNorm weights
+        """Per layer, averaged over layer kinds for a MoE model (num_params / num_layers, less
+        embeddings and the final norm)."""
+        h, L = self.hidden_size, self.num_layers
+        dense = (L - self.num_moe_layers) * 3 * h * self.intermediate_size
+        moe = self.num_moe_layers * (3 * h * self.shared_intermediate_size + h * self.num_experts)
+        mlp = (dense + moe + self.expert_params) // L
+        return self.attention_params_per_layer + mlp + 2 * h  # + two RMSNorm weights
 
     @property
     def embedding_params(self) -> int:
@@ -126,26 +250,60 @@ class ModelSpec:
 
     def weight_bytes_per_gpu(self, tp: int = 1) -> int:
         """One GPU's weights at TP: linear layers sharded (k/v projections replicated when TP > KV
-        heads), embeddings and LM head sharded by vocabulary, norms replicated."""
-        lin = self.num_layers * sum(n * k for n, k in self.gemm_shapes(tp).values())
+        heads; MLA's latent down projection replicated), routed experts sharded (by TP or EP),
+        embeddings and LM head sharded by vocabulary, norms and the router replicated."""
+        return self.dense_weight_bytes_per_gpu(tp) + self.expert_weight_bytes_per_gpu(tp)
+
+    def dense_weight_bytes_per_gpu(self, tp: int = 1) -> int:
+        """All weights but the routed experts, on one GPU."""
+        lin = 0.0
+        for name, n, k, layers, dtype in self.step_gemms(tp):
+            if name == "kv_a" or name == "q_a":
+                n, k = self.attention_gemm_shapes(1)[name]  # replicated
+            lin += layers * n * k * DTYPE_BYTES[dtype]
         norms = (2 * self.num_layers + 1) * self.hidden_size
+        if self.is_mla:
+            norms += self.num_layers * (self.kv_lora_rank + self.q_lora_rank)
         vocab = -(-self.vocab_size // tp) * self.hidden_size
         dense = vocab * (1 if self.tie_word_embeddings else 2)
-        return lin * self.weight_dtype_bytes + (norms + dense) * self.dense_dtype_bytes
+        return int(lin + (norms + dense) * self.dense_dtype_bytes)
 
-    def weight_read_bytes_per_gpu(self, tp: int = 1) -> int:
+    def expert_weight_bytes_per_gpu(self, tp: int = 1) -> int:
+        """Routed experts' weights on one GPU (1/tp of them, whether split by TP or EP)."""
+        per = sum(n * k for n, k in self.expert_gemms(tp).values())
+        return int(self.num_moe_layers * self.num_experts * per * self.expert_dtype_bytes)
+
+    def weight_read_bytes_per_gpu(self, tp: int = 1, num_tokens: float | None = None) -> int:
         """Weights one forward streams from HBM: all but the input embedding, which is a gather of
-        a few rows (a tied LM head still reads the whole table)."""
+        a few rows (a tied LM head still reads the whole table). Of the routed experts, those the
+        step's tokens touch (experts_touched); all of them when num_tokens is None."""
         emb = 0 if self.tie_word_embeddings else -(-self.vocab_size // tp) * self.hidden_size * self.dense_dtype_bytes
-        return self.weight_bytes_per_gpu(tp) - emb
+        experts = self.expert_weight_bytes_per_gpu(tp)
+        if num_tokens is not None and self.num_experts:
+            experts = int(experts * self.experts_touched(num_tokens) / self.num_experts)
+        return self.dense_weight_bytes_per_gpu(tp) - emb + experts
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one token (all KV heads)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+        """K and V of every full-attention layer for one token (all KV heads); MLA: the latent."""
+        return self.kv_bytes_per_token_per_gpu(0)
 
     def kv_bytes_per_token_per_gpu(self, tp: int = 1) -> int:
-        return 2 * self.num_layers * self.kv_heads_per_gpu(tp) * self.head_dim * self.kv_dtype_bytes
+        """One GPU's KV bytes per token (tp=0: all KV heads). MLA keeps the whole latent on every
+        rank; sliding-window layers are left out (at most sliding_window tokens per request)."""
+        layers = self.num_layers - self.num_sliding_layers
+        if self.is_mla:
+            return layers * (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_dtype_bytes
+        heads = self.num_kv_heads if tp == 0 else self.kv_heads_per_gpu(tp)
+        return 2 * layers * heads * self.head_dim * self.kv_dtype_bytes
+
+    def sliding_kv_bytes_per_request_per_gpu(self, tp: int = 1, block_size: int = 16) -> int:
+        """KV of the sliding-window layers for one running request: the window (and the block it
+        starts in) of each such layer."""
+        if not self.num_sliding_layers or not self.sliding_window:
+            return 0
+        tokens = -(-self.sliding_window // block_size) * block_size + block_size
+        return 2 * self.num_sliding_layers * self.kv_heads_per_gpu(tp) * self.head_dim * self.kv_dtype_bytes * tokens
 
     def with_dtypes(self, weight_dtype: str | None = None, kv_dtype: str | None = None,
                     act_dtype: str | None = None) -> "ModelSpec":
@@ -155,26 +313,136 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, cfg: dict, name: str = "custom", dtype: str | None = None,
                        kv_dtype: str = "bfloat16") -> "ModelSpec":
-        """From a HF config.json mapping. Weight dtype: `dtype`, else fp8 when the config carries an
-        fp8 quantization_config, else the config's torch_dtype (bf16 when absent)."""
-        cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
-        heads = cfg["num_attention_heads"]
-        if dtype is None:
-            q = cfg.get("quantization_config") or {}
-            fp8 = "fp8" in json.dumps(q).lower() or "float8" in json.dumps(q).lower()
-            block = fp8 and bool(q.get("weight_block_size"))
-            dtype = ("fp8_block" if block else "fp8") if fp8 else cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-        act = cfg.get("torch_dtype") or "bfloat16"
-        act = "bfloat16" if canonical_dtype(act) in FP8 else act
-        arch = " ".join(cfg.get("architectures") or []) + " " + str(cfg.get("model_type", ""))
-        return cls(
-            name=name, num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
-            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 131072), weight_dtype=dtype,
-            kv_dtype=kv_dtype, act_dtype=act, qk_norm="qwen3" in arch.lower())
+        """From a HF config.json mapping (hf_config_fields says which families and fields it
+        reads; anything else is refused with ValueError naming the field). Weight dtype: `dtype`,
+        else what the config's quantization_config says (fp8 per channel or in 128x128 blocks;
+        mxfp4 or int4 routed experts), else the config's torch_dtype (bf16 when absent)."""
+        kw = hf_config_fields(cfg)
+        if dtype is not None:
+            kw["weight_dtype"] = dtype
+        return cls(name=name, kv_dtype=kv_dtype, **kw)
+
+
+# HF model_type -> family. Dense families are read as Llama-like decoders.
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2",
+                   "gpt_oss", "minimax_m2", "llama4", "llama4_text")
+# Keys that make a config a mixture of experts (or MLA): a dense family carrying one is refused.
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
+             "kv_lora_rank")
+
+
+def _need(cfg: dict, key: str, where: str):
+    if cfg.get(key) is None:
+        raise ValueError(f"config.json ({where}) lacks {key!r}")
+    return cfg[key]
+
+
+def _quantization(cfg: dict) -> tuple[str | None, str]:
+    """(weight dtype or None for the checkpoint's torch_dtype, routed experts' dtype or "")."""
+    q = cfg.get("quantization_config") or {}
+    if not q:
+        return None, ""
+    method = str(q.get("quant_method", "")).lower()
+    text = json.dumps(q).lower()
+    if method == "mxfp4":
+        return None, "mxfp4"
+    if method == "fp8" or (method != "compressed-tensors" and ("fp8" in text or "float8" in text)):
+        return ("fp8_block" if q.get("weight_block_size") else "fp8"), ""
+    if method == "compressed-tensors":
+        groups = q.get("config_groups") or {}
+        bits = {(g.get("weights") or {}).get("num_bits") for g in groups.values() if isinstance(g, dict)}
+        types = {(g.get("weights") or {}).get("type") for g in groups.values() if isinstance(g, dict)}
+        if bits == {8} and "float" in types:
+            return "fp8", ""
+        if bits == {4} and types <= {"int", None}:
+            return None, "int4"
+    raise ValueError(f"config.json quantization_config.quant_method={q.get('quant_method')!r}: "
+                     "a weight format ServeTwin does not know (known: fp8 per channel or 128x128 "
+                     "blocks, mxfp4 experts, compressed-tensors fp8 or int4 experts)")
+
+
+def hf_config_fields(cfg: dict) -> dict:
+    """ModelSpec fields from a HF config.json: dense Llama, Mistral, Qwen2 and Qwen3 decoders, and
+    the mixtures of experts Mixtral, Qwen2-MoE/Qwen3-MoE, DeepSeek-V2/V3 and Kimi-K2 (MLA),
+    gpt-oss, MiniMax-M2 and Llama-4 (its text_config). Anything else (another model_type, a
+    dense family with expert fields, a quantization it does not know) is a ValueError naming the
+    field: never timed as something else."""
+    outer = cfg
+    if "text_config" in cfg and "num_hidden_layers" not in cfg:
+        cfg = cfg["text_config"]
+    mt = str(cfg.get("model_type") or outer.get("model_type") or "").lower()
+    if not mt:
+        raise ValueError("config.json lacks 'model_type' (known: "
+                         f"{', '.join(DENSE_MODEL_TYPES + MOE_MODEL_TYPES)})")
+    if mt not in DENSE_MODEL_TYPES + MOE_MODEL_TYPES:
+        raise ValueError(f"config.json model_type={mt!r}: not a model ServeTwin can time (known: "
+                         f"{', '.join(DENSE_MODEL_TYPES + MOE_MODEL_TYPES)})")
+    if mt in DENSE_MODEL_TYPES:
+        for k in _MOE_KEYS:
+            if cfg.get(k):
+                raise ValueError(f"config.json {k}={cfg[k]!r} in a model_type={mt!r} config: "
+                                 "expert or latent-attention fields of a family ServeTwin reads as dense")
+    w = f"model_type={mt!r}"
+    L = _need(cfg, "num_hidden_layers", w)
+    h = _need(cfg, "hidden_size", w)
+    heads = _need(cfg, "num_attention_heads", w)
+    wdtype, edtype = _quantization(outer if outer.get("quantization_config") else cfg)
+    torch_dtype = cfg.get("torch_dtype") or outer.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    act = "bfloat16" if canonical_dtype(torch_dtype) in FP8 else torch_dtype
+    kw = dict(num_layers=L, hidden_size=h, num_heads=heads,
+              num_kv_heads=cfg.get("num_key_value_heads") or heads,
+              head_dim=cfg.get("head_dim") or h // heads,
+              intermediate_size=cfg.get("intermediate_size") or 0,
+              vocab_size=_need(cfg, "vocab_size", w),
+              tie_word_embeddings=bool(cfg.get("tie_word_embeddings", outer.get("tie_word_embeddings", False))),
+              max_position_embeddings=cfg.get("max_position_embeddings", 131072),
+              weight_dtype=wdtype or torch_dtype, act_dtype=act,
+              qk_norm=mt in ("qwen3", "qwen3_moe") or bool(cfg.get("use_qk_norm")), expert_dtype=edtype)
+    if mt in DENSE_MODEL_TYPES:
+        _need(cfg, "intermediate_size", w)
+        return kw
+    k = _need(cfg, "num_experts_per_tok" if mt != "gpt_oss" or "num_experts_per_tok" in cfg else "experts_per_token", w)
+    if mt == "mixtral":
+        kw.update(num_experts=_need(cfg, "num_local_experts", w), moe_intermediate_size=_need(cfg, "intermediate_size", w),
+                  num_moe_layers=L)
+    elif mt in ("qwen2_moe", "qwen3_moe"):
+        step = cfg.get("decoder_sparse_step") or 1
+        dense = set(cfg.get("mlp_only_layers") or [])
+        moe = sum(1 for i in range(L) if i not in dense and (i + 1) % step == 0)
+        kw.update(num_experts=_need(cfg, "num_experts", w), moe_intermediate_size=_need(cfg, "moe_intermediate_size", w),
+                  shared_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0, num_moe_layers=moe)
+    elif mt in ("deepseek_v2", "deepseek_v3", "kimi_k2"):
+        first = cfg.get("first_k_dense_replace") or 0
+        freq = cfg.get("moe_layer_freq") or 1
+        moe = sum(1 for i in range(L) if i >= first and i % freq == 0)
+        mi = _need(cfg, "moe_intermediate_size", w)
+        kw.update(num_experts=_need(cfg, "n_routed_experts", w), moe_intermediate_size=mi,
+                  shared_intermediate_size=(cfg.get("n_shared_experts") or 0) * mi, num_moe_layers=moe,
+                  kv_lora_rank=_need(cfg, "kv_lora_rank", w), qk_rope_head_dim=_need(cfg, "qk_rope_head_dim", w),
+                  qk_nope_head_dim=_need(cfg, "qk_nope_head_dim", w), v_head_dim=_need(cfg, "v_head_dim", w),
+                  q_lora_rank=cfg.get("q_lora_rank") or 0)
+        kw["head_dim"] = kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"]
+        kw["num_kv_heads"] = heads
+    elif mt == "gpt_oss":
+        types = cfg.get("layer_types") or []
+        kw.update(num_experts=_need(cfg, "num_local_experts", w), moe_intermediate_size=_need(cfg, "intermediate_size", w),
+                  num_moe_layers=L, sliding_window=cfg.get("sliding_window") or 0,
+                  num_sliding_layers=sum(t == "sliding_attention" for t in types),
+                  attn_weight_dtype=torch_dtype if edtype else "")
+    elif mt == "minimax_m2":
+        kw.update(num_experts=_need(cfg, "num_local_experts", w), moe_intermediate_size=_need(cfg, "intermediate_size", w),
+                  shared_intermediate_size=cfg.get("shared_intermediate_size") or 0, num_moe_layers=L)
+    else:  # llama4 / llama4_text: MoE every interleave_moe_layer_step layers, one shared expert
+        step = cfg.get("interleave_moe_layer_step") or 1
+        moe_layers = cfg.get("moe_layers")
+        moe = len(moe_layers) if moe_layers is not None else sum(1 for i in range(L) if (i + 1) % step == 0)
+        mi = _need(cfg, "intermediate_size", w)
+        kw.update(num_experts=_need(cfg, "num_local_experts", w), moe_intermediate_size=mi,
+                  shared_intermediate_size=mi, num_moe_layers=moe,
+                  intermediate_size=cfg.get("intermediate_size_mlp") or mi)
+    kw["num_experts_per_tok"] = k
+    return kw
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +485,34 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("codellama-34b", 48, 8192, 64, 8, 128, 22016, 32000, False, 16384),
     ModelSpec("yi-34b", 60, 7168, 56, 8, 128, 20480, 64000, False, 4096),
     ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, True, 8192, "float32", "float32", "float32"),
+    # Mixtures of experts, from their public config.json (sim.specs.hf_config_fields reads the same).
+    ModelSpec("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 6144, 151936, False, 40960, qk_norm=True, num_experts=128,
+              num_experts_per_tok=8, moe_intermediate_size=768, num_moe_layers=48),
+    ModelSpec("qwen3-235b-a22b", 94, 4096, 64, 4, 128, 12288, 151936, False, 40960, qk_norm=True, num_experts=128,
+              num_experts_per_tok=8, moe_intermediate_size=1536, num_moe_layers=94),
+    ModelSpec("mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000, False, 32768, num_experts=8,
+              num_experts_per_tok=2, moe_intermediate_size=14336, num_moe_layers=32),
+    ModelSpec("mixtral-8x22b", 56, 6144, 48, 8, 128, 16384, 32000, False, 65536, num_experts=8,
+              num_experts_per_tok=2, moe_intermediate_size=16384, num_moe_layers=56),
+    ModelSpec("gpt-oss-20b", 24, 2880, 64, 8, 64, 2880, 201088, False, 131072, num_experts=32, num_experts_per_tok=4,
+              moe_intermediate_size=2880, num_moe_layers=24, expert_dtype="mxfp4", attn_weight_dtype="bfloat16",
+              sliding_window=128, num_sliding_layers=12),
+    ModelSpec("gpt-oss-120b", 36, 2880, 64, 8, 64, 2880, 201088, False, 131072, num_experts=128, num_experts_per_tok=4,
+              moe_intermediate_size=2880, num_moe_layers=36, expert_dtype="mxfp4", attn_weight_dtype="bfloat16",
+              sliding_window=128, num_sliding_layers=18),
+    ModelSpec("deepseek-v3", 61, 7168, 128, 128, 192, 18432, 129280, False, 163840, weight_dtype="fp8_block",
+              num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, shared_intermediate_size=2048,
+              num_moe_layers=58, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+              q_lora_rank=1536),
+    ModelSpec("kimi-k2", 61, 7168, 64, 64, 192, 18432, 163840, False, 131072, weight_dtype="fp8_block",
+              num_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, shared_intermediate_size=2048,
+              num_moe_layers=60, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+              q_lora_rank=1536),
+    ModelSpec("minimax-m2", 62, 3072, 48, 8, 128, 1536, 200064, False, 196608, weight_dtype="fp8_block",
+              qk_norm=True, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=1536, num_moe_layers=62),
+    ModelSpec("llama-4-scout-17b-16e", 48, 5120, 40, 8, 128, 16384, 202048, False, 10485760, qk_norm=True,
+              num_experts=16, num_experts_per_tok=1, moe_intermediate_size=8192, shared_intermediate_size=8192,
+              num_moe_layers=48),
 ]}
 _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-3.1-8b",
                   "meta-llama-3.1-70b": "llama-3.1-70b", "meta-llama-3.1-405b": "llama-3.1-405b",
@@ -225,7 +521,11 @@ _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-
                   "mistral-7b-v0.3": "mistral-7b", "smollm2-135m": "smollm2-135m",
                   "mistral-nemo-instruct": "mistral-nemo", "mistral-nemo-base": "mistral-nemo",
                   "llama-2-7b-chat": "llama-2-7b", "llama-2-70b-chat": "llama-2-70b",
-                  "codellama-34b-instruct": "codellama-34b", "codellama-34b-python": "codellama-34b"}
+                  "codellama-34b-instruct": "codellama-34b", "codellama-34b-python": "codellama-34b",
+                  "mixtral-8x7b-v0.1": "mixtral-8x7b", "mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
+                  "mixtral-8x22b-v0.1": "mixtral-8x22b", "mixtral-8x22b-instruct-v0.1": "mixtral-8x22b",
+                  "deepseek-r1": "deepseek-v3", "deepseek-v3-0324": "deepseek-v3", "minimax-m2.5": "minimax-m2",
+                  "llama-4-scout": "llama-4-scout-17b-16e", "qwen3-30b-a3b-thinking": "qwen3-30b-a3b"}
 
 DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
     DeviceSpec("h100-sxm", 81559 * MiB, 3.35e12, 989e12, 450e9, fp8_flops=1979e12, kernel_tables="h100_sxm"),
@@ -256,7 +556,9 @@ def _model_key(name: str) -> tuple[str, bool]:
         for suf in _MODEL_SUFFIXES:
             if k.endswith(suf):
                 k, changed = k[: -len(suf)], True
-    k = re.sub(r"-(\d{4})$", "", k)  # date suffixes, e.g. -2507
+        dated = re.sub(r"-(\d{4})$", "", k)  # date suffixes, e.g. -2507 (-Instruct-2507)
+        if dated != k and k not in _MODEL_ALIASES:
+            k, changed = dated, True
     return _MODEL_ALIASES.get(k, k), fp8
 
 

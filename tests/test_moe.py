@@ -1,0 +1,187 @@
+"""Mixture-of-experts and latent-attention models: read from their config.json (or the catalog),
+sized by hand calculation, refused when not understood, and timed by the experts a step touches."""
+import numpy as np
+import pytest
+
+from engine.core.features import BatchFeatures
+from sim.cost_model import AnalyticCostModel, Efficiency
+from sim.kernel_model import KernelCostModel
+from sim.specs import ModelSpec, get_device, get_model, hf_config_fields
+
+# The fields of the public config.json files that the reader needs (values as published).
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "decoder_sparse_step": 1,
+                 "head_dim": 128, "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 40960,
+                 "mlp_only_layers": [], "moe_intermediate_size": 768, "num_attention_heads": 32, "num_experts": 128,
+                 "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+                 "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 151936}
+GPT_OSS_120B = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "experts_per_token": 4,
+                "head_dim": 64, "hidden_size": 2880, "intermediate_size": 2880,
+                "layer_types": ["sliding_attention", "full_attention"] * 18, "num_attention_heads": 64,
+                "num_experts_per_tok": 4, "num_hidden_layers": 36, "num_key_value_heads": 8, "num_local_experts": 128,
+                "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+                    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+                "sliding_window": 128, "tie_word_embeddings": False, "vocab_size": 201088}
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "first_k_dense_replace": 3,
+               "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512, "moe_intermediate_size": 2048,
+               "moe_layer_freq": 1, "n_routed_experts": 256, "n_shared_experts": 1, "num_attention_heads": 128,
+               "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128, "q_lora_rank": 1536,
+               "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "torch_dtype": "bfloat16",
+               "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+               "tie_word_embeddings": False, "vocab_size": 129280}
+MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+                "intermediate_size": 14336, "num_attention_heads": 32, "num_experts_per_tok": 2,
+                "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "torch_dtype": "bfloat16",
+                "vocab_size": 32000}
+
+
+def test_qwen3_30b_a3b_weights_and_kv_by_hand():
+    m = ModelSpec.from_hf_config(QWEN3_30B_A3B)
+    assert m.weight_bytes == get_model("Qwen/Qwen3-30B-A3B-Instruct-2507").weight_bytes
+    L, h = 48, 2048
+    attn = h * 32 * 128 + 2 * h * 4 * 128 + 32 * 128 * h
+    experts = 128 * 3 * h * 768
+    router = h * 128
+    norms = (2 * L + 1) * h
+    emb = 2 * 151936 * h
+    params = L * (attn + experts + router) + norms + emb
+    assert m.weight_bytes == 2 * params                      # bf16: 61.1 GB ("about 61 GB")
+    assert abs(m.num_params - params) <= L * 2 * h            # num_params also counts the two norms per layer
+    assert 30.4e9 < params < 30.6e9                          # the published 30.5B
+    assert m.kv_bytes_per_token == 2 * L * 4 * 128 * 2
+    # TP2: every expert's slice, KV heads halved
+    assert m.weight_bytes_per_gpu(2) == 2 * (L * (attn // 2 + experts // 2 + router) + norms + emb // 2)
+    assert m.kv_bytes_per_token_per_gpu(2) == 2 * L * 2 * 128 * 2
+    # fp8 in 128x128 blocks: linear layers and experts 1 byte, router, norms and embeddings 2
+    q = ModelSpec.from_hf_config({**QWEN3_30B_A3B, "quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128]}})
+    assert q.weight_dtype == "fp8_block"
+    assert q.weight_bytes == L * (attn + experts) + 2 * (L * router + norms + emb)
+
+
+def test_gpt_oss_120b_weights_and_kv_by_hand():
+    m = ModelSpec.from_hf_config(GPT_OSS_120B)
+    assert (m.expert_dtype, m.attn_dtype, m.num_sliding_layers, m.sliding_window) == ("mxfp4", "bfloat16", 18, 128)
+    L, h = 36, 2880
+    attn = h * 64 * 64 + 2 * h * 8 * 64 + 64 * 64 * h
+    experts = 128 * 3 * h * 2880
+    mxfp4 = 0.5 + 1 / 32                                    # 4-bit values, an 8-bit scale per 32
+    other = L * (attn + h * 128) + (2 * L + 1) * h + 2 * 201088 * h
+    assert m.weight_bytes == int(L * experts * mxfp4 + 2 * other)
+    assert 116e9 < m.num_params < 118e9                      # the published 117B (116.8B)
+    assert 60e9 < m.weight_bytes < 66e9                      # the checkpoint: about 65 GB on disk
+    # KV per token: the 18 full-attention layers; the sliding ones hold a window per request
+    assert m.kv_bytes_per_token == 2 * 18 * 8 * 64 * 2
+    assert m.sliding_kv_bytes_per_request_per_gpu(1, 16) == 2 * 18 * 8 * 64 * 2 * (128 + 16)
+
+
+def test_deepseek_v3_weights_and_latent_kv_by_hand():
+    m = ModelSpec.from_hf_config(DEEPSEEK_V3)
+    assert m.is_mla and m.num_moe_layers == 58 and m.weight_dtype == "fp8_block"
+    L, h, H = 61, 7168, 128
+    attn = (h * 1536 + 1536 * H * 192 + h * (512 + 64) + 512 * H * (128 + 128) + H * 128 * h)
+    dense_mlp = 3 * 3 * h * 18432                            # first_k_dense_replace = 3 layers
+    shared = 58 * 3 * h * 2048
+    experts = 58 * 256 * 3 * h * 2048
+    router = 58 * h * 256
+    norms = (2 * L + 1) * h + L * (512 + 1536)
+    emb = 2 * 129280 * h
+    assert m.weight_bytes == L * attn + dense_mlp + shared + experts + 2 * (router + norms + emb)
+    assert 670e9 < m.num_params < 672e9                      # 671B (the MTP module is not served)
+    # MLA: one latent of kv_lora_rank + qk_rope_head_dim per layer, the same on every TP rank
+    assert m.kv_bytes_per_token == m.kv_bytes_per_token_per_gpu(8) == L * (512 + 64) * 2
+
+
+@pytest.mark.parametrize("name, family", [
+    ("Qwen/Qwen3-30B-A3B", "qwen3-30b-a3b"), ("Qwen/Qwen3-235B-A22B-FP8", "qwen3-235b-a22b"),
+    ("mistralai/Mixtral-8x7B-Instruct-v0.1", "mixtral-8x7b"), ("mistralai/Mixtral-8x22B-v0.1", "mixtral-8x22b"),
+    ("openai/gpt-oss-20b", "gpt-oss-20b"), ("openai/gpt-oss-120b", "gpt-oss-120b"),
+    ("deepseek-ai/DeepSeek-V3", "deepseek-v3"), ("deepseek-ai/DeepSeek-R1", "deepseek-v3"),
+    ("moonshotai/Kimi-K2-Instruct", "kimi-k2"), ("MiniMaxAI/MiniMax-M2", "minimax-m2"),
+    ("meta-llama/Llama-4-Scout-17B-16E-Instruct", "llama-4-scout-17b-16e")])
+def test_moe_catalog_names(name, family):
+    m = get_model(name)
+    assert m.name == family and m.is_moe and m.num_experts_per_tok >= 1
+
+
+@pytest.mark.parametrize("cfg", [QWEN3_30B_A3B, GPT_OSS_120B, DEEPSEEK_V3, MIXTRAL_8X7B])
+def test_catalog_matches_the_config(cfg):
+    m = ModelSpec.from_hf_config(cfg)
+    by_name = {"qwen3_moe": "qwen3-30b-a3b", "gpt_oss": "gpt-oss-120b", "deepseek_v3": "deepseek-v3",
+               "mixtral": "mixtral-8x7b"}[cfg["model_type"]]
+    c = get_model(by_name)
+    for f in ("num_layers", "hidden_size", "num_heads", "num_experts", "num_experts_per_tok",
+              "moe_intermediate_size", "shared_intermediate_size", "num_moe_layers", "kv_lora_rank",
+              "num_sliding_layers", "expert_dtype", "weight_dtype"):
+        assert getattr(m, f) == getattr(c, f), f
+    assert m.weight_bytes == c.weight_bytes and m.kv_bytes_per_token == c.kv_bytes_per_token
+
+
+def test_what_the_reader_does_not_understand_is_refused_by_field():
+    with pytest.raises(ValueError, match="model_type='gemma3'"):
+        hf_config_fields({**MIXTRAL_8X7B, "model_type": "gemma3"})
+    with pytest.raises(ValueError, match="lacks 'model_type'"):
+        hf_config_fields({k: v for k, v in MIXTRAL_8X7B.items() if k != "model_type"})
+    with pytest.raises(ValueError, match="num_local_experts=8 in a model_type='llama'"):
+        hf_config_fields({**MIXTRAL_8X7B, "model_type": "llama"})   # never timed as dense
+    with pytest.raises(ValueError, match="lacks 'moe_intermediate_size'"):
+        hf_config_fields({k: v for k, v in QWEN3_30B_A3B.items() if k != "moe_intermediate_size"})
+    with pytest.raises(ValueError, match="quant_method='awq'"):
+        hf_config_fields({**QWEN3_30B_A3B, "quantization_config": {"quant_method": "awq", "bits": 4}})
+
+
+def test_a_scenario_reads_a_moe_config_json(tmp_path):
+    import json
+
+    from sim.scenario import ScenarioError, parse_scenario
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    base = {"workload": {"num_requests": 20, "arrival": {"type": "poisson", "rate": 5.0},
+                         "prompt_len": {"type": "fixed", "value": 200}, "output_len": {"type": "fixed", "value": 20}}}
+    sc = parse_scenario({**base, "deployment": {"model": "m/config.json", "device": "h100"}}, base_dir=tmp_path)
+    assert sc.cost_model.describe()["experts"] == 128
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, "model_type": "gemma3"}))
+    with pytest.raises(ScenarioError, match="model_type='gemma3'"):
+        parse_scenario({**base, "deployment": {"model": "g/config.json", "device": "h100"}}, base_dir=tmp_path)
+
+
+def test_experts_touched_against_sampled_routing():
+    m = get_model("mixtral-8x7b")                            # 8 experts, top-2
+    assert m.experts_touched(1) == pytest.approx(2.0)
+    assert m.experts_touched(10_000) == pytest.approx(8.0)
+    rng = np.random.default_rng(0)
+    for T in (2, 3, 5, 12):
+        distinct = [len(set(np.concatenate([rng.choice(8, 2, replace=False) for _ in range(T)])))
+                    for _ in range(4000)]
+        assert m.experts_touched(T) == pytest.approx(np.mean(distinct), rel=0.02)
+    assert all(np.diff([m.experts_touched(t) for t in range(1, 64)]) > 0)
+
+
+def test_analytic_moe_decode_reads_the_touched_experts_by_hand():
+    m, d = get_model("qwen3-30b-a3b"), get_device("h100")
+    e = Efficiency()
+    a = AnalyticCostModel(m, d, 1, e)
+    bw = d.mem_bandwidth * e.bandwidth
+    dense = m.weight_read_bytes_per_gpu(1) - m.expert_weight_bytes_per_gpu(1)
+    one = BatchFeatures(num_reqs=1, num_decode_reqs=1, decode_context_tokens=0)
+    # one token: its top-8 of 128 experts in each layer, a sixteenth of the experts' bytes
+    want = e.step_overhead_s + e.per_req_overhead_s + dense / bw + m.expert_weight_bytes_per_gpu(1) * 8 / 128 / bw
+    assert a.step_time(one) == pytest.approx(want, rel=1e-9)
+    # a dense reading of the same model (intermediate 6144, no experts) reads far less than a batch
+    big = BatchFeatures(num_reqs=256, num_decode_reqs=256, decode_context_tokens=0)
+    assert a.step_time(big) - a.step_time(one) > 0.8 * m.expert_weight_bytes_per_gpu(1) * (1 - 8 / 128) / bw
+
+
+def test_kernel_model_times_moe_layers_by_touched_experts():
+    k = KernelCostModel("mixtral-8x7b", "h100", 2)
+    f1 = BatchFeatures(num_reqs=1, num_decode_reqs=1, decode_context_tokens=500)
+    f64 = BatchFeatures(num_reqs=64, num_decode_reqs=64, decode_context_tokens=64 * 500)
+    b1, b64 = k.breakdown(f1), k.breakdown(f64)
+    # 2 of 8 experts at batch 1, nearly all at 64: the expert term grows about 4x, no more
+    assert 3.0 < b64["moe"] / b1["moe"] < 4.5
+    # at batch 64 it is bound by streaming the experts' weights: within 2x of bytes / bandwidth
+    m = k.model
+    stream = m.expert_weight_bytes_per_gpu(2) * m.experts_touched(64) / m.num_experts / k.device.mem_bandwidth
+    assert stream < b64["moe"] < 2 * stream
+    assert k.describe()["table_coverage"]["moe"] is True
+    assert KernelCostModel("llama-3.1-8b", "h100").breakdown(f64)["moe"] == 0.0
