@@ -78,13 +78,14 @@ import copy
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from calibration.calibrate import host_cpu
 from calibration.driver import Arrival, drive, warm_up
 from calibration.probe import SplitSpeedModel, compute_probe, speed_around, speed_probe as probe_speed
-from engine.core import SamplingParams
+from engine.core import SamplingParams, SchedulerConfig
 from sim.cost_model import FittedCostModel
 from sim.intervals import NoisyCostModel, group_bias_range
 from sim.metrics import itl_from_token_times, request_table, summarize
@@ -286,6 +287,39 @@ def scheduler_fields(cfg) -> dict:
     return out
 
 
+@dataclass
+class EngineRun:
+    """One engine run of a validation: which setting, seed and load, the workload it served, what
+    it measured, the scheduler it ran with, and the machine's speed and compute factors around it
+    (1.0 without probes)."""
+    setting: int
+    seed: int
+    load: float
+    workload: Any
+    result: Any
+    config: SchedulerConfig
+    speed: float = 1.0
+    compute: float = 1.0
+
+
+@dataclass
+class LoadRuns:
+    """One setting at one load, every seed: the engine's and the simulator's results side by side."""
+    engine: list = field(default_factory=list)        # each seed's engine request records
+    sim_reps: list = field(default_factory=list)      # each seed's simulated noise replicates (records)
+    insitu_reps: list = field(default_factory=list)   # the same with the in-situ speed model
+    steps: list = field(default_factory=list)         # (engine StepRecord, measured period, model)
+    engine_tput: list = field(default_factory=list)   # output tokens/s per seed
+    sim_tput: list = field(default_factory=list)
+    insitu_tput: list = field(default_factory=list)
+    engine_rps: list = field(default_factory=list)    # requests/s per seed
+    sim_rps: list = field(default_factory=list)
+    engine_growth: list = field(default_factory=list)  # queue growth (requests/s) per seed
+    sim_growth: list = field(default_factory=list)
+    engine_config: SchedulerConfig | None = None
+    sim_config: SchedulerConfig | None = None
+
+
 def validate(engine, profile: dict, settings: list[Setting] | dict, out_dir: str | Path,
              loads=(0.3, 0.6, 0.9, 1.2), seeds: int = 3, duration_s: float = DURATION_S,
              min_requests: int = MIN_REQUESTS, progress: bool = True, speed_probe: bool = True) -> dict:
@@ -298,12 +332,27 @@ def validate(engine, profile: dict, settings: list[Setting] | dict, out_dir: str
     speed is measured before and after each engine run and the simulator's side of that run uses
     the profile scaled by the geometric mean of the two over the profile's median probe (the
     validation's level in full, the run's deviation from it to the profile's probe exponent:
-    applied_factors); the interval widens by the probe drift seen during calibration."""
+    applied_factors); the interval widens by the probe drift seen during calibration.
+
+    Three jobs: the engine runs (run_engine), the simulator on the same workloads
+    (simulate_runs), and the report, plots and files (write_report)."""
     if isinstance(settings, dict):  # a workload alone: the engine's own setting
         settings = [Setting("base", {}, {}, dict(settings["workload"]))]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    base = FittedCostModel.from_profile(profile)
+    ref = profile["metadata"].get("speed_probe") if speed_probe else None
+    capacities, done, factors = run_engine(engine, settings, loads, seeds, duration_s, min_requests, ref, progress)
+    per, step_rows, insitu_runs, levels = simulate_runs(FittedCostModel.from_profile(profile), settings, loads,
+                                                        done, factors, ref, progress)
+    return write_report(out_dir, profile, settings, loads, seeds, capacities, per, step_rows, insitu_runs,
+                        factors, levels, ref)
+
+
+def run_engine(engine, settings: list[Setting], loads, seeds: int, duration_s: float, min_requests: int,
+               ref: dict | None, progress: bool) -> tuple[list[float], list[EngineRun], list[dict]]:
+    """The engine side: each setting's capacity (a burst), then every (seed, load, setting) run at
+    load x the base's capacity, with the speed probes around each run when `ref` (the profile's
+    probe record) is given. Returns the capacities, the runs, and the probe record of each run."""
     engine.reconfigure(**settings[0].knobs)
     warm_up(engine)
     # Each setting's own capacity (a burst); the rates of every setting are the base's.
@@ -313,10 +362,7 @@ def validate(engine, profile: dict, settings: list[Setting] | dict, out_dir: str
         capacities.append(measure_capacity(engine, st.workload,
                                            n=max(16, 2 * min(engine.scheduler_config.max_num_seqs, 32))))
     capacity = capacities[0]
-    bounds = group_bias_range(profile["metadata"])
-    ref = profile["metadata"].get("speed_probe") if speed_probe else None
     cref = (ref or {}).get("compute")  # a profile that recorded the compute probe too
-    exponent = float((ref or {}).get("exponent", 1.0))  # calibration.calibrate.fit_probe_exponent
     factors: list[dict] = []
     before = probe_speed(engine) if ref else None  # each run's probe after is the next one's before
     before_c = compute_probe(engine) if cref else None
@@ -326,7 +372,7 @@ def validate(engine, profile: dict, settings: list[Setting] | dict, out_dir: str
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(runs), desc="validating", unit="run")
-    done = []  # per engine run: (setting, seed, load, workload, result, config, decode and compute factors)
+    done: list[EngineRun] = []
     for seed, load, k in runs:
         st = settings[k]
         cfg = engine.reconfigure(**st.knobs)  # a new scheduler: its prefix cache starts empty
@@ -351,47 +397,55 @@ def validate(engine, profile: dict, settings: list[Setting] | dict, out_dir: str
                            compute_factor=round(cscale, 4))
                 before_c = after_c
             factors.append(run)
-        done.append((k, seed, load, wl, res, cfg, scale, cscale))
+        done.append(EngineRun(k, seed, load, wl, res, cfg, scale, cscale))
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
+    return capacities, done, factors
+
+
+def simulate_runs(base: FittedCostModel, settings: list[Setting], loads, done: list[EngineRun],
+                  factors: list[dict], ref: dict | None, progress: bool):
+    """The simulator side: every engine run's workload through the simulator (noise replicates
+    with the probes' speed factors, and with the in-situ speed model), gathered per setting and
+    load. Returns (per[setting][load]: LoadRuns, engine step rows, in-situ speed runs, the speed
+    and compute levels)."""
+    exponent = float((ref or {}).get("exponent", 1.0))  # calibration.calibrate.fit_probe_exponent
     # The applied factors (module doc, "Machine drift"): the validation's level in full, each run's
     # deviation from it to the profile's exponent.
-    level, applied = applied_factors([x[6] for x in done], exponent)
-    level_c, applied_c = applied_factors([x[7] for x in done], exponent)
-    per = [{load: {"engine": [], "sim_reps": [], "steps": [], "engine_tput": [], "sim_tput": [],
-                   "insitu_reps": [], "insitu_tput": [], "engine_growth": [], "sim_growth": [],
-                   "engine_rps": [], "sim_rps": [], "sim_config": None, "engine_config": None}
-            for load in loads} for _ in settings]
+    level, applied = applied_factors([x.speed for x in done], exponent)
+    level_c, applied_c = applied_factors([x.compute for x in done], exponent)
+    per = [{load: LoadRuns() for load in loads} for _ in settings]
     step_rows: list = []  # (setting, load, seed, StepRecord, period, model): DIR/engine-steps.csv
     insitu_runs: list[dict] = []
     sims = zip(done, factors if ref else [{}] * len(done), applied, applied_c)
     if progress:
         from tqdm import tqdm
         sims = tqdm(sims, total=len(done), desc="simulating", unit="run")
-    for (k, seed, load, wl, res, cfg, _, _), run, scale, cscale in sims:
+    for er, run, scale, cscale in sims:
+        k, seed, load, wl, res, cfg = er.setting, er.seed, er.load, er.workload, er.result, er.config
         if ref:
             run.update(applied_speed_factor=round(scale, 4), applied_compute_factor=round(cscale, 4))
         model = SplitSpeedModel(base, scale, cscale)  # = base x scale without a compute probe
         d = per[k][load]
-        d["engine_config"] = cfg
-        d["engine"].append(res.records)
-        d["engine_tput"].append(_summary(res.records)["throughput"]["output_tokens_per_s"])
-        d["engine_rps"].append(_summary(res.records)["throughput"]["requests_per_s"])
-        d["engine_growth"].append(queue_growth_rps(res.records))
-        d["steps"].extend((s, p, model) for s, p in zip(res.steps, res.periods_s) if p is not None)
+        d.engine_config = cfg
+        d.engine.append(res.records)
+        d.engine_tput.append(_summary(res.records)["throughput"]["output_tokens_per_s"])
+        d.engine_rps.append(_summary(res.records)["throughput"]["requests_per_s"])
+        d.engine_growth.append(queue_growth_rps(res.records))
+        d.steps.extend((s, p, model) for s, p in zip(res.steps, res.periods_s) if p is not None)
         step_rows.extend((settings[k].label, load, seed, s, p, model)
                          for s, p in zip(res.steps, res.periods_s) if p is not None)
         reps = []
         for r in range(NOISE_REPLICAS):
             sim = Simulation(wl, cfg, NoisyCostModel(model, seed=seed * 100 + r), keep_token_times=True)
-            d["sim_config"] = sim.replicas[0].scheduler.config
+            d.sim_config = sim.replicas[0].scheduler.config
             reps.append(sim.run().records)
-        d["sim_reps"].append(reps)
-        d["sim_tput"].append(float(np.median([_summary(x)["throughput"]["output_tokens_per_s"] for x in reps])))
-        d["sim_rps"].append(float(np.median([_summary(x)["throughput"]["requests_per_s"] for x in reps])))
-        d["sim_growth"].append(float(np.median([queue_growth_rps(x) for x in reps])))
+        d.sim_reps.append(reps)
+        d.sim_tput.append(float(np.median([_summary(x)["throughput"]["output_tokens_per_s"] for x in reps])))
+        d.sim_rps.append(float(np.median([_summary(x)["throughput"]["requests_per_s"] for x in reps])))
+        d.sim_growth.append(float(np.median([queue_growth_rps(x) for x in reps])))
         speed = InSituSpeed(res.steps, res.periods_s, base, fallback=scale)
         insitu_runs.append({"setting": settings[k].label, "load": load, "seed": seed, "probe_factor": round(scale, 4),
                             **{k2: round(v, 4) if isinstance(v, float) else v for k2, v in speed.summary().items()}})
@@ -403,9 +457,20 @@ def validate(engine, profile: dict, settings: list[Setting] | dict, out_dir: str
                              use_steady=False)
             clock[0] = lambda env=sim.env: env.now
             reps.append(sim.run().records)
-        d["insitu_reps"].append(reps)
-        d["insitu_tput"].append(float(np.median([_summary(x)["throughput"]["output_tokens_per_s"] for x in reps])))
+        d.insitu_reps.append(reps)
+        d.insitu_tput.append(float(np.median([_summary(x)["throughput"]["output_tokens_per_s"] for x in reps])))
+    return per, step_rows, insitu_runs, (level, level_c)
 
+
+def write_report(out_dir: Path, profile: dict, settings: list[Setting], loads, seeds: int, capacities: list[float],
+                 per: list[dict], step_rows: list, insitu_runs: list[dict], factors: list[dict],
+                 levels: tuple[float, float], ref: dict | None) -> dict:
+    """validation.json (each setting's error table, the what-if deltas), the CDF and delta plots
+    and engine-steps.csv, from the runs of both sides. Returns the report."""
+    capacity = capacities[0]
+    level, level_c = levels
+    exponent = float((ref or {}).get("exponent", 1.0))
+    bounds = group_bias_range(profile["metadata"])
     speed_report = ({"profile_median_s": ref["median_s"], "exponent": exponent,
                      "level_speed_factor": round(level, 4), "level_compute_factor": round(level_c, 4),
                      "runs": factors, **speed_extrapolation(factors, ref)} if ref else
@@ -473,12 +538,12 @@ def _setting_report(per_load: dict, loads, capacity: float, own_capacity: float,
     sim_cfg = None
     for load in loads:
         d = per_load[load]
-        sim_cfg = sim_cfg or d["sim_config"]
-        eng = {k: _pool([_latencies(r)[k] for r in d["engine"]]) for k in METRICS}
+        sim_cfg = sim_cfg or d.sim_config
+        eng = {k: _pool([_latencies(r)[k] for r in d.engine]) for k in METRICS}
         rows, rep_pools = _rows(d, eng, "sim_reps", bounds)
         irows, _ = _rows(d, eng, "insitu_reps", None)
         insitu_rows.extend(irows.values())
-        steps = d["steps"]
+        steps = d.steps
         meas = np.array([p for _, p, _ in steps])
         feats = [(_features(s), m) for s, _, m in steps]
         pred = np.array([m.step_time(f) for f, m in feats])
@@ -486,7 +551,7 @@ def _setting_report(per_load: dict, loads, capacity: float, own_capacity: float,
         # each prediction times the mean of the ratio its kind of step draws.
         noise = {id(m): NoisyCostModel(m, 0) for _, m in feats}
         noisy = pred * np.array([noise[id(m)].mean_ratio(f) for f, m in feats])
-        et, stp = float(np.mean(d["engine_tput"])), float(np.mean(d["sim_tput"]))
+        et, stp = float(np.mean(d.engine_tput)), float(np.mean(d.sim_tput))
         offered = load * capacity
         saturated = offered > SATURATED * own_capacity
         if not saturated:
@@ -495,15 +560,15 @@ def _setting_report(per_load: dict, loads, capacity: float, own_capacity: float,
             "rate_requests_per_s": offered, "metrics": rows, "saturated": saturated,
             "throughput_output_tokens_per_s": {"engine": et, "sim": stp},
             "throughput_rel_error": stp / et - 1,
-            "requests_per_s": {"engine": float(np.mean(d["engine_rps"])), "sim": float(np.mean(d["sim_rps"]))},
-            "queue_growth_requests_per_s": {"engine": float(np.mean(d["engine_growth"])),
-                                            "sim": float(np.mean(d["sim_growth"]))},
+            "requests_per_s": {"engine": float(np.mean(d.engine_rps)), "sim": float(np.mean(d.sim_rps))},
+            "queue_growth_requests_per_s": {"engine": float(np.mean(d.engine_growth)),
+                                            "sim": float(np.mean(d.sim_growth))},
             "step_time_mape": float(np.mean(np.abs(pred / meas - 1))) if len(meas) else None,
             "step_time_bias": float(np.mean(pred / meas - 1)) if len(meas) else None,
             "step_time_total_rel_error": float(noisy.sum() / meas.sum() - 1) if len(meas) else None,
             "signed_mean_error": _mean_err(rows.values()),
         }
-        et_i = float(np.mean(d["insitu_tput"]))
+        et_i = float(np.mean(d.insitu_tput))
         insitu_report["loads"][str(load)] = {
             "metrics": irows, "throughput_rel_error": et_i / et - 1, "signed_mean_error": _mean_err(irows.values())}
         rep["_eng"][load], rep["_sim"][load] = eng, rep_pools[0]
@@ -525,7 +590,7 @@ def _setting_report(per_load: dict, loads, capacity: float, own_capacity: float,
                                 "median_abs_error": float(np.median(np.abs(ierrs))) if ierrs else None,
                                 "rows": len(insitu_rows)}
     rep["in_situ"] = insitu_report
-    rep["settings"] = {"engine": scheduler_fields(d["engine_config"]), "sim": scheduler_fields(sim_cfg),
+    rep["settings"] = {"engine": scheduler_fields(d.engine_config), "sim": scheduler_fields(sim_cfg),
                        "fields_set": st.values}
     return rep
 
@@ -546,19 +611,19 @@ def what_if_deltas(settings: list[Setting], per: list[dict], loads, saturated: l
             b, s = per[0][load], per[k][load]
             for metric in DELTA_METRICS:
                 for st in STATS:
-                    e_b = _pct(_pool([_latencies(r)[metric] for r in b["engine"]]), st)
-                    e_s = _pct(_pool([_latencies(r)[metric] for r in s["engine"]]), st)
+                    e_b = _pct(_pool([_latencies(r)[metric] for r in b.engine]), st)
+                    e_s = _pct(_pool([_latencies(r)[metric] for r in s.engine]), st)
                     if not e_b or e_s is None:
                         continue
                     seeds = []
-                    for rb, rs in zip(b["engine"], s["engine"]):
+                    for rb, rs in zip(b.engine, s.engine):
                         vb, vs = _pct(_latencies(rb)[metric], st), _pct(_latencies(rs)[metric], st)
                         if vb and vs is not None:
                             seeds.append(vs / vb - 1)
                     reps = []
                     for i in range(NOISE_REPLICAS):
-                        sb = _pct(_pool([_latencies(x[i])[metric] for x in b["sim_reps"]]), st)
-                        ss = _pct(_pool([_latencies(x[i])[metric] for x in s["sim_reps"]]), st)
+                        sb = _pct(_pool([_latencies(x[i])[metric] for x in b.sim_reps]), st)
+                        ss = _pct(_pool([_latencies(x[i])[metric] for x in s.sim_reps]), st)
                         if sb and ss is not None:
                             reps.append(ss / sb - 1)
                     if not reps:
@@ -667,11 +732,11 @@ def _mean_err(rows) -> float | None:
     return float(np.mean(e)) if e else None
 
 
-def _rows(d: dict, eng: dict, reps_key: str, bounds) -> tuple[dict, list]:
+def _rows(d: "LoadRuns", eng: dict, reps_key: str, bounds) -> tuple[dict, list]:
     """Per metric and percentile: engine, simulator (median over noise replicates) and relative
     error of one load's runs (all seeds pooled), with the 90% interval when `bounds` (the
     profile's group bias and probe drift ranges) is given; and the replicates' pooled values."""
-    rep_pools = [{k: _pool([_latencies(rs[i])[k] for rs in d[reps_key]]) for k in METRICS}
+    rep_pools = [{k: _pool([_latencies(rs[i])[k] for rs in getattr(d, reps_key)]) for k in METRICS}
                  for i in range(NOISE_REPLICAS)]
     rows = {}
     for k in METRICS:
@@ -682,9 +747,9 @@ def _rows(d: dict, eng: dict, reps_key: str, bounds) -> tuple[dict, list]:
                 continue
             s = float(np.median(vals))
             seed_err = []
-            for i, er in enumerate(d["engine"]):
+            for i, er in enumerate(d.engine):
                 ev = _pct(_latencies(er)[k], st)
-                sv = [_pct(_latencies(x)[k], st) for x in d[reps_key][i]]
+                sv = [_pct(_latencies(x)[k], st) for x in getattr(d, reps_key)[i]]
                 sv = [v for v in sv if v is not None]
                 if ev and sv:
                     seed_err.append(round(float(np.median(sv)) / ev - 1, 4))

@@ -15,7 +15,14 @@ HF_NAMES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
             "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct", "qwen2.5-72b": "Qwen/Qwen2.5-72B-Instruct",
             "qwen3-8b": "Qwen/Qwen3-8B", "qwen3-14b": "Qwen/Qwen3-14B", "qwen3-32b": "Qwen/Qwen3-32B",
             "mistral-7b": "mistralai/Mistral-7B-Instruct-v0.3",
-            "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+            "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B-Instruct-2507", "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B-Instruct-2507",
+            "mixtral-8x7b": "mistralai/Mixtral-8x7B-Instruct-v0.1",
+            "mixtral-8x22b": "mistralai/Mixtral-8x22B-Instruct-v0.1",
+            "gpt-oss-20b": "openai/gpt-oss-20b", "gpt-oss-120b": "openai/gpt-oss-120b",
+            "deepseek-v3": "deepseek-ai/DeepSeek-V3", "kimi-k2": "moonshotai/Kimi-K2-Instruct",
+            "minimax-m2": "MiniMaxAI/MiniMax-M2",
+            "llama-4-scout-17b-16e": "meta-llama/Llama-4-Scout-17B-16E-Instruct"}
 
 GRID_KEYS = ("device", "tp", "max_num_batched_tokens", "max_num_seqs", "policy", "router", "pd")
 

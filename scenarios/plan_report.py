@@ -204,6 +204,7 @@ def assemble(rows: list[dict], live: list[dict], confirms: dict, spec, data: dic
     winner = out[0] if out and out[0]["status"] == "confirmed" else None
     result = {"scenario": path, "model": model, "hf_model": HF_NAMES.get(model, model),
               "gpu_memory_utilization": dep.get("gpu_memory_utilization", 0.9),
+              "expert_parallel": bool(dep.get("expert_parallel", False)),
               "mode": "gpus" if budget else "rate", "target_rate": T, "target_gpus": spec.target_gpus,
               "slo": spec.slo_spec(), "slo_text": spec.describe_slo(), "scenario_slo": spec.scenario_slo,
               "search": {**spec.search_spec(), "refine_steps": spec.refine_steps,
@@ -306,6 +307,8 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
     n = c["replicas"] or 1
     pd = c.get("pd")
     args = _serve_args(c, util)
+    if result.get("expert_parallel") and c["tp"] > 1:
+        args += " --enable-expert-parallel"
     out = []
     if c["policy"] == "shortest_prompt_first":
         out.append("# vLLM has no shortest-prompt-first policy: these servers schedule fcfs")

@@ -3,7 +3,8 @@
     name: quickstart            # used for the default output directory
     seed: 0
     deployment: {model, model_config, weight_dtype (or the old `dtype`: weights only), kv_dtype,
-                 device, tp, replicas, router, gpu_memory_utilization, num_gpu_blocks,
+                 device, tp, expert_parallel, data_parallel (1 only), replicas, router,
+                 gpu_memory_utilization, num_gpu_blocks,
                  interconnect: {bandwidth_gb_s, latency_s},  # required for tp beyond one node
                  pd: {prefill_replicas, decode_replicas, prefill_tp, decode_tp,
                       link_bandwidth_gb_s, link_latency_s}}     # disaggregated pools (sim/disagg.py)
@@ -180,6 +181,18 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     tp = dep.integer("tp", 1, ge=1)
     if model.num_heads % tp or model.num_kv_heads % tp and tp % model.num_kv_heads:
         raise ScenarioError(f"deployment.tp={tp}: must divide num_heads={model.num_heads} of {model.name}")
+    # vLLM's --enable-expert-parallel with data parallel size 1: each rank holds 1/tp of the
+    # experts whole instead of 1/tp of every expert. Under uniform routing a rank then streams the
+    # same expert bytes for the same token rows, and the combine is the same all-reduce, so it is
+    # timed as TP (docs/cost-models.md). Data-parallel attention (ranks stepping together, the
+    # all-to-all dispatch) is not modelled: refused, not run as something else.
+    ep = dep.boolean("expert_parallel", False)
+    if ep and not model.is_moe:
+        raise ScenarioError(f"deployment.expert_parallel=true: {model.name} has no experts")
+    dp = dep.integer("data_parallel", 1, ge=1)
+    if dp > 1:
+        raise ScenarioError(f"deployment.data_parallel={dp}: data-parallel attention is not modelled yet "
+                            "(use replicas for independent engines)")
     replicas = dep.integer("replicas", 1, ge=1)
     router = dep.text("router", "round_robin", choices=ROUTERS)
     util = dep.number("gpu_memory_utilization", 0.9, gt=0, le=1)
@@ -369,6 +382,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
                                 "weight_dtype": model.weight_dtype, "kv_dtype": model.kv_dtype,
                                 "replicas": replicas, "router": router, "num_gpu_blocks": blocks,
                                 "gpu_memory_utilization": util,
+                                **({"expert_parallel": True} if ep else {}),
                                 **({"pd": {k: v for k, v in pd.items() if k not in ("prefill", "decode")}}
                                    if pd else {})})
 

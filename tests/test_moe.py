@@ -185,3 +185,29 @@ def test_kernel_model_times_moe_layers_by_touched_experts():
     assert stream < b64["moe"] < 2 * stream
     assert k.describe()["table_coverage"]["moe"] is True
     assert KernelCostModel("llama-3.1-8b", "h100").breakdown(f64)["moe"] == 0.0
+
+
+def test_expert_parallel_is_a_deployment_key_and_a_serve_flag(tmp_path):
+    from sim.scenario import ScenarioError, parse_scenario
+    base = {"workload": {"num_requests": 20, "arrival": {"type": "poisson", "rate": 5.0},
+                         "prompt_len": {"type": "fixed", "value": 200}, "output_len": {"type": "fixed", "value": 20}}}
+    tp2 = parse_scenario({**base, "deployment": {"model": "qwen3-30b-a3b", "device": "h100", "tp": 2}})
+    ep2 = parse_scenario({**base, "deployment": {"model": "qwen3-30b-a3b", "device": "h100", "tp": 2,
+                                                 "expert_parallel": True}})
+    assert ep2.deployment["expert_parallel"] is True and "expert_parallel" not in tp2.deployment
+    # same bytes and rows per rank under uniform routing, same all-reduce: the same step times
+    f = BatchFeatures(num_reqs=32, num_decode_reqs=32, decode_context_tokens=32 * 700)
+    assert ep2.cost_model.step_time(f) == tp2.cost_model.step_time(f)
+    assert ep2.scheduler_config.num_gpu_blocks == tp2.scheduler_config.num_gpu_blocks
+    with pytest.raises(ScenarioError, match="expert_parallel=true: llama-3.1-8b has no experts"):
+        parse_scenario({**base, "deployment": {"model": "llama-3.1-8b", "device": "h100", "expert_parallel": True}})
+    with pytest.raises(ScenarioError, match="deployment.data_parallel=2: data-parallel attention is not modelled"):
+        parse_scenario({**base, "deployment": {"model": "qwen3-30b-a3b", "device": "h100", "data_parallel": 2}})
+    from scenarios.plan_report import deploy_commands
+    c = {"replicas": 2, "tp": 2, "device": "h100-sxm", "router": "round_robin", "policy": "fcfs",
+         "max_num_seqs": 256, "max_num_batched_tokens": 8192}
+    lines = deploy_commands({"hf_model": "Qwen/Qwen3-30B-A3B-Instruct-2507", "gpu_memory_utilization": 0.9,
+                             "expert_parallel": True, "target_rate": 10, "workload_means": {}, "model": "qwen3-30b-a3b",
+                             "search": {"confirm_requests": 8000}}, c)
+    serve = [x for x in lines if "vllm serve" in x]
+    assert len(serve) == 2 and all("--tensor-parallel-size 2" in x and "--enable-expert-parallel" in x for x in serve)

@@ -47,7 +47,8 @@ def test_a_row_becomes_its_case_and_unsupported_rows_are_skipped():
                     "tp": 4, "concurrency": 8, "isl": 1024, "osl": 1024, "ttft_ms": 110.0, "tpot_ms": 8.2,
                     "source": "inferencemax"}
     assert sc.usable(row(silicon_data_source="source_file=x-gap-analysis.csv"))["source"] == "gap-analysis"
-    assert sc.usable(row(model_path="deepseek-ai/DeepSeek-R1")) is None      # MoE: not modelled
+    assert sc.usable(row(model_path="deepseek-ai/DeepSeek-R1"))["model"] == "deepseek-v3"  # MoE: modelled
+    assert sc.usable(row(model_path="google/gemma-3-27b-it")) is None      # not in the catalog
     assert sc.usable(row(mode="disagg")) is None
     assert sc.usable(row(gemm_quant_mode="nvfp4")) is None
     assert sc.usable(row(attention_dp_size="2")) is None

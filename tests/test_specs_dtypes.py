@@ -127,7 +127,7 @@ def test_memory_reserve_is_vllm_like_and_grows_with_the_batch_budget():
 
 
 def test_block_fp8_checkpoint_is_its_own_weight_format():
-    cfg = {"num_hidden_layers": 2, "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8,
+    cfg = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8,
            "intermediate_size": 1024, "vocab_size": 1000, "torch_dtype": "bfloat16",
            "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
     from sim.specs import ModelSpec
