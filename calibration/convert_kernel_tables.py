@@ -4,7 +4,7 @@ sim/kernel_model.py reads. Run once, with a Python that has pandas + pyarrow and
 (the simulator itself never imports aisimulate):
 
     VENV/bin/python calibration/convert_kernel_tables.py --site VENV/lib/python3.11/site-packages \
-        [--out calibration/kernels] [--aiconfigurator]
+        [--out calibration/kernels] [--aiconfigurator | --moe]
 
 Kept (vLLM backend only, the kernels vLLM itself runs):
   gemm:        bf16 (torch linear), fp8 per-tensor (CutlassFP8ScaledMM) and fp8 128x128 blocks
@@ -14,6 +14,11 @@ Kept (vLLM backend only, the kernels vLLM itself runs):
                batch x KV length) for head_dim 64/128, no sliding window, KV bf16 and fp8,
                one kernel per GPU (FA3 on Hopper, FlashInfer TRT-LLM kernels on Blackwell).
   all-reduce:  vLLM custom all-reduce under CUDA graphs, bf16, by element count.
+  moe (--moe, added to the files already written): vLLM's fused-MoE layer (routing excluded:
+               the grouped expert GEMMs with their activation), by token count, per weight
+               format (the kernel vLLM picks for it on that GPU), model shape (hidden, expert
+               intermediate, top-k, experts) and sharding (moe_tp x moe_ep), tokens routed with
+               the power-law (1.01) skew AIConfigurator measures as its default.
 Latencies are converted from ms to microseconds and rounded to 4 significant digits.
 Nothing else is read: in particular not silicon_sample.csv.
 """
@@ -126,16 +131,61 @@ def convert(site: Path, out: Path, systems: dict | None = None, package: str = "
         print(f"{system}: {(out / f'{system}.json').stat().st_size / 1e6:.2f} MB")
 
 
+MOE_SYSTEMS = {"h100_sxm": "0.25.0", "h200_sxm": "0.25.0", "b200_sxm": "0.25.0"}
+# weight format -> (moe_dtype of the table, kernels in order of preference: what vLLM runs)
+MOE_KERNELS = {
+    "bf16": ("bfloat16", ["vllm_unquantizedfusedmoe_triton_tritonexperts",
+                          "vllm_unquantizedfusedmoe_flashinfer_trtllm_trtllmbf16experts"]),
+    "fp8_block": ("fp8_block", ["vllm_fp8moe_triton_tritonexperts",
+                                "vllm_fp8moe_flashinfer_trtllm_trtllmfp8expertsmonolithic"]),
+    "mxfp4": ("w4a16_mxfp4", ["vllm_gptossmxfp4moe_triton_oaitritonmxfp4expertsmonolithic",
+                              "vllm_gptossmxfp4moe_flashinfer_trtllm_mxfp4_bf16_trtllmmxfp4expertsmonolithic"]),
+    "int4": ("int4_wo", ["vllm_compressedtensorswna16marlinmoe_marlin_marlinexperts"]),
+}
+MOE_DISTRIBUTION = "power_law_1.01"
+
+
+def convert_moe(site: Path, out: Path, systems: dict | None = None, package: str = "aisimulate_core") -> None:
+    """Add the fused-MoE tables to calibration/kernels/<system>.json (written by convert)."""
+    root = site / package / "systems" / "data"
+    for system, version in (systems or MOE_SYSTEMS).items():
+        path = out / f"{system}.json"
+        doc = json.loads(path.read_text())
+        p = root / system / "moe" / "vllm" / version / "moe_perf.parquet"
+        m = pd.read_parquet(p)
+        m = m[m.distribution == MOE_DISTRIBUTION]
+        doc["sources"]["moe"] = str(p.relative_to(site))
+        tables, kernels = {}, {}
+        for name, (dt, kerns) in MOE_KERNELS.items():
+            x = m[(m.moe_dtype == dt) & m.kernel_source.isin(kerns)]
+            if x.empty:
+                continue
+            kern = next(k for k in kerns if (x.kernel_source == k).any())
+            kernels[name] = kern
+            x = x[x.kernel_source == kern]
+            for (h, i, k, e, tp, ep), sub in x.groupby(["hidden_size", "inter_size", "topk", "num_experts",
+                                                         "moe_tp_size", "moe_ep_size"]):
+                tables[f"{name}/{h}/{i}/{k}/{e}/{tp}/{ep}"] = grid(sub, ["num_tokens"])
+        doc["moe"] = {"kernels": kernels, "distribution": MOE_DISTRIBUTION,
+                      "key": "dtype/hidden/inter/topk/experts/moe_tp/moe_ep", "tables": tables}
+        with open(path, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        print(f"{system}: {len(tables)} MoE tables, {path.stat().st_size / 1e6:.2f} MB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--site", type=Path, default=None, help="site-packages of a Python with the wheel")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "kernels")
     ap.add_argument("--aiconfigurator", action="store_true",
                     help="convert AIC_SYSTEMS from an aiconfigurator==0.12.0 site-packages (--site) instead")
+    ap.add_argument("--moe", action="store_true", help="add the fused-MoE tables to the files in --out")
     args = ap.parse_args()
     if args.site is None:
         ap.error("--site: the site-packages folder that holds the wheel")
-    if args.aiconfigurator:
+    if args.moe:
+        convert_moe(args.site, args.out)
+    elif args.aiconfigurator:
         convert(args.site, args.out, AIC_SYSTEMS, "aiconfigurator_core")
     else:
         convert(args.site, args.out)

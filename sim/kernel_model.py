@@ -24,7 +24,7 @@ import bisect
 import json
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
@@ -376,6 +376,33 @@ def _log_grid(lo: int, hi: int, per_octave: int = 4) -> list[int]:
     return out
 
 
+# ModelSpec expert dtype -> the weight format of the fused-MoE tables (fp8 per channel is timed
+# with the 128x128-block kernel's table: the same bytes and math; fp16 as bf16).
+MOE_FORMATS = {"bfloat16": "bf16", "float16": "bf16", "fp8_block": "fp8_block", "fp8": "fp8_block",
+               "mxfp4": "mxfp4", "int4": "int4"}
+
+
+def _nearest_moe_table(tables: dict, fmt: str, m: ModelSpec, tp: int):
+    """The measured fused-MoE shape nearest to m's (same format and TP, EP off): the closest top-k,
+    then expert bytes and expert count on a log scale. Returns (key, m with that shape) or None."""
+    best = None
+    for key in tables:
+        f, h, i, k, e, t, ep = key.split("/")
+        if f != fmt or int(t) != tp or int(ep) != 1:
+            continue
+        h, i, k, e = int(h), int(i), int(k), int(e)
+        d = (abs(math.log(k / m.num_experts_per_tok)) * 4
+             + abs(math.log(h * i * e / (m.hidden_size * m.moe_intermediate_size * m.num_experts)))
+             + abs(math.log(e / m.num_experts)))
+        if best is None or d < best[0]:
+            best = (d, key, (h, i, k, e))
+    if best is None:
+        return None
+    h, i, k, e = best[2]
+    spec = replace(m, hidden_size=h, moe_intermediate_size=i, num_experts_per_tok=k, num_experts=e)
+    return best[1], spec
+
+
 class KernelCostModel(CostModel):
     """Per-step seconds from measured kernel tables for one deployment (model x device x TP)."""
 
@@ -525,29 +552,59 @@ class KernelCostModel(CostModel):
         self.g_head = Grid([ms], head, self._head_roof, ok_h)
         cov["gemm"] = all(grids[dtype][0] is not None for _n, _k, _w, dtype, _c in step)
         cov["lm_head_gemm"] = bool(grid_a)
-        # Routed experts of one MoE layer, as a function of the step's tokens T. A fused-MoE kernel
-        # runs the experts the tokens touch (ModelSpec.experts_touched: e of them) as one grouped
-        # GEMM, each expert's weights against its share of the T * top-k token rows: timed as one
-        # GEMM of those rows against the touched experts' weights side by side (N = e x the
-        # expert's N), from the measured GEMM table of the experts' dtype: all touched weights
-        # streamed once, one launch.
+        # Routed experts of one MoE layer, as a function of the step's tokens T: vLLM's fused-MoE
+        # kernel measured for this very shape and sharding where the tables have it (`moe`:
+        # dtype/hidden/inter/topk/experts/moe_tp/moe_ep). Otherwise the nearest measured shape
+        # of the same format and sharding, scaled by the ratio of this model's grouped-GEMM
+        # estimate for the two (counted as fallbacks). The estimate: the experts the tokens touch
+        # (ModelSpec.experts_touched: e of them), each expert's weights against its share of the
+        # T * top-k token rows, as one GEMM of those rows against the touched experts' weights side
+        # by side (N = e x the expert's N) from the measured dense GEMM table of the experts' dtype:
+        # all touched weights streamed once, one launch. With no table at all, that estimate.
         self.g_moe = None
         if m.is_moe:
-            ge, re_, _t = grid_of(m.expert_dtype or m.weight_dtype)
-            shapes_e = list(m.expert_gemms(tp).values())
-            ts, moe, ok_m = _log_grid(1, 262144), [], []
-            for T in ts:
-                e = m.experts_touched(T)
-                rows = max(1.0, T * m.num_experts_per_tok / e)
+            edt = m.expert_dtype or m.weight_dtype
+            ge, re_, _t = grid_of(edt)
+
+            def estimate(spec, T):
+                e = spec.experts_touched(T)
+                rows = max(1.0, T * spec.num_experts_per_tok / e)
                 tot, ok = 0.0, True
-                for n, k in shapes_e:
+                for n, k in spec.expert_gemms(tp).values():
                     t, ex = gemm(ge, re_, rows, e * n, k)
                     tot += t
                     ok &= ex
-                moe.append(tot)
-                ok_m.append(ok)
-            self.g_moe = Grid([ts], moe, self._moe_roof, ok_m)
-            cov["moe"] = ge is not None
+                return tot, ok
+            mt = (tables or {}).get("moe", {}).get("tables", {})
+            fmt = MOE_FORMATS.get(edt)
+            key = f"{fmt}/{m.hidden_size}/{m.moe_intermediate_size}/{m.num_experts_per_tok}/{m.num_experts}/{tp}/1"
+            if fmt and key in mt:
+                tab = mt[key]
+                self.g_moe = Grid(tab["values"], tab["us"], self._moe_roof)
+                cov["moe"] = key
+            else:
+                ref = _nearest_moe_table(mt, fmt, m, tp) if fmt else None
+                ts, moe, ok_m = _log_grid(1, 262144), [], []
+                if ref is not None:
+                    rkey, rspec = ref
+                    tab = mt[rkey]
+                    rgrid = Grid(tab["values"], tab["us"], None)
+                    lo, hi = tab["values"][0][0], tab["values"][0][-1]
+                    for T in ts:
+                        q = min(max(T, lo), hi)
+                        r, _ = rgrid(q)
+                        mine, _ = estimate(m, T)
+                        theirs, _ = estimate(rspec, q)
+                        moe.append(r * mine / theirs)
+                        ok_m.append(False)
+                    cov["moe"] = f"scaled from {rkey}"
+                else:
+                    for T in ts:
+                        t, ok = estimate(m, T)
+                        moe.append(t)
+                        ok_m.append(ok)
+                    cov["moe"] = "dense GEMM tables" if ge is not None else None
+                self.g_moe = Grid([ts], moe, self._moe_roof, ok_m)
         # Attention for this GPU's heads.
         kvn = KV_NAMES.get(m.kv_dtype, "bf16")
         key = f"{kvn}/{self.q_heads}/{self.kv_heads}/{self.attn_head_dim}"
