@@ -382,13 +382,13 @@ MOE_FORMATS = {"bfloat16": "bf16", "float16": "bf16", "fp8_block": "fp8_block", 
                "mxfp4": "mxfp4", "int4": "int4"}
 
 
-def _nearest_moe_table(tables: dict, fmt: str, m: ModelSpec, tp: int):
-    """The measured fused-MoE shape nearest to m's (same format and TP, EP off): the closest top-k,
+def _nearest_moe_table(tables: dict, fmt: str, m: ModelSpec, moe_tp: int, moe_ep: int = 1):
+    """The measured fused-MoE shape nearest to m's (same format and sharding): the closest top-k,
     then expert bytes and expert count on a log scale. Returns (key, m with that shape) or None."""
     best = None
     for key in tables:
         f, h, i, k, e, t, ep = key.split("/")
-        if f != fmt or int(t) != tp or int(ep) != 1:
+        if f != fmt or int(t) != moe_tp or int(ep) != moe_ep:
             continue
         h, i, k, e = int(h), int(i), int(k), int(e)
         d = (abs(math.log(k / m.num_experts_per_tok)) * 4
@@ -410,9 +410,12 @@ class KernelCostModel(CostModel):
 
     def __init__(self, model: ModelSpec | str | dict, device: DeviceSpec | str | dict, tp: int = 1,
                  overheads: Overheads | dict | None = None, tables: dict | str | None = None,
-                 reduced: dict | None = None) -> None:
+                 reduced: dict | None = None, expert_parallel: bool = False) -> None:
         self.model = m = get_model(model)
         self.device = d = get_device(device)
+        # vLLM's --enable-expert-parallel (data parallel 1): a MoE layer from the tables measured
+        # with the experts split whole over the tp ranks (moe_tp 1, moe_ep tp) instead of sliced
+        self.expert_parallel = bool(expert_parallel) and m.is_moe and tp > 1
         if tp < 1 or m.num_heads % tp:
             raise ValueError(f"deployment.tp={tp}: must be >= 1 and divide num_heads={m.num_heads}")
         self.tp = tp
@@ -446,7 +449,7 @@ class KernelCostModel(CostModel):
         elif tables is None or isinstance(tables, str):
             # Grids are read-only once built: deployments seen before (a plan's candidates at
             # many rates and seeds) share them.
-            key = (m, d, tp, tables or d.kernel_tables)
+            key = (m, d, tp, tables or d.kernel_tables, self.expert_parallel)
             if key not in _BUILT:
                 name = tables or d.kernel_tables
                 t = load_tables(name) if name else None
@@ -463,7 +466,8 @@ class KernelCostModel(CostModel):
             self._build(tables)
         self.metadata = {"model": m.name, "device": d.name, "tp": tp, "weight_dtype": m.weight_dtype,
                          **({"experts": m.num_experts, "experts_per_tok": m.num_experts_per_tok,
-                             "expert_dtype": m.expert_dtype or m.weight_dtype} if m.is_moe else {}),
+                             "expert_dtype": m.expert_dtype or m.weight_dtype,
+                             "expert_parallel": self.expert_parallel} if m.is_moe else {}),
                          "kv_dtype": m.kv_dtype, "act_dtype": m.act_dtype, "kv_heads_per_gpu": self.kv_heads,
                          "source": "measured kernel tables (AIConfigurator, vLLM kernels); roofline outside them",
                          "tables": self.source, "table_coverage": self.coverage,
@@ -577,13 +581,14 @@ class KernelCostModel(CostModel):
                 return tot, ok
             mt = (tables or {}).get("moe", {}).get("tables", {})
             fmt = MOE_FORMATS.get(edt)
-            key = f"{fmt}/{m.hidden_size}/{m.moe_intermediate_size}/{m.num_experts_per_tok}/{m.num_experts}/{tp}/1"
+            mtp, mep = (1, tp) if self.expert_parallel else (tp, 1)
+            key = f"{fmt}/{m.hidden_size}/{m.moe_intermediate_size}/{m.num_experts_per_tok}/{m.num_experts}/{mtp}/{mep}"
             if fmt and key in mt:
                 tab = mt[key]
                 self.g_moe = Grid(tab["values"], tab["us"], self._moe_roof)
                 cov["moe"] = key
             else:
-                ref = _nearest_moe_table(mt, fmt, m, tp) if fmt else None
+                ref = _nearest_moe_table(mt, fmt, m, mtp, mep) if fmt else None
                 ts, moe, ok_m = _log_grid(1, 262144), [], []
                 if ref is not None:
                     rkey, rspec = ref

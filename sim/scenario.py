@@ -182,10 +182,10 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     if model.num_heads % tp or model.num_kv_heads % tp and tp % model.num_kv_heads:
         raise ScenarioError(f"deployment.tp={tp}: must divide num_heads={model.num_heads} of {model.name}")
     # vLLM's --enable-expert-parallel with data parallel size 1: each rank holds 1/tp of the
-    # experts whole instead of 1/tp of every expert. Under uniform routing a rank then streams the
-    # same expert bytes for the same token rows, and the combine is the same all-reduce, so it is
-    # timed as TP (docs/cost-models.md). Data-parallel attention (ranks stepping together, the
-    # all-to-all dispatch) is not modelled: refused, not run as something else.
+    # experts whole instead of 1/tp of every expert: the same weight bytes (memory as TP); kernel
+    # tables time the MoE layers from the fused-MoE kernels measured with that split (skewed
+    # routing loads the ranks unevenly), other cost models as TP. Data-parallel attention (ranks
+    # stepping together, the all-to-all dispatch) is not modelled: refused, not run as something else.
     ep = dep.boolean("expert_parallel", False)
     if ep and not model.is_moe:
         raise ScenarioError(f"deployment.expert_parallel=true: {model.name} has no experts")
@@ -258,7 +258,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
                 raise ScenarioError(f"cost_model.efficiency={eff!r}: {e}") from None
         if k == "kernels":
             try:
-                return KernelCostModel(model, device, t, ovh), {}
+                return KernelCostModel(model, device, t, ovh, expert_parallel=ep), {}
             except (TypeError, ValueError) as e:
                 raise ScenarioError(f"cost_model (kernels, overheads={ovh!r}): {e}") from None
         name = prof_name or default_profile

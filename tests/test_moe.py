@@ -213,10 +213,13 @@ def test_expert_parallel_is_a_deployment_key_and_a_serve_flag(tmp_path):
     ep2 = parse_scenario({**base, "deployment": {"model": "qwen3-30b-a3b", "device": "h100", "tp": 2,
                                                  "expert_parallel": True}})
     assert ep2.deployment["expert_parallel"] is True and "expert_parallel" not in tp2.deployment
-    # same bytes and rows per rank under uniform routing, same all-reduce: the same step times
-    f = BatchFeatures(num_reqs=32, num_decode_reqs=32, decode_context_tokens=32 * 700)
-    assert ep2.cost_model.step_time(f) == tp2.cost_model.step_time(f)
+    # the same weight bytes per rank (memory as TP); the MoE layers from the kernels measured with
+    # the experts split whole over the two ranks (moe_tp 1, moe_ep 2) instead of sliced (2, 1)
     assert ep2.scheduler_config.num_gpu_blocks == tp2.scheduler_config.num_gpu_blocks
+    assert ep2.cost_model.describe()["table_coverage"]["moe"] == "bf16/2048/768/8/128/1/2"
+    assert tp2.cost_model.describe()["table_coverage"]["moe"] == "bf16/2048/768/8/128/2/1"
+    f = BatchFeatures(num_reqs=32, num_decode_reqs=32, decode_context_tokens=32 * 700)
+    assert ep2.cost_model.step_time(f) != tp2.cost_model.step_time(f)
     with pytest.raises(ScenarioError, match="expert_parallel=true: llama-3.1-8b has no experts"):
         parse_scenario({**base, "deployment": {"model": "llama-3.1-8b", "device": "h100", "expert_parallel": True}})
     with pytest.raises(ScenarioError, match="deployment.data_parallel=2: data-parallel attention is not modelled"):

@@ -318,3 +318,47 @@ def test_broken_device_is_reported_not_hung():
         assert codes == [503] * 4  # answered (not hung), as server errors
         health = httpx.get(base + "/health", timeout=10)
         assert health.status_code == 503 and "simulated device failure" in health.text
+
+
+def test_openai_defaults_and_stream_details_as_vllm_has_them(served, client):
+    """Behaviours vLLM's own OpenAI entrypoint tests check, in this project's words."""
+    url = served["url"]
+    # completions without max_tokens: 16 tokens, as OpenAI and vLLM default (not the whole context)
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Once upon a time",
+                                                  "ignore_eos": True, "temperature": 0}, timeout=120).json()
+    assert r["usage"]["completion_tokens"] == 16 and r["choices"][0]["finish_reason"] == "length"
+    # stream_options only with stream: a 400 naming the field
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                  "stream_options": {"include_usage": True}}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+    # continuous_usage_stats without include_usage: no usage in any chunk
+    kw = {"model": MODEL, "prompt": "Count: 1, 2,", "max_tokens": 4, "temperature": 0, "stream": True}
+    bodies = []
+    for so in ({"continuous_usage_stats": True}, {"include_usage": True, "continuous_usage_stats": True}):
+        with httpx.stream("POST", url + "/v1/completions", json={**kw, "stream_options": so}, timeout=60) as s:
+            bodies.append([json.loads(line[6:]) for line in s.iter_lines()
+                           if line.startswith("data: ") and line != "data: [DONE]"])
+    assert not any("usage" in b for b in bodies[0])
+    with_usage = bodies[1]
+    assert all(b.get("usage") for b in with_usage)          # every chunk, the counts so far
+    done = [b["usage"]["completion_tokens"] for b in with_usage]
+    assert done == sorted(done) and done[-1] == 4
+    # the chat message carries the fields the OpenAI schema requires (vLLM sends them null/empty)
+    msg = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "Hi"}]}, timeout=60).json()["choices"][0]["message"]
+    assert msg["refusal"] is None and msg["tool_calls"] == [] and msg["role"] == "assistant"
+    # logprobs=0: each position's top_logprobs holds the sampled token itself
+    r = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert [list(t) for t in lp.top_logprobs] == [[tok] for tok in lp.tokens]
+    assert [t[tok] for t, tok in zip(lp.top_logprobs, lp.tokens)] == lp.token_logprobs
+    r = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert all(tok in t and len(t) in (2, 3) for t, tok in zip(lp.top_logprobs, lp.tokens))
+
+
+def test_tokenize_a_conversation_the_template_refuses_is_a_400(served):
+    r = httpx.post(served["url"] + "/tokenize", json={"model": MODEL, "messages": []}, timeout=30)
+    assert r.status_code in (200, 400), r.text           # never a 500
+    if r.status_code == 400:
+        assert r.json()["error"]["param"] == "messages"

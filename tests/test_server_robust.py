@@ -341,7 +341,7 @@ def test_arrival_counts_a_slow_upload(srv):
 
 def test_tokenization_runs_off_the_event_loop(srv, monkeypatch):
     """The tokenizer is called on worker threads, never on the event loop's thread."""
-    from engine.server import app as app_mod
+    from engine.server import routes_openai as app_mod  # the completions route's encoder
     seen = []
     real = app_mod._encode
 

@@ -134,6 +134,9 @@ def _short(v: Any, limit: int = 80) -> str:
 
 
 # ------------------------------------------------------------------ models
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
@@ -207,6 +210,12 @@ class CompletionRequest(_Common):
     prompt: Any = None                # str | list[int] | list[str] | list[list[int]], see prompts()
     echo: bool | None = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """max_tokens, else 16: the default of OpenAI's and vLLM's completions (chat has none)."""
+        mt = super().requested_max_tokens
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if mt is None else mt
 
     def prompts(self, vocab_size: int) -> list[str | list[int]]:
         """The prompts of this request: texts, or lists of token ids in [0, vocab_size)."""

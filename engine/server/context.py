@@ -1,0 +1,232 @@
+"""The server's state and the request handling its routes share: limits, parsing, admission.
+
+A ServerContext is made once per app (engine/server/app.py create_app) and passed to the route
+modules (routes_openai.py: completions and chat; routes_misc.py: health, models, metrics,
+tokenize). It holds the engine and its loop thread (AsyncEngine), the metrics, the request log,
+the tokenizer pool and the limits, and the steps every generation request takes before the
+engine sees it: read the body within the size limit, validate it, check the model name, check
+the text length without a tokenizer, apply the admission rule, make the engine's children and
+refuse what the queue cannot take.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import csv
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from engine.core.admission import AdmissionError, admit
+from engine.core.records import RequestRecord
+from engine.server.async_engine import AsyncEngine, Child
+from engine.server.metrics import ServerMetrics
+from engine.server.protocol import (APIError, CompletionRequest, check_json_values, check_unsupported, loads,
+                                    new_id, validate_model)
+
+MASK64 = (1 << 64) - 1
+
+
+class RequestLog:
+    """Finished requests as CSV rows: the RequestRecord columns the simulator writes to
+    requests.csv, plus every token's time (space-separated). sim.metrics.read_request_log
+    derives the same latency columns from it. A request's id is the response's `id` (with
+    `-k` appended for the k-th choice of a request with several)."""
+
+    COLUMNS = list(RequestRecord.COLUMNS) + ["token_times_s"]
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "w", newline="")
+        self._w = csv.writer(self._f)
+        self._w.writerow(self.COLUMNS)
+        self._lock = threading.Lock()
+
+    def write(self, rec: RequestRecord) -> None:
+        row = [getattr(rec, c) for c in RequestRecord.COLUMNS]
+        row.append(" ".join(f"{t:.6f}" for t in (rec.token_times_s or ())))
+        with self._lock:
+            self._w.writerow(["" if v is None else v for v in row])
+            self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class TokenizerPool:
+    """Tokenizer work on worker threads, each with its own copy (fast tokenizers must not be
+    shared across threads): the event loop never waits for a tokenizer."""
+
+    def __init__(self, tokenizer, workers: int = 2) -> None:
+        self._base = tokenizer
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")
+        self._lock = threading.Lock()
+
+    def _tok(self):
+        tok = getattr(self._local, "tok", None)
+        if tok is None:
+            with self._lock:
+                tok = self._local.tok = copy.deepcopy(self._base)
+        return tok
+
+    async def run(self, fn, *args):
+        """fn(tokenizer, *args) on a worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(self._tok(), *args))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _overloaded(message: str) -> APIError:
+    return APIError(503, message, None, type="server_overloaded_error", code="overloaded",
+                    headers={"Retry-After": "1"})
+
+
+def _child_seed(seed: int | None, i: int) -> int | None:
+    """vLLM: the i-th choice of a seeded request uses seed + i (kept within 64 bits)."""
+    if seed is None:
+        return None
+    return seed + i if seed < 0 else (seed + i) & MASK64
+
+
+def _field_of(e: ValueError) -> str:
+    """The field an engine ValueError names first ('prompt: ...', 'request_id=...')."""
+    head = str(e).split(":", 1)[0].split("=", 1)[0].strip()
+    return head if head.isidentifier() else "prompt"
+
+
+def _encode(tok, text: str, special: bool) -> list[int]:
+    return list(tok(text, add_special_tokens=special).input_ids)
+
+
+def _apply_template(tok, conv: list[dict], add_generation_prompt: bool, continue_final: bool) -> tuple[str, list[int]]:
+    kw = {"continue_final_message": True} if continue_final else {}
+    text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt and not continue_final,
+                                   tokenize=False, **kw)
+    return text, _encode(tok, text, False)
+
+
+class ServerContext:
+    """One app's engine, limits and shared request handling (see the module docstring)."""
+
+    def __init__(self, engine, model_name: str, max_waiting: int, request_timeout_s: float,
+                 request_log: str | Path | None, served_model_names: list[str] | None,
+                 max_body_bytes: int, tokenizer_workers: int) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_waiting = max_waiting
+        self.max_body_bytes = max_body_bytes
+        self.metrics = ServerMetrics(model_name)
+        self.log = RequestLog(request_log) if request_log else None
+        self.aeng = AsyncEngine(engine, self.metrics, self.log, request_timeout_s)
+        self.names = set(served_model_names or []) | {model_name}
+        self.tokenizer = tok = engine.tokenizer
+        self.pool = TokenizerPool(tok, tokenizer_workers) if tok is not None else None
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        # A token covers at most this many characters of text (byte-level BPE and SentencePiece
+        # token strings are at least as long as the text they stand for): a longer text cannot fit
+        # in max_model_len tokens, and is refused before tokenizing. x2 for normalisers that drop text.
+        self.max_chars = (2 * self.max_model_len * max(len(t) for t in tok.get_vocab())) if tok is not None else 0
+
+    def start(self) -> None:
+        self.aeng.start()
+
+    def stop(self) -> None:
+        self.aeng.stop()
+        if self.pool is not None:
+            self.pool.close()
+        if self.log is not None:
+            self.log.close()
+
+    async def read_json(self, request: Request) -> dict:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > self.max_body_bytes:
+            raise APIError(413, f"body: {int(size)} bytes exceeds the server's limit of "
+                                f"{self.max_body_bytes}", "body")
+        chunks, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > self.max_body_bytes:
+                raise APIError(413, f"body: more than the server's limit of {self.max_body_bytes} bytes",
+                               "body")
+            chunks.append(chunk)
+        body = loads(b"".join(chunks))
+        if not isinstance(body, dict):
+            raise APIError(400, f"body: must be a JSON object, got {type(body).__name__}", "body")
+        check_json_values(body)
+        return body
+
+    async def parse(self, request: Request, cls):
+        body = await self.read_json(request)
+        check_unsupported(body)
+        req = validate_model(cls, body)
+        if req.model is not None and req.model not in self.names:
+            raise APIError(404, f"model={req.model!r}: no such model; this server serves "
+                                f"{sorted(self.names)}", "model", code="model_not_found")
+        if req.model is None:
+            req.model = self.model_name
+        return req
+
+    def check_chars(self, text: str, field: str) -> None:
+        if self.tokenizer is None:
+            raise APIError(400, f"{field}: this model has no tokenizer; send token ids", field)
+        if len(text) > self.max_chars:
+            raise APIError(400, f"{field}: {len(text)} characters cannot fit in max_model_len="
+                                f"{self.max_model_len} tokens", field)
+
+    def limits(self, req, n_prompt: int, field: str) -> int:
+        """The request's max_tokens for a prompt of n_prompt tokens, or a 400 naming the field
+        (engine.core.admission, the server's rule: prompt + max_tokens must fit)."""
+        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        if req.max_tokens is None and req.max_completion_tokens is None and n_prompt >= self.max_model_len:
+            # max_tokens not given (completions default to 16): the prompt itself is at fault
+            raise APIError(400, f"{field}: {n_prompt} tokens leaves no room for a generated token in "
+                                f"max_model_len={self.max_model_len}", field)
+        try:
+            mt = admit(n_prompt, req.requested_max_tokens, self.max_model_len, refuse_overflow=True,
+                       max_tokens_field=name, prompt_field=field)
+        except AdmissionError as e:
+            raise APIError(400, str(e), e.field) from None
+        problem = self.engine.scheduler.fit_problem(n_prompt, mt)  # config only: safe from this thread
+        if problem is not None:
+            raise APIError(400, f"{name}={mt}: {problem}", name)
+        return mt
+
+    def children(self, req, rid: str, prompts: list[tuple[str | None, list[int]]],
+                 logprobs: int | None) -> list[Child]:
+        out = []
+        many = len(prompts) * req.n > 1
+        for p, (text, ids) in enumerate(prompts):
+            field = f"prompt[{p}]" if len(prompts) > 1 else "prompt"
+            mt = self.limits(req, len(ids), field if isinstance(req, CompletionRequest) else "messages")
+            for i in range(req.n):
+                params = req.sampling_params(mt, _child_seed(req.seed, i), logprobs)
+                cid = f"{rid}-{p * req.n + i}" if many else rid
+                out.append(Child(cid, ids, params, text, req.priority))
+        return out
+
+    def request_id(self, request: Request, prefix: str) -> str:
+        """vLLM's: the client's X-Request-Id header, if it sent a usable one, else random; with
+        the endpoint's prefix. It is the response's `id` and the request log's request_id."""
+        given = request.headers.get("x-request-id", "")
+        if 0 < len(given) <= 128 and given.isprintable() and "," not in given:
+            return f"{prefix}-{given}"
+        return new_id(prefix)
+
+    def check_capacity(self, kids: list[Child]) -> None:
+        if not self.aeng.alive:
+            raise APIError(503, f"engine is not running: {self.aeng.error!r}", None, type="server_error",
+                           headers={"Retry-After": "1"})
+        if self.aeng.num_waiting() + len(kids) > self.max_waiting:
+            raise _overloaded(f"server overloaded: {self.aeng.num_waiting()} requests waiting "
+                              f"(max_waiting={self.max_waiting}); retry later")

@@ -1,0 +1,91 @@
+"""Routes beside generation: health, ping, version, Prometheus metrics, models, prefix-cache reset,
+tokenize and detokenize (vLLM's)."""
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.server.context import ServerContext, _apply_template, _encode
+from engine.server.protocol import APIError, DetokenizeRequest, TokenizeRequest, now_s, validate_model
+
+VERSION = "0.1.0"
+
+
+def add_misc_routes(app: FastAPI, ctx: ServerContext) -> None:
+    aeng, metrics, names, max_model_len = ctx.aeng, ctx.metrics, ctx.names, ctx.max_model_len
+    tokenizer, pool, vocab_size = ctx.tokenizer, ctx.pool, ctx.vocab_size
+    read_json, check_chars = ctx.read_json, ctx.check_chars
+
+    @app.get("/health")
+    async def health():
+        if not aeng.alive:
+            return JSONResponse({"status": "error", "error": repr(aeng.error)}, status_code=503)
+        return {"status": "ok"}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return Response(status_code=200 if aeng.alive else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    def model_card(n: str) -> dict:
+        return {"id": n, "object": "model", "created": now_s(), "owned_by": "servetwin", "root": n,
+                "parent": None, "max_model_len": max_model_len}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(n) for n in sorted(names)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id not in names:
+            raise APIError(404, f"model={model_id!r}: no such model; this server serves {sorted(names)}",
+                           "model", code="model_not_found")
+        return model_card(model_id)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        ok = await aeng.call(lambda eng: eng.reset_prefix_cache())
+        if not ok:
+            raise APIError(409, "the prefix cache cannot be reset while requests hold KV blocks; "
+                                "retry when idle", None, code="busy")
+        return Response(status_code=200)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = validate_model(TokenizeRequest, await read_json(request))
+        if req.model is not None and req.model not in names:
+            raise APIError(404, f"model={req.model!r}: no such model", "model", code="model_not_found")
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "prompt: give exactly one of prompt and messages", "prompt")
+        if req.prompt is not None:
+            check_chars(req.prompt, "prompt")
+            special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = await pool.run(_encode, req.prompt, special)
+        else:
+            conv = [{"role": m.role, "content": m.text(f"messages[{i}]")} for i, m in enumerate(req.messages)]
+            check_chars("".join(m["content"] for m in conv), "messages")
+            try:
+                _, ids = await pool.run(_apply_template, conv, req.add_generation_prompt, False)
+            except Exception as e:  # the template refused the conversation
+                raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
+        strs = await pool.run(lambda tok: tok.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = validate_model(DetokenizeRequest, await read_json(request))
+        if req.model is not None and req.model not in names:
+            raise APIError(404, f"model={req.model!r}: no such model", "model", code="model_not_found")
+        if tokenizer is None:
+            raise APIError(400, "tokens: this model has no tokenizer", "tokens")
+        bad = [t for t in req.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"tokens: token id {bad[0]} is not in [0, {vocab_size})", "tokens")
+        return {"prompt": await pool.run(lambda tok: tok.decode(req.tokens))}

@@ -1,0 +1,242 @@
+"""Generation routes: POST /v1/completions and /v1/chat/completions, non-streaming and
+Server-Sent Events, and how one HTTP request's choices are written (Shape)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.server.async_engine import Child, EngineDead, RequestFailed
+from engine.server.context import ServerContext, _apply_template, _encode, _field_of
+from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, now_s, usage
+from engine.server.receipt import received_elapsed_s
+
+
+def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
+    engine, aeng, tokenizer, pool, vocab_size = ctx.engine, ctx.aeng, ctx.tokenizer, ctx.pool, ctx.vocab_size
+    parse, check_chars, children = ctx.parse, ctx.check_chars, ctx.children
+    request_id, check_capacity = ctx.request_id, ctx.check_capacity
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        arrival = engine.now() - received_elapsed_s(request.scope)
+        req = await parse(request, CompletionRequest)
+        prompts = req.prompts(vocab_size)
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo: echo with logprobs (prompt logprobs) is not supported by this server",
+                           "echo")
+        texts = [(k, p) for k, p in enumerate(prompts) if isinstance(p, str)]
+        for k, t in texts:
+            check_chars(t, f"prompt[{k}]" if len(prompts) > 1 else "prompt")
+        if texts:
+            encoded = await pool.run(lambda tok: [_encode(tok, t, True) for _, t in texts])
+            for (k, t), ids in zip(texts, encoded):
+                prompts[k] = (t, ids)
+        if req.echo and tokenizer is not None:
+            id_prompts = [(k, p) for k, p in enumerate(prompts) if isinstance(p, list)]
+            if id_prompts:
+                decoded = await pool.run(lambda tok: [tok.decode(p) for _, p in id_prompts])
+                for (k, p), t in zip(id_prompts, decoded):
+                    prompts[k] = (t, p)
+        prompts = [p if isinstance(p, tuple) else (None, p) for p in prompts]
+        rid = request_id(request, "cmpl")
+        kids = children(req, rid, prompts, req.logprobs)
+        return await respond(request, req, rid, kids, arrival, chat=False,
+                             echo=[t or "" for t, _ in prompts] if req.echo else None)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        arrival = engine.now() - received_elapsed_s(request.scope)
+        req = await parse(request, ChatCompletionRequest)
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, f"model={req.model!r} has no chat template", "model")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
+        conv = req.conversation()
+        check_chars("".join(m["content"] for m in conv), "messages")
+        try:
+            text, ids = await pool.run(_apply_template, conv, req.add_generation_prompt,
+                                       req.continue_final_message)
+        except Exception as e:  # the template refused the conversation (e.g. role order)
+            raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
+        rid = request_id(request, "chatcmpl")
+        kids = children(req, rid, [(text, ids)], (req.top_logprobs or 0) if req.logprobs else None)
+        return await respond(request, req, rid, kids, arrival, chat=True)
+
+    async def respond(request: Request, req, rid: str, kids: list[Child], arrival: float, chat: bool,
+                      echo: list[str] | None = None):
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
+        check_capacity(kids)
+        try:
+            group = aeng.submit(kids, arrival, stream=bool(req.stream))  # same event-loop turn as check_capacity(): counted at once
+        except EngineDead as e:
+            raise APIError(503, str(e), None, type="server_error", headers={"Retry-After": "1"}) from None
+        gen = aeng.outputs(group)
+        n_prompts = len(kids) // req.n
+        prompt_lens = [len(kids[p * req.n].prompt_token_ids) for p in range(n_prompts)]
+        shape = Shape(rid, now_s(), req.model, chat, req.n, prompt_lens, echo)
+        if req.stream:
+            cont = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+            return StreamingResponse(sse(gen, shape, req.include_usage, cont),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                              "X-Request-Id": rid})
+        body = await complete(request, gen, shape, len(kids))
+        return body if isinstance(body, Response) else JSONResponse(body, headers={"X-Request-Id": rid})
+
+    async def complete(request: Request, gen, shape: "Shape", n: int):
+        finals: dict[int, object] = {}
+
+        async def consume():
+            async for i, out in gen:
+                if out.finished:
+                    finals[i] = out
+
+        task = asyncio.ensure_future(consume())
+        try:
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if not done and await request.is_disconnected():
+                    task.cancel()  # the generator's cleanup aborts the requests in the engine
+                    await asyncio.gather(task, return_exceptions=True)
+                    return Response(status_code=499)
+            exc = task.exception()
+            if exc is not None:
+                raise exc
+        except ValueError as e:
+            raise APIError(400, str(e), _field_of(e)) from None
+        except EngineDead as e:
+            raise APIError(503, str(e), None, type="server_error", headers={"Retry-After": "1"}) from None
+        except RequestFailed as e:
+            raise APIError(500, str(e), None, type="server_error") from None
+        outs = [finals[i] for i in range(n)]
+        if any(o.outputs[0].finish_reason == "error" for o in outs):
+            raise APIError(500, "the engine failed while producing this response", None, type="server_error")
+        choices = [shape.choice(i, o.outputs[0]) for i, o in enumerate(outs)]
+        return {"id": shape.rid, "object": shape.obj(False), "created": shape.created, "model": shape.model,
+                "choices": choices, "usage": shape.usage(outs)}
+
+    async def sse(gen, shape: "Shape", include_usage: bool, continuous: bool):
+        latest: dict[int, object] = {}
+        sent = {}          # choice index -> text already sent
+        sent_lp = {}       # choice index -> logprob entries already sent
+        first_sent: set[int] = set()  # choices whose first token has been sent
+
+        def event(choices: list[dict], usage_body=None) -> str:
+            body = {"id": shape.rid, "object": shape.obj(True), "created": shape.created, "model": shape.model,
+                    "choices": choices}
+            if usage_body is not None:
+                body["usage"] = usage_body
+            return f"data: {json.dumps(body)}\n\n"
+
+        try:
+            # vLLM: usage in a chunk only with include_usage; with continuous_usage_stats too, in
+            # every chunk (the counts so far)
+            continuous = continuous and include_usage
+            first_usage = usage(sum(shape.prompt_lens), 0) if continuous else None
+            for i in range(shape.num_choices):
+                if shape.chat:
+                    yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}], first_usage)
+                elif shape.echo is not None:
+                    yield event([{"index": i, "text": shape.echo[i // shape.n], "logprobs": None,
+                                  "finish_reason": None}], first_usage)
+            async for i, out in gen:
+                latest[i] = out
+                c = out.outputs[0]
+                if c.finish_reason == "error":
+                    raise RequestFailed("the engine failed while producing this response")
+                prev = sent.get(i, "")
+                delta = c.text[len(prev):] if c.text.startswith(prev) else ""
+                if delta:
+                    sent[i] = c.text
+                lp = None
+                if c.logprobs is not None and len(c.logprobs) > sent_lp.get(i, 0):
+                    lp = shape.logprobs(c.logprobs[sent_lp.get(i, 0):], len(prev) + shape.echo_len(i))
+                    sent_lp[i] = len(c.logprobs)
+                if delta or c.finish_reason is not None or lp is not None:
+                    chunk = event([shape.delta(i, delta, c, lp)],
+                                  shape.usage(list(latest.values())) if continuous else None)
+                    if i not in first_sent:  # the log's first token time: handed to the connection
+                        first_sent.add(i)
+                        aeng.first_token_sent(out.request_id)
+                    yield chunk
+            if include_usage:
+                yield event([], shape.usage([latest[i] for i in sorted(latest)]))
+            yield "data: [DONE]\n\n"
+        except (ValueError, EngineDead, RequestFailed) as e:
+            status = 400 if isinstance(e, ValueError) else 503 if isinstance(e, EngineDead) else 500
+            err = APIError(status, str(e), _field_of(e) if status == 400 else None,
+                           type="invalid_request_error" if status == 400 else "server_error")
+            yield f"data: {json.dumps(err.body())}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            await gen.aclose()  # on disconnect: aborts the requests in the engine
+
+
+class Shape:
+    """How one HTTP request's choices are written: ids, objects, choices, logprobs, usage."""
+
+    def __init__(self, rid: str, created: int, model: str, chat: bool, n: int, prompt_lens: list[int],
+                 echo: list[str] | None) -> None:
+        self.rid, self.created, self.model, self.chat, self.n = rid, created, model, chat, n
+        self.prompt_lens, self.echo = prompt_lens, echo
+        self.num_choices = n * len(prompt_lens)
+
+    def obj(self, stream: bool) -> str:
+        if self.chat:
+            return "chat.completion.chunk" if stream else "chat.completion"
+        return "text_completion"
+
+    def echo_len(self, i: int) -> int:
+        return len(self.echo[i // self.n]) if self.echo is not None else 0
+
+    def logprobs(self, entries, offset: int) -> dict:
+        if self.chat:
+            return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
+                                 "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())}
+                                                  for _, s, v in e.top]} for e in entries]}
+        offsets = []
+        for e in entries:
+            offsets.append(offset)
+            offset += len(e.token)
+        # vLLM: each entry's top_logprobs holds the sampled token too (logprobs=0: only it)
+        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{e.token: e.logprob, **{s: v for _, s, v in e.top}} for e in entries],
+                "text_offset": offsets}
+
+    def choice(self, i: int, c) -> dict:
+        lp = self.logprobs(c.logprobs, self.echo_len(i)) if c.logprobs is not None else None
+        choice = {"index": i, "finish_reason": c.finish_reason, "logprobs": lp}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": c.text, "refusal": None, "tool_calls": []}
+        else:
+            choice["text"] = (self.echo[i // self.n] if self.echo is not None else "") + c.text
+        if c.stop_reason is not None:
+            choice["stop_reason"] = c.stop_reason
+        return choice
+
+    def delta(self, i: int, text: str, c, lp) -> dict:
+        if self.chat:
+            d = {"content": text} if text or c.finish_reason is None else {}
+            return {"index": i, "delta": d, "logprobs": lp, "finish_reason": c.finish_reason}
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
+
+    def usage(self, outs) -> dict:
+        """Prompt tokens count each prompt once (not once per choice); cached tokens are the
+        prefix-cache hits of each prompt's first choice."""
+        completion = sum(len(o.outputs[0].token_ids) for o in outs)
+        firsts = {}
+        for o in outs:
+            k = o.request_id
+            firsts.setdefault(self._prompt_of(k), o)
+        cached = sum((o.num_cached_tokens or 0) for o in firsts.values())
+        return usage(sum(self.prompt_lens), completion, cached)
+
+    def _prompt_of(self, request_id: str) -> int:
+        if self.num_choices == 1:
+            return 0
+        return int(request_id.rsplit("-", 1)[1]) // self.n
