@@ -107,9 +107,12 @@ def usable(r: dict) -> dict | None:
         return None
     if not (ttft > 0 and tpot > 0):
         return None
-    return {"backend": r["backend"], "system": r["system"], "model": model_name(r["model_path"]),
+    case = {"backend": r["backend"], "system": r["system"], "model": model_name(r["model_path"]),
             "weight_dtype": QUANT[q], "tp": tp, "concurrency": conc, "isl": int(r["isl"]),
             "osl": int(r["osl"]), "ttft_ms": ttft, "tpot_ms": tpot, "source": source_family(r)}
+    if float(r.get("moe_ep_size") or 1) > 1:  # vLLM's --enable-expert-parallel (attention DP is 1 here)
+        case["expert_parallel"] = True
+    return case
 
 
 def source_family(r: dict) -> str:
@@ -158,7 +161,8 @@ def scenario_data(case: dict, prompts_per_slot: int = 4, cost_model: dict | None
     dep, sched = server(case) if recipe else ({}, {})
     data = {"name": "silicon-check", "seed": 0,
             "deployment": {"model": case["model"], "device": DEVICES[case["system"]], "tp": case["tp"],
-                           "weight_dtype": case["weight_dtype"], **dep},
+                           "weight_dtype": case["weight_dtype"], **dep,
+                           **({"expert_parallel": True} if case.get("expert_parallel") else {})},
             "workload": {"benchmark": bench}}
     if sched:
         data["scheduler"] = sched

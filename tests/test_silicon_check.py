@@ -48,6 +48,10 @@ def test_a_row_becomes_its_case_and_unsupported_rows_are_skipped():
                     "source": "inferencemax"}
     assert sc.usable(row(silicon_data_source="source_file=x-gap-analysis.csv"))["source"] == "gap-analysis"
     assert sc.usable(row(model_path="deepseek-ai/DeepSeek-R1"))["model"] == "deepseek-v3"  # MoE: modelled
+    ep = sc.usable(row(model_path="MiniMaxAI/MiniMax-M2.5", moe_ep_size="4", moe_tp_size="1"))
+    assert ep["model"] == "minimax-m2" and ep["expert_parallel"] is True
+    assert sc.scenario_data(ep)["deployment"]["expert_parallel"] is True
+    assert "expert_parallel" not in sc.scenario_data(sc.usable(row()))["deployment"]
     assert sc.usable(row(model_path="google/gemma-3-27b-it")) is None      # not in the catalog
     assert sc.usable(row(mode="disagg")) is None
     assert sc.usable(row(gemm_quant_mode="nvfp4")) is None
