@@ -382,6 +382,15 @@ MOE_FORMATS = {"bfloat16": "bf16", "float16": "bf16", "fp8_block": "fp8_block", 
                "mxfp4": "mxfp4", "int4": "int4"}
 
 
+def _grouped_expert_gemms(m: ModelSpec, T: float, tp: int) -> list[tuple[float, int, int]]:
+    """(M, N, K) of one MoE layer's routed experts for T tokens, as one grouped GEMM: the e experts
+    the tokens touch (ModelSpec.experts_touched), each against its share of the T x top-k rows,
+    their weights side by side (N = e x the expert's N)."""
+    e = m.experts_touched(T)
+    rows = max(1.0, T * m.num_experts_per_tok / e)
+    return [(rows, e * n, k) for n, k in m.expert_gemms(tp).values()]
+
+
 def _nearest_moe_table(tables: dict, fmt: str, m: ModelSpec, moe_tp: int, moe_ep: int = 1):
     """The measured fused-MoE shape nearest to m's (same format and sharding): the closest top-k,
     then expert bytes and expert count on a log scale. Returns (key, m with that shape) or None."""
@@ -571,11 +580,9 @@ class KernelCostModel(CostModel):
             ge, re_, _t = grid_of(edt)
 
             def estimate(spec, T):
-                e = spec.experts_touched(T)
-                rows = max(1.0, T * spec.num_experts_per_tok / e)
                 tot, ok = 0.0, True
-                for n, k in spec.expert_gemms(tp).values():
-                    t, ex = gemm(ge, re_, rows, e * n, k)
+                for rows, n, k in _grouped_expert_gemms(spec, T, tp):
+                    t, ex = gemm(ge, re_, rows, n, k)
                     tot += t
                     ok &= ex
                 return tot, ok
@@ -670,10 +677,8 @@ class KernelCostModel(CostModel):
     def _moe_roof(self, T):
         """One MoE layer's routed experts for T tokens, by the roofline (see _build)."""
         m = self.model
-        e = m.experts_touched(T)
-        rows = max(1.0, T * m.num_experts_per_tok / e)
         roof = self._gemm_roof(m.expert_dtype or m.weight_dtype)
-        return sum(roof(rows, e * n, k) for n, k in m.expert_gemms(self.tp).values())
+        return sum(roof(*g) for g in _grouped_expert_gemms(m, T, self.tp))
 
     def _head_roof(self, M):
         return self._gemm_roof(self.model.act_dtype)(M, -(-self.model.vocab_size // self.tp), self.model.hidden_size)

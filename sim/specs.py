@@ -256,11 +256,8 @@ class ModelSpec:
 
     def dense_weight_bytes_per_gpu(self, tp: int = 1) -> int:
         """All weights but the routed experts, on one GPU."""
-        lin = 0.0
-        for name, n, k, layers, dtype in self.step_gemms(tp):
-            if name == "kv_a" or name == "q_a":
-                n, k = self.attention_gemm_shapes(1)[name]  # replicated
-            lin += layers * n * k * DTYPE_BYTES[dtype]
+        # (MLA's q_a and kv_a have the same shape at every TP: replicated)
+        lin = sum(layers * n * k * DTYPE_BYTES[dtype] for _name, n, k, layers, dtype in self.step_gemms(tp))
         norms = (2 * self.num_layers + 1) * self.hidden_size
         if self.is_mla:
             norms += self.num_layers * (self.kv_lora_rank + self.q_lora_rank)
@@ -273,15 +270,12 @@ class ModelSpec:
         per = sum(n * k for n, k in self.expert_gemms(tp).values())
         return int(self.num_moe_layers * self.num_experts * per * self.expert_dtype_bytes)
 
-    def weight_read_bytes_per_gpu(self, tp: int = 1, num_tokens: float | None = None) -> int:
+    def weight_read_bytes_per_gpu(self, tp: int = 1) -> int:
         """Weights one forward streams from HBM: all but the input embedding, which is a gather of
-        a few rows (a tied LM head still reads the whole table). Of the routed experts, those the
-        step's tokens touch (experts_touched); all of them when num_tokens is None."""
+        a few rows (a tied LM head still reads the whole table); every routed expert (a step reads
+        those its tokens touch: experts_touched)."""
         emb = 0 if self.tie_word_embeddings else -(-self.vocab_size // tp) * self.hidden_size * self.dense_dtype_bytes
-        experts = self.expert_weight_bytes_per_gpu(tp)
-        if num_tokens is not None and self.num_experts:
-            experts = int(experts * self.experts_touched(num_tokens) / self.num_experts)
-        return self.dense_weight_bytes_per_gpu(tp) - emb + experts
+        return self.weight_bytes_per_gpu(tp) - emb
 
     @property
     def kv_bytes_per_token(self) -> int:

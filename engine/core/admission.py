@@ -13,7 +13,9 @@ the scheduler, the engine and the server.
     prompt == max_model_len                     the truncated case at its limit: one token, whose
                                                 KV is never needed (refused by the server, whose
                                                 prompt + max_tokens is always > max_model_len)
-    max_tokens None                             "as many as fit": max_model_len - prompt (at least 1)
+    max_tokens None                             "as many as fit": max_model_len - prompt (at least 1),
+                                                or `default_max_tokens` where the caller has one
+                                                (completions: 16), then checked as if given
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ class AdmissionError(ValueError):
 
 
 def admit(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, *, refuse_overflow: bool,
-          max_tokens_field: str = "max_tokens", prompt_field: str = "prompt") -> int:
+          max_tokens_field: str = "max_tokens", prompt_field: str = "prompt",
+          default_max_tokens: int | None = None) -> int:
     """The number of output tokens the request runs with (<= max_tokens), or AdmissionError.
 
     refuse_overflow: the server's rule (prompt + max_tokens must fit); False: the engine core's
@@ -42,7 +45,9 @@ def admit(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, *,
         if refuse_overflow and room < 1:
             raise AdmissionError(pf, f"{pf}: {n} tokens leaves no room for a generated token in "
                                      f"max_model_len={max_model_len}")
-        return max(1, room)
+        if default_max_tokens is None:
+            return max(1, room)
+        max_tokens = default_max_tokens
     if max_tokens < 1:
         raise AdmissionError(max_tokens_field, f"{max_tokens_field}={max_tokens}: must be >= 1")
     if n + max_tokens > max_model_len:

@@ -344,7 +344,6 @@ class BlockPool:
         return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
 
 
-
 class CountingBlockPool(BlockPool):
     """A pool that counts blocks instead of tracking them (see the module docstring). It holds no
     KVCacheBlock of its own: the blocks exist once `tracked()` builds the tracking pool."""

@@ -188,13 +188,9 @@ class ServerContext:
         """The request's max_tokens for a prompt of n_prompt tokens, or a 400 naming the field
         (engine.core.admission, the server's rule: prompt + max_tokens must fit)."""
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        if req.max_tokens is None and req.max_completion_tokens is None and n_prompt >= self.max_model_len:
-            # max_tokens not given (completions default to 16): the prompt itself is at fault
-            raise APIError(400, f"{field}: {n_prompt} tokens leaves no room for a generated token in "
-                                f"max_model_len={self.max_model_len}", field)
         try:
             mt = admit(n_prompt, req.requested_max_tokens, self.max_model_len, refuse_overflow=True,
-                       max_tokens_field=name, prompt_field=field)
+                       max_tokens_field=name, prompt_field=field, default_max_tokens=req.default_max_tokens)
         except AdmissionError as e:
             raise APIError(400, str(e), e.field) from None
         problem = self.engine.scheduler.fit_problem(n_prompt, mt)  # config only: safe from this thread

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -134,9 +134,6 @@ def _short(v: Any, limit: int = 80) -> str:
 
 
 # ------------------------------------------------------------------ models
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
@@ -168,6 +165,8 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: I64 = 0
+    # max_tokens when the request gives none (None: as many as fit); see engine.core.admission
+    default_max_tokens: ClassVar[int | None] = None
 
     def stop_strings(self) -> list[str]:
         s = self.stop
@@ -210,12 +209,7 @@ class CompletionRequest(_Common):
     prompt: Any = None                # str | list[int] | list[str] | list[list[int]], see prompts()
     echo: bool | None = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        """max_tokens, else 16: the default of OpenAI's and vLLM's completions (chat has none)."""
-        mt = super().requested_max_tokens
-        return COMPLETIONS_DEFAULT_MAX_TOKENS if mt is None else mt
+    default_max_tokens: ClassVar[int | None] = 16  # OpenAI's and vLLM's completions (chat has none)
 
     def prompts(self, vocab_size: int) -> list[str | list[int]]:
         """The prompts of this request: texts, or lists of token ids in [0, vocab_size)."""
