@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama, SmolLM, Qwen2, Mistral) over a flattened, paged batch.
+"""A Llama-family decoder (Llama, SmolLM, Qwen2, Qwen3, Mistral, and the mixtures of experts
+Qwen2-MoE, Qwen3-MoE and Mixtral: engine/model/moe.py) over a flattened, paged batch.
 
 One forward takes every scheduled token of every sequence as a single `[T]` stream with its
 positions; attention reads and writes the paged KV cache through `AttentionMetadata`, so decodes and
@@ -8,6 +9,7 @@ prefill chunks mix freely in one step. q/k/v and gate/up projections are fused (
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -18,8 +20,10 @@ from torch import nn
 from engine.attention import cpu_kernel
 from engine.attention.backend import AttentionBackend, get_attention_backend
 from engine.attention.metadata import AttentionMetadata
+from engine.model.moe import Experts, fused_experts_torch, route
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
 
 
 @dataclass(slots=True)
@@ -42,6 +46,14 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
+    # Mixture of experts (0 experts: dense). moe_layers[i]: layer i has the sparse MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> "ModelConfig":
@@ -56,7 +68,7 @@ class ModelConfig:
         heads = c["num_attention_heads"]
         max_pos = c.get("max_position_embeddings", 2048)
         sliding = c.get("sliding_window")
-        uses_sliding = c.get("use_sliding_window", model_type == "mistral")
+        uses_sliding = c.get("use_sliding_window", model_type in ("mistral", "mixtral"))
         if uses_sliding and sliding is not None and sliding < max_pos:
             raise NotImplementedError(
                 f"sliding_window={sliding} < max_position_embeddings={max_pos}: sliding-window attention is not supported"
@@ -69,6 +81,9 @@ class ModelConfig:
         if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
             raise NotImplementedError(f"partial_rotary_factor={rope.get('partial_rotary_factor')} is not supported")
         attention_bias = bool(c.get("attention_bias", False))
+        qkv_bias = (model_type == "qwen2" or (model_type == "qwen2_moe" and bool(c.get("qkv_bias", True)))
+                    or attention_bias)  # Qwen2 always has q/k/v bias (Qwen2-MoE by its qkv_bias), no o bias
+        moe = _moe_fields(c, model_type) if model_type in MOE_MODEL_TYPES else {}
         return cls(
             model_type=model_type,
             vocab_size=c["vocab_size"],
@@ -83,10 +98,46 @@ class ModelConfig:
             rope_scaling=None if rope_type == "default" else rope,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,  # Qwen2 always has q/k/v bias, no o bias
-            o_bias=attention_bias and model_type != "qwen2",
+            qkv_bias=qkv_bias,
+            o_bias=attention_bias and model_type not in ("qwen2", "qwen2_moe"),
             mlp_bias=bool(c.get("mlp_bias", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            **moe,
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def _moe_fields(c: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The MoE fields of a Qwen2-MoE, Qwen3-MoE or Mixtral config; a missing one is named."""
+    def need(key: str) -> Any:
+        if c.get(key) is None:
+            raise NotImplementedError(f"model_type={model_type!r} config lacks {key!r}")
+        return c[key]
+
+    layers = c["num_hidden_layers"]
+    if model_type == "mixtral":
+        return dict(num_experts=need("num_local_experts"), num_experts_per_tok=need("num_experts_per_tok"),
+                    moe_intermediate_size=need("intermediate_size"), norm_topk_prob=True,
+                    moe_layers=(True,) * layers)
+    step = int(c.get("decoder_sparse_step") or 1)
+    dense = set(c.get("mlp_only_layers") or ())
+    # hub configs name it num_experts; transformers 5 saves num_local_experts
+    experts = c.get("num_experts") if c.get("num_experts") is not None else need("num_local_experts")
+    return dict(
+        num_experts=experts, num_experts_per_tok=need("num_experts_per_tok"),
+        moe_intermediate_size=need("moe_intermediate_size"), norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(c.get("shared_expert_intermediate_size") or 0)
+        if model_type == "qwen2_moe" else 0,
+        moe_layers=tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers)),
+    )
+
+
+# One expert's projection in a hub checkpoint: Qwen-MoE's gate/up/down_proj, Mixtral's w1/w3/w2.
+_EXPERT_WEIGHT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -223,6 +274,10 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
@@ -230,19 +285,21 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(
-            positions, q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim), cos_sin
-        )
+        q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k, cos_sin)
         backend.write_kv(k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache, md.slot_mapping)
         o = backend.attention(q, kv_cache, md, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -255,11 +312,38 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class DecoderLayer(nn.Module):
+class SparseMoeBlock(nn.Module):
+    """Router + routed experts (+ the gated shared expert of Qwen2-MoE)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        if use_triton:
+            from engine.model import moe_triton
+
+            out = moe_triton.fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        else:
+            out = fused_experts_torch(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
+        super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.is_moe = bool(cfg.moe_layers) and cfg.moe_layers[index]
+        self.mlp = SparseMoeBlock(cfg) if self.is_moe else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -270,6 +354,8 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, md, backend, cos_sin)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if self.is_moe:
+            return self.mlp(hidden, use_triton=backend.name == "triton"), residual
         return self.mlp(hidden), residual
 
 
@@ -277,7 +363,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -334,13 +420,15 @@ class LlamaForCausalLM(nn.Module):
         """[N, H] -> fp32 [N, vocab] (sampling and logprobs want fp32)."""
         return self.lm_head(hidden).float()
 
-    def shard_range(self, fused: str, index: int) -> tuple[int, int]:
-        """(start, size) of shard `index` in the output rows of fused parameter `fused`."""
+    def shard_range(self, fused: str, index: int, rows: int | None = None) -> tuple[int, int]:
+        """(start, size) of shard `index` in the output rows of fused parameter `fused` (a
+        gate_up_proj of `rows` rows: its two halves)."""
         c = self.config
         if fused == "qkv_proj":
             sizes = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
         else:
-            sizes = [c.intermediate_size, c.intermediate_size]
+            half = (rows if rows is not None else 2 * c.intermediate_size) // 2
+            sizes = [half, half]
         return sum(sizes[:index]), sizes[index]
 
     @torch.no_grad()
@@ -359,12 +447,28 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
                 continue
+            name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's hub checkpoints
+            expert = _EXPERT_WEIGHT.match(name)
+            if expert:  # one expert's projection in a hub checkpoint -> its slice of the stacked weights
+                prefix, e, proj = expert.group(1), int(expert.group(2)), expert.group(3)
+                target = f"{prefix}.experts.{'down_proj' if proj in ('down_proj', 'w2') else 'gate_up_proj'}"
+                param = params.get(target)
+                if param is None or e >= param.shape[0]:
+                    raise ValueError(f"checkpoint tensor {name} {tuple(tensor.shape)} has no matching expert weight")
+                rows = param.shape[1]
+                part = param.data[e] if proj in ("down_proj", "w2") else (
+                    param.data[e, : rows // 2] if proj in ("gate_proj", "w1") else param.data[e, rows // 2 :])
+                if part.shape != tensor.shape:
+                    raise ValueError(f"checkpoint tensor {name} {tuple(tensor.shape)} does not fit {target}[{e}]")
+                part.copy_(tensor)
+                loaded.add(f"{target}#{e}.{_EXPERT_PART[proj]}")
+                continue
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in self.packed:
                 fused, shard = self.packed[parts[-2]]
                 target = ".".join(parts[:-2] + [fused, parts[-1]])
-                start, size = self.shard_range(fused, shard)
                 param = params.get(target)
+                start, size = self.shard_range(fused, shard, None if param is None else param.shape[0])
                 if param is None or tensor.shape[0] != size:
                     raise ValueError(f"checkpoint tensor {name} {tuple(tensor.shape)} does not fit {target}")
                 param.data[start : start + size].copy_(tensor)
@@ -381,12 +485,20 @@ class LlamaForCausalLM(nn.Module):
             self.config.tie_word_embeddings = True
             loaded.add("lm_head.weight")
         expected = set()
-        for name in dict(self.named_parameters()):
+        for name, param in self.named_parameters():
             fused = name.split(".")[-2]
             if fused in ("qkv_proj", "gate_up_proj"):
                 expected |= {f"{name}#{i}" for i in range(3 if fused == "qkv_proj" else 2)}
             else:
                 expected.add(name)
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                # loaded whole (transformers' stacked layout) or expert by expert (a hub checkpoint)
+                parts = ("down",) if name.endswith("down_proj") else ("gate", "up")
+                if name in loaded:
+                    loaded |= {f"{name}#{e}.{p}" for e in range(param.shape[0]) for p in parts}
+                loaded.discard(name)
+                expected.discard(name)
+                expected |= {f"{name}#{e}.{p}" for e in range(param.shape[0]) for p in parts}
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")
