@@ -98,7 +98,7 @@ def usable(r: dict) -> dict | None:
     q = r["gemm_quant_mode"].strip()
     if q not in QUANT:
         return None
-    if any(float(r[k] or 1) != 1 for k in ("pp_size", "attention_dp_size")):
+    if float(r["pp_size"] or 1) != 1:
         return None
     try:
         conc, tp = int(float(r["batch_size"])), int(float(r["tp_size"]))
@@ -110,8 +110,19 @@ def usable(r: dict) -> dict | None:
     case = {"backend": r["backend"], "system": r["system"], "model": model_name(r["model_path"]),
             "weight_dtype": QUANT[q], "tp": tp, "concurrency": conc, "isl": int(r["isl"]),
             "osl": int(r["osl"]), "ttft_ms": ttft, "tpot_ms": tpot, "source": source_family(r)}
-    if float(r.get("moe_ep_size") or 1) > 1:  # vLLM's --enable-expert-parallel (attention DP is 1 here)
+    if float(r.get("moe_ep_size") or 1) > 1:  # vLLM's --enable-expert-parallel
         case["expert_parallel"] = True
+    dp = int(float(r.get("attention_dp_size") or 1))
+    if dp > 1:
+        # Data-parallel attention. Read as InferenceMAX's recipes run it: tp_size GPUs in all,
+        # dp ranks of tp_size / dp each (its `tp: 4, dp-attn: true` is vLLM's -dp 4 -tp 1 on 4
+        # GPUs), not dp x tp_size GPUs as moe_tp x moe_ep would say (tp 4 x dp 4 with moe_ep 16):
+        # so read, MiniMax-M2.5's DP rows have the errors of its non-DP rows (docs/reports).
+        from sim.specs import get_model
+        if tp % dp or not get_model(case["model"]).is_moe:  # (a dense model's DP: replicas)
+            return None
+        case["data_parallel"] = dp
+        case["tp"] = tp // dp
     return case
 
 
@@ -162,7 +173,8 @@ def scenario_data(case: dict, prompts_per_slot: int = 4, cost_model: dict | None
     data = {"name": "silicon-check", "seed": 0,
             "deployment": {"model": case["model"], "device": DEVICES[case["system"]], "tp": case["tp"],
                            "weight_dtype": case["weight_dtype"], **dep,
-                           **({"expert_parallel": True} if case.get("expert_parallel") else {})},
+                           **({"expert_parallel": True} if case.get("expert_parallel") else {}),
+                           **({"data_parallel": case["data_parallel"]} if case.get("data_parallel") else {})},
             "workload": {"benchmark": bench}}
     if sched:
         data["scheduler"] = sched

@@ -364,6 +364,7 @@ def calibrate(engine, out: str | Path, seed: int = 0, groups: list[dict] | None 
     The groups run in an order shuffled by `seed`, so that slow drift of the machine's speed does
     not line up with a feature (the default list goes from short prompts to long ones); with
     `probe`, drift is also measured and divided out (calibration.probe)."""
+    from engine.model.loader import model_label
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg = engine.scheduler_config
@@ -383,7 +384,7 @@ def calibrate(engine, out: str | Path, seed: int = 0, groups: list[dict] | None 
     mc = engine.model.config
     meta = {
         "device": device_name(engine),
-        "model": "smollm2-135m" if engine.model_name == "default" else engine.model_name,
+        "model": model_label(engine.model_name),
         "cpu": platform.processor() or platform.machine(),
         "host_cpu": host_cpu(),
         "dtype": str(engine.dtype).replace("torch.", ""), "tp": 1,

@@ -21,39 +21,19 @@ same kernels; sampling is greedy over random logits with ignore_eos).
 so tests can run it in under a minute. GPU sizes are planned for under 8 minutes on one
 H100/H200 (engine tests ~1-2 min; per model: load, ~1,700 calibration steps, 3 validation runs of
 10 s of arrivals plus a capacity burst); not yet timed on a GPU: summary.json records each stage.
-
-Loading `random:NAME` needs LLMEngine to accept a model object or a config; until it does, this
-script swaps engine.llm_engine.load_model for the duration of the run (`random_weights`).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import platform
 import sys
 import time
-import types
 from pathlib import Path
 
-# Llama-3.1-8B's published config.json (shape fields only).
-LLAMA_31_8B = {
-    "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": [128001, 128008, 128009],
-}
-TINY_LLAMA = {
-    "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 1024,
-    "tie_word_embeddings": False, "hidden_act": "silu",
-}
-RANDOM_SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "tiny-llama": TINY_LLAMA}
+from engine.model.loader import LLAMA_31_8B, RANDOM_SHAPES, model_label  # noqa: F401  (the shapes profiled)
 
 
 @dataclasses.dataclass
@@ -103,31 +83,8 @@ DRY = Plan(
     budget_groups=((16, 2, "medium"), (128, 2, "medium")))
 
 
-@contextlib.contextmanager
-def random_weights():
-    """LLMEngine(model="random:NAME") builds RANDOM_SHAPES[NAME] with random weights."""
-    import engine.llm_engine as le
-    from engine.model import build_random_model
-
-    original = le.load_model
-
-    def load(model, device="cpu", dtype=None, backend=None):
-        if isinstance(model, str) and model.startswith("random:"):
-            import torch
-            cfg = RANDOM_SHAPES[model.split(":", 1)[1]]
-            net = build_random_model(cfg, device, dtype or torch.float32, seed=0, backend=backend)
-            return net, None, types.SimpleNamespace(**cfg)
-        return original(model, device, dtype, backend) if dtype is not None else original(model, device)
-
-    le.load_model = load
-    try:
-        yield
-    finally:
-        le.load_model = original
-
-
 def _name(model: str) -> str:
-    return "smollm2-135m" if model == "default" else model.split(":", 1)[1] + "-random"
+    return model_label(model)
 
 
 def _free(device: str) -> None:
@@ -314,14 +271,13 @@ def main(argv: list[str] | None = None) -> int:
         summary_path.write_text(json.dumps(summary, indent=1, default=float))
         print(f"[gpu_calibrate.py +{time.perf_counter() - t0:.0f}s] {key} done", flush=True)
 
-    with random_weights():
-        if a.stage in ("checks", "all"):
+    if a.stage in ("checks", "all"):
+        t = time.perf_counter()
+        done("checks", run_checks(plan, out), t)
+    if a.stage in ("models", "all"):
+        for model in plan.models:
             t = time.perf_counter()
-            done("checks", run_checks(plan, out), t)
-        if a.stage in ("models", "all"):
-            for model in plan.models:
-                t = time.perf_counter()
-                done(_name(model), profile_and_validate(plan, model, out), t)
+            done(_name(model), profile_and_validate(plan, model, out), t)
     print(json.dumps({k: {kk: v.get(kk) for kk in ("seconds", "cv_mape", "steps")} for k, v in stages.items()},
                      indent=1, default=float))
     return 0

@@ -45,6 +45,10 @@ class CostModel:
         decode_gpu_time_fn(), decode_cpu_time_fn()   decode-only shortcuts of those two, or None
         async_scheduling        whether the CPU work of step n+1 overlaps step n (the replica
                                 then admits an arrival during step n in step n+2)
+        group_step_time(fs)     one step of data-parallel ranks stepping together, rank i with
+                                batch fs[i]: the slowest rank's step_time with the MoE layers
+                                over every rank's tokens (set_group_tokens; a wrapper passes it
+                                on to the model it wraps, a model with no MoE notion ignores it)
         residual_quantiles, noise_quantiles (and their _by_kind): empty unless fitted
         kind, metadata, describe()
 
@@ -74,6 +78,17 @@ class CostModel:
     def _time(self, num_reqs: int, num_tokens: int, num_prefill_reqs: int, prefill_pairs: int,
               prefill_ctx: int, decode_ctx: int) -> float:
         raise NotImplementedError
+
+    def set_group_tokens(self, num_tokens: int | None) -> None:
+        """The tokens of every data-parallel rank in the step being timed (their MoE layers run
+        on all of them), or None: a single engine. Ignored by models with no MoE notion."""
+
+    def group_step_time(self, features: list[BatchFeatures]) -> float:
+        self.set_group_tokens(sum(f.num_prefill_tokens + f.num_decode_reqs for f in features))
+        try:
+            return max(self.step_time(f) for f in features)
+        finally:
+            self.set_group_tokens(None)
 
     def step_time(self, f: BatchFeatures) -> float:
         return self._time(f.num_reqs, f.num_prefill_tokens + f.num_decode_reqs, f.num_prefill_reqs,

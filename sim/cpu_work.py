@@ -150,6 +150,9 @@ class WithCpuWork(CostModel):
     def cpu_time_fn(self) -> Callable[[BatchFeatures], float]:
         return self.cpu_time
 
+    def set_group_tokens(self, num_tokens: int | None) -> None:
+        self.base.set_group_tokens(num_tokens)
+
     def gpu_time(self, f: BatchFeatures) -> float:
         return self._gpu(f)
 

@@ -59,6 +59,9 @@ class NoisyCostModel(CostModel):
         table = self._prefill if f.num_prefill_reqs else self._decode
         return table if table is not None else (self._u, self._ratio)
 
+    def set_group_tokens(self, num_tokens: int | None) -> None:
+        self.base.set_group_tokens(num_tokens)
+
     def step_time(self, f) -> float:
         u, ratio = self.ratio_table(f)
         return self.base.step_time(f) * self.scale * float(np.interp(self.rng.random(), u, ratio))

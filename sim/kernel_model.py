@@ -274,6 +274,12 @@ class Overheads:
 
     - serving_slowdown: the kernels' time in serving over their micro-benchmark time (1: as
       measured).
+    - dp_dispatch_s: per MoE layer and step under data-parallel attention, the dispatch and
+      combine beyond their bytes over the link (KernelCostModel._dispatch_roof): two collectives
+      across the ranks and the ranks' per-step synchronisation. 60 us, chosen among 0 / 30 / 60 us
+      on the allowed vLLM B200 rows with attention DP (`bench/silicon_check.py`: MiniMax-M2.5 on
+      2 and 4 GPUs, DP 2 and 4, 23 rows): median TPOT error -32% / -20% / -12%, the last as the
+      same model's rows without DP (-15%); see docs/reports.
     - tp_step_s: per step and per GPU of a TP group beyond the first, coordination that no kernel
       table holds. 0 by default: stock vLLM shows none beyond its kernels (the allowed B200 rows
       of `bench/silicon_check.py`, TP 1-8, lose their TPOT accuracy with any: +60% at TP 8 with
@@ -293,6 +299,7 @@ class Overheads:
     eager_layer_launch_s: float = 1.0e-3
     serving_slowdown: float = 1.0
     tp_step_s: float = 0.0
+    dp_dispatch_s: float = 60e-6
 
     def __post_init__(self) -> None:
         for k, v in self.__dict__.items():
@@ -419,12 +426,21 @@ class KernelCostModel(CostModel):
 
     def __init__(self, model: ModelSpec | str | dict, device: DeviceSpec | str | dict, tp: int = 1,
                  overheads: Overheads | dict | None = None, tables: dict | str | None = None,
-                 reduced: dict | None = None, expert_parallel: bool = False) -> None:
+                 reduced: dict | None = None, expert_parallel: bool = False, data_parallel: int = 1) -> None:
         self.model = m = get_model(model)
         self.device = d = get_device(device)
-        # vLLM's --enable-expert-parallel (data parallel 1): a MoE layer from the tables measured
-        # with the experts split whole over the tp ranks (moe_tp 1, moe_ep tp) instead of sliced
-        self.expert_parallel = bool(expert_parallel) and m.is_moe and tp > 1
+        # vLLM's data-parallel attention (--data-parallel-size, MoE models): dp ranks of tp GPUs
+        # each, attention and dense layers per rank, the MoE layers over all tp x dp GPUs and all
+        # ranks' tokens (set_group_tokens; sim.replica.DataParallelGroup steps the ranks together)
+        self.dp = int(data_parallel)
+        if self.dp < 1 or (self.dp > 1 and not m.is_moe):
+            raise ValueError(f"deployment.data_parallel={data_parallel}: attention data parallelism is for "
+                             f"mixtures of experts (>= 1; {m.name} is dense: use replicas)")
+        self.moe_ranks = tp * self.dp
+        # vLLM's --enable-expert-parallel: a MoE layer from the tables measured with the experts
+        # split whole over the ranks (moe_tp 1, moe_ep tp x dp) instead of sliced (moe_tp tp x dp)
+        self.expert_parallel = bool(expert_parallel) and m.is_moe and self.moe_ranks > 1
+        self._group_tokens: int | None = None
         if tp < 1 or m.num_heads % tp:
             raise ValueError(f"deployment.tp={tp}: must be >= 1 and divide num_heads={m.num_heads}")
         self.tp = tp
@@ -458,7 +474,7 @@ class KernelCostModel(CostModel):
         elif tables is None or isinstance(tables, str):
             # Grids are read-only once built: deployments seen before (a plan's candidates at
             # many rates and seeds) share them.
-            key = (m, d, tp, tables or d.kernel_tables, self.expert_parallel)
+            key = (m, d, tp, tables or d.kernel_tables, self.expert_parallel, self.dp)
             if key not in _BUILT:
                 name = tables or d.kernel_tables
                 t = load_tables(name) if name else None
@@ -476,7 +492,8 @@ class KernelCostModel(CostModel):
         self.metadata = {"model": m.name, "device": d.name, "tp": tp, "weight_dtype": m.weight_dtype,
                          **({"experts": m.num_experts, "experts_per_tok": m.num_experts_per_tok,
                              "expert_dtype": m.expert_dtype or m.weight_dtype,
-                             "expert_parallel": self.expert_parallel} if m.is_moe else {}),
+                             "expert_parallel": self.expert_parallel, "data_parallel": self.dp}
+                            if m.is_moe else {}),
                          "kv_dtype": m.kv_dtype, "act_dtype": m.act_dtype, "kv_heads_per_gpu": self.kv_heads,
                          "source": "measured kernel tables (AIConfigurator, vLLM kernels); roofline outside them",
                          "tables": self.source, "table_coverage": self.coverage,
@@ -511,6 +528,15 @@ class KernelCostModel(CostModel):
     def _ar_roof(self, n):
         d, tp = self.device, self.tp
         return 2 * (tp - 1) / tp * n * self.model.act_dtype_bytes / d.interconnect_bandwidth + d.interconnect_latency_s
+
+    def _dispatch_roof(self, tokens: int) -> float:
+        """One MoE layer's dispatch and combine under data-parallel attention: every rank's tokens
+        gathered to the tp x dp GPUs and the outputs reduced back, by the link's bandwidth (the
+        traffic of an all-reduce of their hidden states), plus two latencies and
+        Overheads.dp_dispatch_s."""
+        d, g = self.device, self.moe_ranks
+        return (2 * (g - 1) / g * tokens * self.model.hidden_size * self.model.act_dtype_bytes
+                / d.interconnect_bandwidth + 2 * d.interconnect_latency_s + self.ovh.dp_dispatch_s)
 
     # ------------------------------------------------------------------ building
     def _build(self, tables: dict | None) -> None:
@@ -581,14 +607,14 @@ class KernelCostModel(CostModel):
 
             def estimate(spec, T):
                 tot, ok = 0.0, True
-                for rows, n, k in _grouped_expert_gemms(spec, T, tp):
+                for rows, n, k in _grouped_expert_gemms(spec, T, self.moe_ranks):
                     t, ex = gemm(ge, re_, rows, n, k)
                     tot += t
                     ok &= ex
                 return tot, ok
             mt = (tables or {}).get("moe", {}).get("tables", {})
             fmt = MOE_FORMATS.get(edt)
-            mtp, mep = (1, tp) if self.expert_parallel else (tp, 1)
+            mtp, mep = (1, self.moe_ranks) if self.expert_parallel else (self.moe_ranks, 1)
             key = f"{fmt}/{m.hidden_size}/{m.moe_intermediate_size}/{m.num_experts_per_tok}/{m.num_experts}/{mtp}/{mep}"
             if fmt and key in mt:
                 tab = mt[key]
@@ -678,7 +704,7 @@ class KernelCostModel(CostModel):
         """One MoE layer's routed experts for T tokens, by the roofline (see _build)."""
         m = self.model
         roof = self._gemm_roof(m.expert_dtype or m.weight_dtype)
-        return sum(roof(*g) for g in _grouped_expert_gemms(m, T, self.tp))
+        return sum(roof(*g) for g in _grouped_expert_gemms(m, T, self.moe_ranks))
 
     def _head_roof(self, M):
         return self._gemm_roof(self.model.act_dtype)(M, -(-self.model.vocab_size // self.tp), self.model.hidden_size)
@@ -740,9 +766,13 @@ class KernelCostModel(CostModel):
         t = self._kernel_time(f)
         return t * self.ovh.serving_slowdown + self._tp_step if t else 0.0
 
+    def set_group_tokens(self, num_tokens: int | None) -> None:
+        self._group_tokens = num_tokens if self.dp > 1 else None
+
     def _kernel_time(self, f: BatchFeatures) -> float:
         """The step's kernel time, as the tables (and the launch floor) give it."""
-        if not f.num_prefill_tokens and not f.num_prefill_reqs and f.num_decode_reqs:
+        if (not f.num_prefill_tokens and not f.num_prefill_reqs and f.num_decode_reqs
+                and self._group_tokens is None):
             return self._decode_kernel_time(f.num_decode_reqs, f.decode_context_tokens)
         T = f.num_prefill_tokens + f.num_decode_reqs
         if T == 0:
@@ -763,7 +793,7 @@ class KernelCostModel(CostModel):
         if S:
             head, sampler, gather = self._by_rows(S)
             ar += gather
-        t = 0 + tk["gemm"] + tk["moe"] + tk["elementwise"] + ar + att + head + sampler
+        t = 0 + tk["gemm"] + tk["moe"] + tk.get("moe_dispatch", 0.0) + tk["elementwise"] + ar + att + head + sampler
         floor = self.ovh.launch_floor(T, f.num_prefill_reqs, L)
         return floor if floor > t else t
 
@@ -836,7 +866,7 @@ class KernelCostModel(CostModel):
         before = (self.lookups, dict(self.fallbacks))
         tk = self._by_tokens(n)
         head, sampler, gather = self._by_rows(n)
-        pre = 0 + tk["gemm"] + tk["moe"] + tk["elementwise"] + (tk["allreduce"] + gather)
+        pre = 0 + tk["gemm"] + tk["moe"] + tk.get("moe_dispatch", 0.0) + tk["elementwise"] + (tk["allreduce"] + gather)
         num_lookups, fallbacks = self._delta(before)
         grid = self.g_gen
         row = grid.row(n) if grid._fast == grid._call2 else None
@@ -864,22 +894,31 @@ class KernelCostModel(CostModel):
 
     def _by_tokens(self, T: int) -> dict[str, float]:
         """The terms that depend on the step's token count alone (GEMMs, elementwise kernels,
-        all-reduce of the hidden states), memoised: a run has few distinct token counts."""
-        hit = self._memo_t.get(T)
+        all-reduce of the hidden states), memoised: a run has few distinct token counts.
+
+        With data-parallel attention, the MoE layers take the tokens of every rank (those
+        set_group_tokens gave; else dp x T, ranks alike), gathered to every GPU of the group and
+        their outputs reduced back (dispatch and combine: the volume of an all-reduce of those
+        tokens' hidden states over the tp x dp GPUs, per MoE layer; `moe_dispatch`)."""
+        G = self._group_tokens if self._group_tokens is not None else T * self.dp
+        key = T if self.dp == 1 else (T, G)
+        hit = self._memo_t.get(key)
         if hit is not None:
             self._replay(hit)
             return hit[0]
         before = (self.lookups, dict(self.fallbacks))
         m, L = self.model, self.model.num_layers
         out = {"gemm": L * self._look("gemm", self.g_layer, T)}
-        out["moe"] = m.num_moe_layers * self._look("moe", self.g_moe, T) if self.g_moe is not None else 0.0
+        out["moe"] = m.num_moe_layers * self._look("moe", self.g_moe, G) if self.g_moe is not None else 0.0
+        if self.dp > 1:
+            out["moe_dispatch"] = m.num_moe_layers * self._dispatch_roof(G)
         out["elementwise"] = L * self._elementwise(T) + max(
             self.ovh.elementwise_latency_s, T * m.hidden_size * m.act_dtype_bytes * 2 / self.device.mem_bandwidth)
         out["allreduce"] = 0.0
         if self.g_ar is not None:
             out["allreduce"] = (2 * L + 1) * self._look("allreduce", self.g_ar, T * m.hidden_size)
         if len(self._memo_t) < 65536:
-            self._memo_t[T] = (out, *self._delta(before))
+            self._memo_t[key] = (out, *self._delta(before))
         return out
 
     def _by_rows(self, S: int) -> tuple[float, float, float]:
@@ -948,7 +987,8 @@ class KernelCostModel(CostModel):
     def from_profile(cls, prof: dict) -> "KernelCostModel":
         meta = prof["metadata"]
         return cls(meta["model_spec"], meta["device_spec"], meta["tp"], prof.get("overheads"),
-                   reduced=prof["reduced_tables"])
+                   reduced=prof["reduced_tables"], expert_parallel=bool(meta.get("expert_parallel")),
+                   data_parallel=int(meta.get("data_parallel", 1)))
 
 
 # ---------------------------------------------------------------------- shipped profiles

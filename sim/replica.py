@@ -91,7 +91,9 @@ class Replica:
     # possible (SchedulerConfig.track_block_ids; tests set this True to compare).
     track_block_ids = False
 
-    def __init__(self, sim: ReplicaOwner, index: int, config: SchedulerConfig, cost_model) -> None:
+    def __init__(self, sim: ReplicaOwner, index: int, config: SchedulerConfig, cost_model,
+                 start: bool = True) -> None:
+        """`start=False`: no step loop of its own (a DataParallelGroup steps it with its peers)."""
         self.sim = sim
         self.env = sim.env
         self.index = index
@@ -120,7 +122,8 @@ class Replica:
         self._late: list[SimRequest] | None = None  # went lazy after a step without a token
         self.steps: list[StepRecord] = []
         self.outstanding = 0  # requests routed here and not finished (router load signal)
-        self.process = self.env.process(self.run())
+        self.group: DataParallelGroup | None = None
+        self.process = self.env.process(self.run()) if start else None
 
     @property
     def step_idx(self) -> int:
@@ -135,6 +138,9 @@ class Replica:
         self._poke()
 
     def _poke(self) -> None:
+        if self.group is not None:
+            self.group.poke()
+            return
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
 
@@ -236,16 +242,7 @@ class Replica:
         feed = self.sim.direct_feed
         while True:
             now = env.now
-            if feed:
-                self._feed(now)
-            elif self.inbox:
-                self._admit_arrivals(now)
-            if self.aborts or (self.deadlines and self.deadlines[0][0] <= now):
-                self._apply_aborts(now)
-                n = -1
-                while self.inbox and len(self.inbox) != n:  # closed loop: the aborted requests' replacements
-                    n = len(self.inbox)
-                    self._admit_arrivals(now)
+            self._boundary(now, feed)
             if not sched.has_unfinished_requests():
                 if self.inbox:  # held back by async admission, and the engine ran dry: take them now
                     self._last_start = None
@@ -288,18 +285,41 @@ class Replica:
             self._plain_next = False
             yield from self._plain_step(now)
 
+    def _boundary(self, now: float, feed: bool = False) -> None:
+        """What a step boundary takes in: arrivals (the direct feed's or the inbox's) and aborts."""
+        if feed:
+            self._feed(now)
+        elif self.inbox:
+            self._admit_arrivals(now)
+        if self.aborts or (self.deadlines and self.deadlines[0][0] <= now):
+            self._apply_aborts(now)
+            n = -1
+            while self.inbox and len(self.inbox) != n:  # closed loop: the aborted requests' replacements
+                n = len(self.inbox)
+                self._admit_arrivals(now)
+
     def _plain_step(self, now: float):
-        sched = self.scheduler
+        out = self._begin_plain(now)
+        yield self.env.timeout(self.cost.step_time(out.features))
+        self._end_plain(out, now, self.env.now)
+
+    def _begin_plain(self, now: float):
+        """Schedule one plain step starting at `now` (the scheduler's output)."""
         live = self.live
         book = self.book
-        out = sched.schedule()
-        f = out.features
-        step = book.num_steps
+        out = self.scheduler.schedule()
         for d in out.scheduled_new_reqs:
             book.scheduled(live[d.req_id].record, now, d.num_computed_tokens)
         self._last_start = now
-        yield self.env.timeout(self.cost.step_time(f))
-        end = self.env.now
+        return out
+
+    def _end_plain(self, out, now: float, end: float) -> None:
+        """The step `out` that ran from `now` to `end`: its tokens, finishes and record."""
+        sched = self.scheduler
+        live = self.live
+        book = self.book
+        f = out.features
+        step = book.num_steps
         for rid in out.preempted_req_ids:
             book.preempted(live[rid].record)
         outputs = sched.update_from_output(out, dict.fromkeys(out.sampling_req_ids, _TOKENS))
@@ -403,3 +423,53 @@ class Replica:
     def itl_sample(self):
         """(values, weights) of every inter-token gap on this replica."""
         return self.book.itl_sample()
+
+
+class DataParallelGroup:
+    """vLLM's data-parallel attention (`--data-parallel-size`): `ranks` engine ranks, each with its
+    own scheduler, KV pool and requests (Replica objects without a loop of their own), stepping
+    together because every MoE layer is one collective over all of them: while any rank has work,
+    every rank's step starts at the same boundary (an idle one runs a dummy batch), the MoE layers
+    process the tokens of all ranks (CostModel.group_step_time), and the step ends when the
+    slowest rank's attention and dense layers are done. So one rank's long prefill stalls the
+    others' decodes. Plain steps only (no fast-forward)."""
+
+    def __init__(self, sim: ReplicaOwner, ranks: list[Replica], cost_model) -> None:
+        self.env = sim.env
+        self.ranks = ranks
+        self.cost = cost_model
+        self._wake = None
+        for r in ranks:
+            r.group = self
+        self.process = self.env.process(self.run())
+
+    def poke(self) -> None:
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def run(self):
+        env = self.env
+        ranks = self.ranks
+        while True:
+            now = env.now
+            for r in ranks:
+                r._boundary(now)
+            busy = [r for r in ranks if r.scheduler.has_unfinished_requests()]
+            if not busy:
+                held = [r for r in ranks if r.inbox]
+                if held:  # held back by async admission, and the group ran dry: take them now
+                    for r in held:
+                        r._last_start = None
+                    continue
+                for r in ranks:
+                    r._last_start = None
+                self._wake = env.event()
+                yield self._wake
+                self._wake = None
+                continue
+            outs = [r._begin_plain(now) for r in busy]
+            feats = [o.features for o in outs]
+            yield env.timeout(self.cost.group_step_time(feats))
+            end = env.now
+            for r, o in zip(busy, outs):
+                r._end_plain(o, now, end)

@@ -3,7 +3,7 @@
     name: quickstart            # used for the default output directory
     seed: 0
     deployment: {model, model_config, weight_dtype (or the old `dtype`: weights only), kv_dtype,
-                 device, tp, expert_parallel, data_parallel (1 only), replicas, router,
+                 device, tp, expert_parallel, data_parallel (MoE), replicas, router,
                  gpu_memory_utilization, num_gpu_blocks,
                  interconnect: {bandwidth_gb_s, latency_s},  # required for tp beyond one node
                  pd: {prefill_replicas, decode_replicas, prefill_tp, decode_tp,
@@ -76,7 +76,8 @@ class Scenario:
     max_time_s: float | None
     deployment: dict
     pd: dict | None = None  # disaggregated: pool sizes, link, and a (config, cost model) per pool
-    warnings: list[str] = field(default_factory=list)  # e.g. a profile used outside what it measured
+    warnings: list[str] = field(default_factory=list)
+    data_parallel: int = 1  # data-parallel attention ranks per replica (MoE)  # e.g. a profile used outside what it measured
 
     def describe(self) -> str:
         c = self.scheduler_config
@@ -88,8 +89,9 @@ class Scenario:
                     f"(tp={p['prefill_tp']}) + {p['decode_replicas']} decode replica(s) (tp={p['decode_tp']}), "
                     f"KV link {p['link_bandwidth_gb_s']:g} GB/s; budget {c.max_num_batched_tokens} tokens / "
                     f"{c.max_num_seqs} seqs; {len(self.workload)} requests ({w.get('source', '?')})")
-        return (f"{d.get('model')} on {self.replicas}x {d.get('device')} (tp={d.get('tp')}), "
-                f"{c.num_gpu_blocks - 1} KV blocks of {c.block_size} per replica, "
+        dp = f", dp={self.data_parallel}" if self.data_parallel > 1 else ""
+        return (f"{d.get('model')} on {self.replicas}x {d.get('device')} (tp={d.get('tp')}{dp}), "
+                f"{c.num_gpu_blocks - 1} KV blocks of {c.block_size} per {'rank' if dp else 'replica'}, "
                 f"budget {c.max_num_batched_tokens} tokens / {c.max_num_seqs} seqs; "
                 f"{len(self.workload)} requests ({w.get('source', '?')}), "
                 f"cost model {self.cost_model.kind}")
@@ -189,10 +191,13 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     ep = dep.boolean("expert_parallel", False)
     if ep and not model.is_moe:
         raise ScenarioError(f"deployment.expert_parallel=true: {model.name} has no experts")
+    # vLLM's --data-parallel-size for a MoE model (data-parallel attention): dp engine ranks of tp
+    # GPUs each, stepping together (sim.replica.DataParallelGroup); the MoE layers over all
+    # tp x dp GPUs and all ranks' tokens. A dense model's independent engines are `replicas`.
     dp = dep.integer("data_parallel", 1, ge=1)
-    if dp > 1:
-        raise ScenarioError(f"deployment.data_parallel={dp}: data-parallel attention is not modelled yet "
-                            "(use replicas for independent engines)")
+    if dp > 1 and not model.is_moe:
+        raise ScenarioError(f"deployment.data_parallel={dp}: attention data parallelism is for mixtures of "
+                            f"experts; {model.name} is dense (use replicas for independent engines)")
     replicas = dep.integer("replicas", 1, ge=1)
     router = dep.text("router", "round_robin", choices=ROUTERS)
     util = dep.number("gpu_memory_utilization", 0.9, gt=0, le=1)
@@ -251,6 +256,9 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
         if k is None:  # a shipped profile, else measured kernel tables, else the roofline
             k = ("fitted" if (PROFILES_DIR / f"{default_profile}.json").exists()
                  else "kernels" if device.kernel_tables else "analytic")
+        if dp > 1 and k != "kernels":
+            raise ScenarioError(f"deployment.data_parallel={dp}: timed by cost_model.type kernels only "
+                                f"(the {k} model has no data-parallel ranks)")
         if k == "analytic":
             try:
                 return AnalyticCostModel(model, device, t, eff), {}
@@ -258,7 +266,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
                 raise ScenarioError(f"cost_model.efficiency={eff!r}: {e}") from None
         if k == "kernels":
             try:
-                return KernelCostModel(model, device, t, ovh, expert_parallel=ep), {}
+                return KernelCostModel(model, device, t, ovh, expert_parallel=ep, data_parallel=dp), {}
             except (TypeError, ValueError) as e:
                 raise ScenarioError(f"cost_model (kernels, overheads={ovh!r}): {e}") from None
         name = prof_name or default_profile
@@ -299,7 +307,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
         if measured and not util_given:
             return int(meta["num_gpu_blocks"])
         try:
-            return kv_cache_blocks(model, device, t, block_size, util)
+            return kv_cache_blocks(model, device, t, block_size, util, data_parallel=dp)
         except ValueError as e:
             raise ScenarioError(str(e)) from None
 
@@ -374,8 +382,10 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
         pd["kv_bytes_per_token"] = model.kv_bytes_per_token
         blocks = pd["decode"][0].num_gpu_blocks
 
+    if dp > 1 and pd is not None:
+        raise ScenarioError(f"deployment.data_parallel={dp}: not with deployment.pd (disaggregated pools)")
     return Scenario(name=name, seed=seed, path=path, scheduler_config=cfg, cost_model=cost,
-                    workload=workload, replicas=replicas, router=router, slo=slo,
+                    workload=workload, replicas=replicas, data_parallel=dp, router=router, slo=slo,
                     record_token_times=record_times, plots=plots, steady_decode=steady,
                     max_time_s=max_time, pd=pd, warnings=warnings,
                     deployment={"model": model.name, "device": device.name, "tp": tp,
@@ -383,6 +393,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
                                 "replicas": replicas, "router": router, "num_gpu_blocks": blocks,
                                 "gpu_memory_utilization": util,
                                 **({"expert_parallel": True} if ep else {}),
+                                **({"data_parallel": dp} if dp > 1 else {}),
                                 **({"pd": {k: v for k, v in pd.items() if k not in ("prefill", "decode")}}
                                    if pd else {})})
 
@@ -412,6 +423,7 @@ def run_scenario(sc: Scenario, progress: bool = False) -> SimResult:
                                max_time_s=sc.max_time_s)
     else:
         sim = Simulation(sc.workload, sc.scheduler_config, sc.cost_model, num_replicas=sc.replicas,
+                         data_parallel=sc.data_parallel,
                          router=sc.router, seed=sc.seed, use_steady=sc.steady_decode,
                          keep_token_times=sc.record_token_times, progress=progress, slo=sc.slo,
                          max_time_s=sc.max_time_s)

@@ -32,7 +32,7 @@ from engine.core import compiled as _compiled
 from engine.core.records import STEP_COLUMNS, RequestRecord
 from sim.clients import ENGINE_DIRECT, ClientModel, vllm_bench_result
 from sim.metrics import itl_from_token_times, request_table, summarize, write_csv
-from sim.replica import Replica, SimRequest
+from sim.replica import DataParallelGroup, Replica, SimRequest
 
 ROUTERS = ("round_robin", "random", "least_outstanding", "prefix_affinity")
 
@@ -114,11 +114,18 @@ class Simulation:
                  router: str = "round_robin", seed: int = 0, use_steady: bool = True,
                  keep_token_times: bool = False, keep_steps: bool = True, progress: bool = False,
                  slo: dict | None = None, max_time_s: float | None = None,
-                 client: ClientModel | None = None) -> None:
+                 client: ClientModel | None = None, data_parallel: int = 1) -> None:
+        """`data_parallel` > 1: each replica is that many data-parallel attention ranks stepping
+        together (sim.replica.DataParallelGroup); the router spreads requests over all ranks."""
         if router not in ROUTERS:
             raise ValueError(f"deployment.router={router!r}: expected one of {list(ROUTERS)}")
         if num_replicas < 1:
             raise ValueError(f"deployment.replicas={num_replicas!r}: must be >= 1")
+        if data_parallel < 1:
+            raise ValueError(f"deployment.data_parallel={data_parallel!r}: must be >= 1")
+        if data_parallel > 1:  # ranks, each its own engine, in lock-step groups: plain steps
+            num_replicas *= data_parallel
+            use_steady = False
         self.env = Clock()
         self.workload = workload
         self.closed_loop = getattr(workload, "closed_loop_concurrency", None)
@@ -173,7 +180,10 @@ class Simulation:
                             and not self.client.delays_requests and not self._think
                             and _no_cancellation(workload))
         self._feed_t = 0.0  # send time of the last request fed (sends keep workload order)
-        self.replicas = [Replica(self, i, scheduler_config, cost_model) for i in range(num_replicas)]
+        self.replicas = [Replica(self, i, scheduler_config, cost_model, start=data_parallel == 1)
+                         for i in range(num_replicas)]
+        self.groups = [DataParallelGroup(self, self.replicas[i:i + data_parallel], cost_model)
+                       for i in range(0, num_replicas, data_parallel)] if data_parallel > 1 else []
         self._all_done = self.env.event()
 
     def timeout_at(self, at: float) -> Event:

@@ -248,11 +248,12 @@ class ModelSpec:
         """All weights, as a checkpoint holds them (fp8 linear layers; bf16 embeddings, head, norms)."""
         return self.weight_bytes_per_gpu(1)
 
-    def weight_bytes_per_gpu(self, tp: int = 1) -> int:
+    def weight_bytes_per_gpu(self, tp: int = 1, expert_ranks: int | None = None) -> int:
         """One GPU's weights at TP: linear layers sharded (k/v projections replicated when TP > KV
-        heads; MLA's latent down projection replicated), routed experts sharded (by TP or EP),
-        embeddings and LM head sharded by vocabulary, norms and the router replicated."""
-        return self.dense_weight_bytes_per_gpu(tp) + self.expert_weight_bytes_per_gpu(tp)
+        heads; MLA's latent down projection replicated), routed experts sharded (by TP or EP)
+        over `expert_ranks` GPUs (default tp; tp x dp with data-parallel attention), embeddings
+        and LM head sharded by vocabulary, norms and the router replicated."""
+        return self.dense_weight_bytes_per_gpu(tp) + self.expert_weight_bytes_per_gpu(expert_ranks or tp)
 
     def dense_weight_bytes_per_gpu(self, tp: int = 1) -> int:
         """All weights but the routed experts, on one GPU."""
@@ -662,13 +663,15 @@ def activation_reserve_bytes(model: ModelSpec, device: DeviceSpec, tp: int = 1,
 
 def memory_breakdown(model: ModelSpec, device: DeviceSpec, tp: int = 1, gpu_memory_utilization: float = 0.9,
                      block_size: int = 16, activation_reserve: int | None = None,
-                     max_num_batched_tokens: int = 8192, max_num_seqs: int = 1024) -> dict:
-    """Per-GPU memory of one replica as vLLM sizes its pool: memory x utilisation - weight shard
-    - activation/graph reserve = KV bytes; KV per token per GPU from that GPU's KV heads."""
+                     max_num_batched_tokens: int = 8192, max_num_seqs: int = 1024,
+                     data_parallel: int = 1) -> dict:
+    """Per-GPU memory of one replica (one data-parallel rank) as vLLM sizes its pool: memory x
+    utilisation - weight shard - activation/graph reserve = KV bytes; KV per token per GPU from
+    that GPU's KV heads. With data-parallel attention the routed experts spread over tp x dp GPUs."""
     reserve = activation_reserve if activation_reserve is not None else activation_reserve_bytes(
         model, device, tp, max_num_batched_tokens, max_num_seqs)
     usable = device.memory_bytes * gpu_memory_utilization
-    weights = model.weight_bytes_per_gpu(tp)
+    weights = model.weight_bytes_per_gpu(tp, tp * data_parallel)
     kv = usable - weights - reserve
     per_token = model.kv_bytes_per_token_per_gpu(tp)
     blocks = int(kv // (per_token * block_size)) if kv > 0 else 0
@@ -682,11 +685,11 @@ def memory_breakdown(model: ModelSpec, device: DeviceSpec, tp: int = 1, gpu_memo
 
 def kv_cache_blocks(model: ModelSpec, device: DeviceSpec, tp: int = 1, block_size: int = 16,
                     gpu_memory_utilization: float = 0.9, activation_reserve_bytes: int | None = None,
-                    max_num_batched_tokens: int = 8192, max_num_seqs: int = 1024) -> int:
-    """KV blocks per replica, as the engine sizes its pool (memory_breakdown). Returns
-    num_gpu_blocks counting the null block, as vLLM does."""
+                    max_num_batched_tokens: int = 8192, max_num_seqs: int = 1024, data_parallel: int = 1) -> int:
+    """KV blocks per replica (per data-parallel rank), as the engine sizes its pool
+    (memory_breakdown). Returns num_gpu_blocks counting the null block, as vLLM does."""
     m = memory_breakdown(model, device, tp, gpu_memory_utilization, block_size, activation_reserve_bytes,
-                         max_num_batched_tokens, max_num_seqs)
+                         max_num_batched_tokens, max_num_seqs, data_parallel)
     if m["kv_blocks"] < 2:
         raise ValueError(
             f"deployment: {model.name} ({m['weight_bytes_per_gpu'] / GiB:.1f} GiB of weights per GPU) at tp={tp} "

