@@ -24,7 +24,7 @@ HF_NAMES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
             "minimax-m2": "MiniMaxAI/MiniMax-M2",
             "llama-4-scout-17b-16e": "meta-llama/Llama-4-Scout-17B-16E-Instruct"}
 
-GRID_KEYS = ("device", "tp", "max_num_batched_tokens", "max_num_seqs", "policy", "router", "pd")
+GRID_KEYS = ("device", "tp", "data_parallel", "max_num_batched_tokens", "max_num_seqs", "policy", "router", "pd")
 
 
 def candidates(data: dict, spec) -> list[dict]:
@@ -32,6 +32,7 @@ def candidates(data: dict, spec) -> list[dict]:
     dep = data.get("deployment") or {}
     sch = data.get("scheduler") or {}
     base = {"device": dep.get("device", "h100-sxm"), "tp": dep.get("tp", 1),
+            "data_parallel": dep.get("data_parallel", 1),
             "max_num_batched_tokens": sch.get("max_num_batched_tokens", 8192),
             "max_num_seqs": sch.get("max_num_seqs", 1024), "policy": sch.get("policy", "fcfs"),
             "router": dep.get("router", "round_robin"), "pd": dep.get("pd")}
@@ -47,6 +48,8 @@ def compose(data: dict, cand: dict, units: int = 1) -> dict:
                       ("max_num_batched_tokens", "scheduler.max_num_batched_tokens"),
                       ("max_num_seqs", "scheduler.max_num_seqs")):
         out = set_field(out, path, cand[key])
+    dp = cand.get("data_parallel", 1)
+    out = set_field(out, "deployment.data_parallel", dp if dp > 1 else None)
     pd = cand.get("pd")
     if pd:
         pd = dict(pd)
@@ -63,14 +66,15 @@ def compose(data: dict, cand: dict, units: int = 1) -> dict:
 def gpus_per_unit(cand: dict) -> int:
     pd = cand.get("pd")
     if not pd:
-        return int(cand["tp"])
+        return int(cand["tp"]) * int(cand.get("data_parallel", 1))
     return (pd.get("prefill_replicas", 1) * pd.get("prefill_tp", cand["tp"])
             + pd.get("decode_replicas", 1) * pd.get("decode_tp", cand["tp"]))
 
 
 def label(cand: dict) -> str:
     pd = cand.get("pd")
-    shape = (f"tp{cand['tp']}" if not pd else
+    dp = cand.get("data_parallel", 1)
+    shape = (f"tp{cand['tp']}" + (f" dp{dp}" if dp > 1 else "") if not pd else
              f"P{pd.get('prefill_replicas', 1)}xtp{pd.get('prefill_tp', cand['tp'])}"
              f"+D{pd.get('decode_replicas', 1)}xtp{pd.get('decode_tp', cand['tp'])}")
     return (f"{cand['device']} {shape} B{cand['max_num_batched_tokens']} S{cand['max_num_seqs']} "

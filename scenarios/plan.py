@@ -220,7 +220,7 @@ def _check_grid_value(key: str, v) -> None:
             get_device(v)
         except ValueError as e:
             raise bad(str(e).split(": ", 1)[-1]) from None
-    elif key in ("tp", "max_num_batched_tokens", "max_num_seqs"):
+    elif key in ("tp", "data_parallel", "max_num_batched_tokens", "max_num_seqs"):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise bad("must be an integer >= 1")
     elif key == "policy" and v not in POLICIES:
@@ -234,11 +234,12 @@ def _check_grid_value(key: str, v) -> None:
 
 # ------------------------------------------------------------------------------ memory
 def memory_report(model: ModelSpec, device: DeviceSpec, tp: int = 1, gpu_memory_utilization: float = 0.9,
-                  block_size: int = 16, activation_reserve_bytes: int | None = None) -> dict:
+                  block_size: int = 16, activation_reserve_bytes: int | None = None, data_parallel: int = 1) -> dict:
     """Per-GPU memory of one replica: the accounting sim.specs.kv_cache_blocks sizes pools with
     (sim.specs.memory_breakdown: memory x utilisation - weight shard - vLLM's profiled reserve =
     KV bytes; KV per token per GPU is that GPU's share of the KV heads, replicated past TP > KV heads)."""
-    return memory_breakdown(model, device, tp, gpu_memory_utilization, block_size, activation_reserve_bytes)
+    return memory_breakdown(model, device, tp, gpu_memory_utilization, block_size, activation_reserve_bytes,
+                            data_parallel=data_parallel)
 
 
 def plan_model(data: dict, base_dir=None) -> ModelSpec:
@@ -272,7 +273,10 @@ def prune_reason(data: dict, cand: dict, longest: int, base_dir=None) -> str | N
         if tp > device.gpus_per_node and not dep.get("interconnect"):
             return (f"tp={tp} spans more than one node of {device.gpus_per_node} {device.name} GPUs; declare "
                     "deployment.interconnect to plan it")
-        m = memory_report(model, device, tp, util, bs)
+        dp = cand.get("data_parallel", 1) if not pd else 1
+        if dp > 1 and not model.is_moe:
+            return f"data_parallel={dp}: attention data parallelism is for mixtures of experts ({model.name} is dense)"
+        m = memory_report(model, device, tp, util, bs, data_parallel=dp)
         if not m["fits"]:
             return (f"weights {m['weight_bytes_per_gpu'] / 1e9:.1f} GB per GPU at tp={tp} + reserve "
                     f"{m['reserve_bytes'] / 1e9:.1f} GB leave no KV cache in {m['usable_bytes'] / 1e9:.1f} GB "

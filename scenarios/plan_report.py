@@ -114,7 +114,8 @@ def assemble(rows: list[dict], live: list[dict], confirms: dict, spec, data: dic
     recs = []
     for r in rows:
         c = r["cand"]
-        rec = {"label": r["label"], "device": c["device"], "tp": c["tp"], "pd": c.get("pd"),
+        rec = {"label": r["label"], "device": c["device"], "tp": c["tp"],
+               "data_parallel": c.get("data_parallel", 1), "pd": c.get("pd"),
                "max_num_batched_tokens": c["max_num_batched_tokens"], "max_num_seqs": c["max_num_seqs"],
                "policy": c["policy"], "router": c["router"], "gpus_per_replica": r["gpus_per_unit"],
                "price_per_gpu_hour": r["price"], "status": None, "replicas": None, "gpus": None,
@@ -284,12 +285,14 @@ def _serve_args(c: dict, util: float) -> str:
 
 
 def _replica_lines(model: str, tp: int, n: int, args: str, port0: int, extra: str = "",
-                   per_node: int = 8) -> list[str]:
-    """One `vllm serve` per replica of one node (GPUs and ports numbered), and how many nodes."""
-    fit = max(1, per_node // tp)
+                   per_node: int = 8, dp: int = 1) -> list[str]:
+    """One `vllm serve` per replica of one node (GPUs and ports numbered), and how many nodes; a
+    replica of dp data-parallel ranks takes tp x dp GPUs."""
+    width = tp * dp
+    fit = max(1, per_node // width)
     lines = []
     for i in range(min(n, fit)):
-        gpus = ",".join(str(g) for g in range(i * tp, (i + 1) * tp))
+        gpus = ",".join(str(g) for g in range(i * width, (i + 1) * width))
         lines.append(f"CUDA_VISIBLE_DEVICES={gpus} vllm serve {shlex.quote(model)} --tensor-parallel-size {tp} "
                      f"{args}{extra} --port {port0 + i} &")
     nodes = math.ceil(n / fit)
@@ -307,15 +310,19 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
     n = c["replicas"] or 1
     pd = c.get("pd")
     args = _serve_args(c, util)
-    if result.get("expert_parallel") and c["tp"] > 1:
+    dp = c.get("data_parallel", 1)
+    if dp > 1:
+        args += f" --data-parallel-size {dp}"
+    if result.get("expert_parallel") and c["tp"] * dp > 1:
         args += " --enable-expert-parallel"
     out = []
     if c["policy"] == "shortest_prompt_first":
         out.append("# vLLM has no shortest-prompt-first policy: these servers schedule fcfs")
     if not pd:
-        out.append(f"# {n} replica(s) of {model}, tensor parallel {c['tp']} ({c['device']}), behind a "
+        dps = f" x data parallel {dp}" if dp > 1 else ""
+        out.append(f"# {n} replica(s) of {model}, tensor parallel {c['tp']}{dps} ({c['device']}), behind a "
                    f"{c['router']} load balancer on the ports below")
-        out += _replica_lines(model, c["tp"], n, args, 8000)
+        out += _replica_lines(model, c["tp"], n, args, 8000, dp=dp)
     else:
         kv = " --kv-transfer-config " + shlex.quote('{"kv_connector":"NixlConnector","kv_role":"kv_both"}')
         port = 8000
@@ -328,7 +335,7 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
         out.append("# a P/D proxy (e.g. vLLM's disaggregated prefill proxy) routes each request to a prefill "
                    "server, then a decode server")
     local = model.split("/")[-1]
-    if not pd and c["tp"] == 1:
+    if not pd and c["tp"] == 1 and dp == 1:
         m = "default" if result["model"] == "smollm2-135m" else f"./{local}"
         note = "" if m == "default" else f"   # ./{local}: a local copy (HF folder) of {model}"
         out.append(f"servetwin serve --model {m} --port 8000 {args.replace(' --scheduling-policy priority', '')} "

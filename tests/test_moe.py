@@ -322,3 +322,32 @@ def test_data_parallel_ranks_step_together_and_a_prefill_stalls_the_others():
                       keep_token_times=True).run()
     gap = lambda res: max(np.diff(res.records[0].token_times_s))   # noqa: E731
     assert gap(dp_t) > 3 * gap(indep)
+
+
+def test_the_planner_grid_takes_data_parallel_and_prints_its_flags():
+    from scenarios.candidates import candidates, compose, gpus_per_unit, label
+    from scenarios.plan import prune_reason
+    from scenarios.plan_report import deploy_commands
+    from sim.scenario import parse_scenario
+
+    class Spec:
+        grid = {"tp": [1], "data_parallel": [1, 2]}
+    data = {"deployment": {"model": "qwen3-30b-a3b", "device": "h100", "expert_parallel": True},
+            "workload": {"num_requests": 10, "arrival": {"type": "poisson", "rate": 5.0},
+                         "prompt_len": {"type": "fixed", "value": 200}, "output_len": {"type": "fixed", "value": 20}}}
+    one, two = candidates(data, Spec)
+    assert (gpus_per_unit(one), gpus_per_unit(two)) == (1, 2) and label(two).startswith("h100 tp1 dp2 ")
+    sc = parse_scenario(compose(data, two, units=3))
+    assert (sc.replicas, sc.data_parallel) == (3, 2)
+    assert "data_parallel" not in compose(data, one)["deployment"]
+    assert prune_reason(data, two, 220) is None
+    dense = {**data, "deployment": {"model": "llama-3.1-8b", "device": "h100"}}
+    assert "attention data parallelism is for mixtures of experts" in prune_reason(dense, two, 220)
+    c = {**two, "replicas": 2, "capacity_rps": None}
+    lines = deploy_commands({"hf_model": "Qwen/Qwen3-30B-A3B-Instruct-2507", "gpu_memory_utilization": 0.9,
+                             "expert_parallel": True, "target_rate": 10, "workload_means": {},
+                             "model": "qwen3-30b-a3b", "search": {"confirm_requests": 8000}}, c)
+    serve = [x for x in lines if "vllm serve" in x]
+    assert [x.split()[0] for x in serve] == ["CUDA_VISIBLE_DEVICES=0,1", "CUDA_VISIBLE_DEVICES=2,3"]
+    assert all("--tensor-parallel-size 1" in x and "--data-parallel-size 2" in x
+               and "--enable-expert-parallel" in x for x in serve)
