@@ -3,6 +3,7 @@
 The order follows vLLM V1's sampler:
 
 1. min_tokens: EOS and stop token ids get -inf while a request has fewer than min_tokens outputs;
+   then logit_bias: each request's per-token biases added;
 2. penalties (OpenAI / vLLM semantics):
      repetition  r over prompt + output tokens: logit / r if logit > 0 else logit * r
      frequency   f over output tokens:          logit - f * count(token in output)
@@ -118,6 +119,25 @@ def _token_table(seqs: list[Sequence[int]], vocab: int, device) -> tuple[torch.T
     return t.to(device), width
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place: each row's logit_bias added to its tokens' logits (ids past the vocabulary, which
+    the server refuses, are ignored here)."""
+    vocab = logits.shape[1]
+    r_idx, t_idx, vals = [], [], []
+    for i, row in enumerate(rows):
+        lb = row.sampling_params.logit_bias
+        if lb:
+            for t, b in lb.items():
+                if t < vocab:
+                    r_idx.append(i)
+                    t_idx.append(t)
+                    vals.append(b)
+    if r_idx:
+        dev = logits.device
+        logits.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
+                          torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+
+
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     """In place: repetition, frequency and presence penalties on the rows that set any of them."""
     idx = [i for i, row in enumerate(rows) if has_penalties(row.sampling_params)]
@@ -229,6 +249,7 @@ class Sampler:
         if n == 0:
             return []
         apply_min_tokens(logits, rows)
+        apply_logit_bias(logits, rows)
         apply_penalties(logits, rows)
         greedy = [is_greedy(r.sampling_params) for r in rows]
         if all(greedy):

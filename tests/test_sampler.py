@@ -188,3 +188,21 @@ def test_mixed_batch():
     pen[0] = pen[0] / 2.0 if pen[0] > 0 else pen[0] * 2.0
     assert got[3] == int(pen.argmax())
     assert 0 <= got[4] < 30
+
+
+def test_logit_bias_adds_to_the_logits_before_sampling():
+    from engine.sampler import apply_logit_bias
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.5], [0.0, 0.0, 0.0, 0.0]])
+    rows = [Row(SamplingParams(temperature=0, logit_bias={0: 2.5, 3: -1.0})), Row(SamplingParams(temperature=0))]
+    apply_logit_bias(logits, rows)
+    assert logits.tolist() == [[3.5, 2.0, 3.0, -0.5], [0.0, 0.0, 0.0, 0.0]]
+    # greedy: +100 picks any token, -100 on the best one picks the runner-up
+    sampler = Sampler()
+    base = torch.tensor([[1.0, 2.0, 3.0, 0.5]] * 2)
+    got = sampler(base.clone(), [Row(SamplingParams(temperature=0, logit_bias={3: 100})),
+                                 Row(SamplingParams(temperature=0, logit_bias={2: -100}))])
+    assert got == [3, 1]
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 150.0})
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={-1: 1.0})

@@ -76,7 +76,9 @@ def complete(srv, **kw):
     ("/v1/completions", b'{"model":"default","prompt":"hi","stop":[1]}', "stop"),
     ("/v1/completions", b'{"model":"default","prompt":"hi","best_of":3}', "best_of"),
     ("/v1/completions", b'{"model":"default","prompt":"hi","suffix":"end"}', "suffix"),
-    ("/v1/completions", b'{"model":"default","prompt":"hi","logit_bias":{"5":10}}', "logit_bias"),
+    ("/v1/completions", b'{"model":"default","prompt":"hi","logit_bias":{"99999999":10}}', "logit_bias"),
+    ("/v1/completions", b'{"model":"default","prompt":"hi","logit_bias":{"x":10}}', "logit_bias"),
+    ("/v1/completions", b'{"model":"default","prompt":"hi","logit_bias":{"5":101}}', "logit_bias"),
     ("/v1/chat/completions", b'{"model":"default","messages":[{"role":"user","content":"hi"}],'
                              b'"tools":[{"type":"function","function":{"name":"f"}}]}', "tools"),
     ("/v1/chat/completions", b'{"model":"default","messages":[{"role":"user","content":"hi"}],'
@@ -95,6 +97,20 @@ def test_defects_answer_400_naming_the_field(srv, path, raw, field):
     assert err["type"] == "invalid_request_error" and err["message"].startswith(field)
     assert r.headers.get("connection") != "close"  # a 400 keeps the keep-alive connection
     assert httpx.get(srv["url"] + "/health").json() == {"status": "ok"}
+
+
+def test_logit_bias_steers_the_tokens(srv):
+    """+100 on one token makes greedy decoding produce only it; the reported logprobs stay the
+    model's own (raw), so that token's logprob is what it was without the bias."""
+    tok = srv["engine"].tokenizer
+    forced = tok.encode(" banana", add_special_tokens=False)[0]
+    body = complete(srv, prompt="hi", max_tokens=4, temperature=0, logit_bias={str(forced): 100})
+    assert body["choices"][0]["text"] == tok.decode([forced] * 4)
+    plain = complete(srv, prompt="hi", max_tokens=1, temperature=0, logprobs=0)
+    biased = complete(srv, prompt="hi", max_tokens=1, temperature=0, logprobs=0,
+                      logit_bias={str(forced): 100})
+    assert biased["choices"][0]["logprobs"]["tokens"] != plain["choices"][0]["logprobs"]["tokens"]
+    assert biased["choices"][0]["logprobs"]["token_logprobs"][0] < plain["choices"][0]["logprobs"]["token_logprobs"][0]
 
 
 def test_unsupported_fields_at_their_off_values_are_accepted(srv):

@@ -19,6 +19,9 @@ class SamplingParams:
     log-probability (0 = the sampled token's only), at most MAX_LOGPROBS. Log-probabilities are
     those of the model's raw distribution, before penalties, temperature and top-k/top-p (vLLM's
     default "raw_logprobs").
+    `logit_bias`: token id -> a bias in [-100, 100] added to that token's logit before sampling
+    (after the min_tokens mask, before penalties, as vLLM's logits processors run); log-probabilities
+    stay those of the raw distribution.
     """
 
     max_tokens: int | None = 16
@@ -35,6 +38,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +75,11 @@ class SamplingParams:
             bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), or None")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], or None")
+        for t, b in (self.logit_bias or {}).items():
+            if not _is_int(t) or t < 0:
+                bad("logit_bias", f"every key must be a token id (an integer >= 0), got {t!r}")
+            if not _is_num(b) or not -100.0 <= b <= 100.0:
+                bad("logit_bias", f"the bias of token {t} must be a number in [-100, 100], got {b!r}")
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 bad("stop_token_ids", f"every id must be an integer >= 0, got {t!r}")

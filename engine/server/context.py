@@ -201,12 +201,13 @@ class ServerContext:
     def children(self, req, rid: str, prompts: list[tuple[str | None, list[int]]],
                  logprobs: int | None) -> list[Child]:
         out = []
+        biases = req.token_biases(self.vocab_size)
         many = len(prompts) * req.n > 1
         for p, (text, ids) in enumerate(prompts):
             field = f"prompt[{p}]" if len(prompts) > 1 else "prompt"
             mt = self.limits(req, len(ids), field if isinstance(req, CompletionRequest) else "messages")
             for i in range(req.n):
-                params = req.sampling_params(mt, _child_seed(req.seed, i), logprobs)
+                params = req.sampling_params(mt, _child_seed(req.seed, i), logprobs, biases)
                 cid = f"{rid}-{p * req.n + i}" if many else rid
                 out.append(Child(cid, ids, params, text, req.priority))
         return out

@@ -100,7 +100,6 @@ UNSUPPORTED = {
     "functions": _off(None, []),
     "function_call": _off(None, "none"),
     "response_format": lambda v: v is None or v == {"type": "text"},
-    "logit_bias": _off(None, {}),
     "suffix": _off(None, ""),
     "prompt_logprobs": _off(None),
     "guided_json": _off(None),
@@ -165,6 +164,7 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: I64 = 0
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's JSON) -> bias
     # max_tokens when the request gives none (None: as many as fit); see engine.core.admission
     default_max_tokens: ClassVar[int | None] = None
 
@@ -178,7 +178,23 @@ class _Common(_Strict):
             return list(s)
         raise APIError(400, f"stop={_short(s)}: must be a string or a list of strings", "stop")
 
-    def sampling_params(self, max_tokens: int, seed: int | None, logprobs: int | None) -> SamplingParams:
+    def token_biases(self, vocab_size: int) -> dict[int, float] | None:
+        """logit_bias with integer keys, each a token id in [0, vocab_size), or a 400 naming it."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for k, v in self.logit_bias.items():
+            try:
+                t = int(k)
+            except ValueError:
+                raise APIError(400, f"logit_bias: key {_short(k)} is not a token id", "logit_bias") from None
+            if not 0 <= t < vocab_size:
+                raise APIError(400, f"logit_bias: token id {t} is not in [0, {vocab_size})", "logit_bias")
+            out[t] = v
+        return out
+
+    def sampling_params(self, max_tokens: int, seed: int | None, logprobs: int | None,
+                        logit_bias: dict[int, float] | None = None) -> SamplingParams:
         """Raises APIError(400) naming the field for invalid values."""
         def d(v, default):
             return default if v is None else v
@@ -190,7 +206,7 @@ class _Common(_Strict):
                 temperature=d(self.temperature, 1.0), top_p=d(self.top_p, 1.0), top_k=d(self.top_k, 0),
                 seed=seed, presence_penalty=d(self.presence_penalty, 0.0),
                 frequency_penalty=d(self.frequency_penalty, 0.0),
-                repetition_penalty=d(self.repetition_penalty, 1.0), logprobs=logprobs)
+                repetition_penalty=d(self.repetition_penalty, 1.0), logprobs=logprobs, logit_bias=logit_bias)
         except ValueError as e:
             msg = str(e)
             field = msg.split("SamplingParams.", 1)[-1].split("=", 1)[0] if "SamplingParams." in msg else None
