@@ -87,6 +87,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestRecord | None = None
     num_cached_tokens: int | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # precedes it); complete in every output (they come after the prompt is processed)
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -100,6 +103,7 @@ class _Live:
     entry: Entry                     # its bookkeeping (engine.core.bookkeeping), with its record
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprob] | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
 
     @property
     def record(self) -> RequestRecord:
@@ -352,7 +356,8 @@ class LLMEngine:
         record = self.book.open(RequestRecord(request_id, arrival, len(ids)), sp.max_tokens)
         self.request_records[request_id] = record
         self._live[request_id] = _Live(text, ids, sp, IncrementalDetokenizer(self.tokenizer, ids, sp), Entry(record),
-                                       logprobs=[] if sp.logprobs is not None else None)
+                                       logprobs=[] if sp.logprobs is not None else None,
+                                       prompt_logprobs=[None] * len(ids) if sp.prompt_logprobs is not None else None)
 
     def abort_request(self, request_ids: str | Sequence[str], reason: str = "abort") -> None:
         """Finish requests now (their KV blocks are freed); `reason` goes to their records."""
@@ -475,6 +480,13 @@ class LLMEngine:
         finished: list[RequestRecord] = []
         live_map = self._live
         step_logprobs = self.runner.logprobs
+        for rid, (p0, entries) in self.runner.prompt_logprobs.items():
+            live = live_map.get(rid)
+            if live is not None and live.prompt_logprobs is not None:
+                try:
+                    live.prompt_logprobs[p0:p0 + len(entries)] = [self._logprob_entry(e) for e in entries]
+                except Exception:  # its text failing is reported with its other outputs below
+                    logger.exception("request %s: prompt logprobs failed", rid)
         for co in core_outputs:
             live = live_map.get(co.request_id)
             if live is None:
@@ -505,7 +517,8 @@ class LLMEngine:
                 co.request_id, live.prompt, live.prompt_token_ids,
                 [CompletionOutput(0, text, list(live.output_token_ids), finish, stop_reason,
                                   _copy(live.logprobs))],
-                finish is not None, live.record, live.record.num_cached_tokens))
+                finish is not None, live.record, live.record.num_cached_tokens,
+                None if live.prompt_logprobs is None else list(live.prompt_logprobs)))
         t_end = perf()
         end_s = t_end - self._t0
         step = book.num_steps

@@ -251,3 +251,36 @@ def test_generate_validates_every_prompt_first():
     assert llm.llm_engine.request_records == {}
     out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3))
     assert len(out) == 1 and len(out[0].outputs[0].token_ids) <= 3
+
+
+def test_prompt_logprobs_equal_transformers_through_chunks_and_prefix_hits(tokenizer):
+    """Each prompt token's log-probability given the tokens before it, its rank and the top-k,
+    against transformers' log-softmax of the whole prompt; in prefill chunks of 16 tokens, and for
+    a second request of the same prompt whose blocks are cached (it computes them again, as vLLM)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(resolve_model("default")), dtype=torch.float32, local_files_only=True).eval()
+    ids = tokenizer(SHARED_PROMPTS[0]).input_ids
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    eng = engine(max_num_batched_tokens=16)
+    sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    first = run_all(eng, [ids], sp)["0"]
+    plain = run_all(eng, [ids], GREEDY)["0"]            # no prompt logprobs: reads the cache
+    eng.add_request("again", ids, sp)
+    again = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            again = o if o.finished else again
+    assert plain.num_cached_tokens >= 32 and again.num_cached_tokens == 0
+    for out in (first, again):
+        lps = out.prompt_logprobs
+        assert len(lps) == len(ids) and lps[0] is None
+        for j in range(1, len(ids)):
+            row, e = ref[j - 1], lps[j]
+            assert e.token_id == ids[j] and abs(e.logprob - float(row[ids[j]])) < 2e-3, j
+            assert abs(e.rank - (int((row > row[ids[j]]).sum()) + 1)) <= 1   # ties within fp32 rounding
+            assert [t for t, _s, _v in e.top] == row.topk(3).indices.tolist()
+            assert e.token == tokenizer.decode([ids[j]])
+    assert first.outputs[0].token_ids == plain.outputs[0].token_ids[:2]
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)

@@ -362,3 +362,60 @@ def test_tokenize_a_conversation_the_template_refuses_is_a_400(served):
     assert r.status_code in (200, 400), r.text           # never a 500
     if r.status_code == 400:
         assert r.json()["error"]["param"] == "messages"
+
+
+def test_echo_with_logprobs_scores_a_continuation_as_lm_eval_does(served, client):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, max_tokens 1, then 0): the
+    prompt's tokens lead the logprobs (the first with None), each the model's own log-probability
+    given the tokens before it (checked against a 1-token greedy continuation of each prefix), and
+    prompt_logprobs in vLLM's format agrees."""
+    url = served["url"]
+    tok = served["engine"].tokenizer
+    ctx, cont = "The capital of France is", " Paris"
+    ids = tok.encode(ctx + cont, add_special_tokens=False)
+    for max_tokens in (1, 0):
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": ids, "echo": True, "logprobs": 1,
+                                                       "max_tokens": max_tokens, "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        lp = ch["logprobs"]
+        assert ch["text"].startswith(ctx + cont) and len(lp["tokens"]) == len(ids) + max_tokens
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert "".join(lp["tokens"][:len(ids)]) == tok.decode(ids)
+        assert all(v < 0 for v in lp["token_logprobs"][1:])
+        if max_tokens == 0:
+            assert ch["text"] == tok.decode(ids) and r.json()["usage"]["completion_tokens"] == 0
+        else:
+            first_gen = lp["token_logprobs"][len(ids)]
+    # each prompt token's logprob equals the sampled-token logprob of a 1-token request on its prefix
+    checked = 0
+    for j in range(2, len(ids)):
+        one = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": ids[:j], "max_tokens": 1,
+                                                         "logprobs": 5, "temperature": 0}, timeout=60).json()
+        top = one["choices"][0]["logprobs"]["top_logprobs"][0]
+        want = tok.decode(ids[j:j + 1])
+        if want in top:
+            assert abs(top[want] - lp["token_logprobs"][j]) < 2e-3
+            checked += 1
+    assert checked >= 2 and first_gen < 0
+    # vLLM's prompt_logprobs field (completions and chat): None first, then {id: {logprob, rank, decoded_token}}
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1,
+                                                   "prompt_logprobs": 2, "temperature": 0}, timeout=60).json()
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    for j in range(1, len(ids)):
+        entry = plp[j][str(ids[j])]
+        assert abs(entry["logprob"] - lp["token_logprobs"][j]) < 2e-3 and entry["rank"] >= 1
+        assert 2 <= len(plp[j]) <= 3
+    chat = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, "prompt_logprobs": 0,
+                                                          "messages": [{"role": "user", "content": "Hi"}]},
+                      timeout=60).json()
+    assert chat["choices"][0]["prompt_logprobs"][0] is None and len(chat["choices"][0]["prompt_logprobs"]) > 3
+    # streamed: the echoed prompt and its logprobs in the first chunk
+    with httpx.stream("POST", url + "/v1/completions", json={"model": MODEL, "prompt": ids, "echo": True,
+                                                             "logprobs": 1, "max_tokens": 2, "stream": True,
+                                                             "temperature": 0}, timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ") and "[DONE]" not in line]
+    head = chunks[0]["choices"][0]
+    assert head["text"] == tok.decode(ids) and len(head["logprobs"]["tokens"]) == len(ids)
+    assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks[1:] if c["choices"][0]["logprobs"]) == 2

@@ -85,7 +85,7 @@ def complete(srv, **kw):
                              b'"tool_choice":"required"}', "tool_choice"),
     ("/v1/chat/completions", b'{"model":"default","messages":[{"role":"user","content":"hi"}],'
                              b'"response_format":{"type":"json_object"}}', "response_format"),
-    ("/v1/completions", b'{"model":"default","prompt":"hi","echo":true,"logprobs":1}', "echo"),
+    ("/v1/completions", b'{"model":"default","prompt":"hi","prompt_logprobs":21}', "prompt_logprobs"),
     ("/v1/completions", b'\xff\xfe{"model"', "body"),
     ("/v1/completions", b'[1, 2]', "body"),
 ])

@@ -82,9 +82,10 @@ class KVCacheManager:
         """Longest run of cached full blocks from the start of the request.
 
         At most (num_tokens - 1) // block_size blocks: the last token is always recomputed so
-        the step produces logits for it.
+        the step produces logits for it. None for a request that wants its prompt's logprobs
+        (vLLM's rule: its whole prompt is computed, so every position has logits).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         if self.block_pool.needs_ids(request, False):
             self._track_blocks()  # its prompt may hit, or be hit by, a hashed block

@@ -39,6 +39,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    # None, or how many alternatives to report with each prompt token's log-probability (the
+    # raw distribution at the position before it; the first prompt token has none). As in vLLM,
+    # such a request reads nothing from the prefix cache: its whole prompt is computed.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +79,9 @@ class SamplingParams:
             bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), or None")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], or None")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], or None")
         for t, b in (self.logit_bias or {}).items():
             if not _is_int(t) or t < 0:
                 bad("logit_bias", f"every key must be a token id (an integer >= 0), got {t!r}")

@@ -70,8 +70,11 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.sampler = Sampler(make_generator(seed, self.device))
         self.times = StepTimes()
-        # Log-probabilities of the last step's sampled tokens, for requests that asked for them.
+        # Log-probabilities of the last step's sampled tokens, for requests that asked for them,
+        # and of the prompt tokens its prefill chunks covered: req_id -> (first position, entries)
+        # where entries[j] is the prompt token at first position + j given the tokens before it.
         self.logprobs: dict[str, TokenLogprobs] = {}
+        self.prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         self._cuda = self.device.type == "cuda"
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -133,6 +136,7 @@ class ModelRunner:
         new: list[int] = []
         sample_rows: list[int] = []        # flattened row of each sampling request's last token
         sampling: list[RequestState] = []
+        prompt_lp: list[tuple[RequestState, int, int, int]] = []  # (request, first row, first pos, rows)
         row = 0
         # Which requests sample this step is the scheduler's call (final prefill chunks and
         # decodes); an output built by hand may leave it out, then it is derived the same way.
@@ -144,6 +148,12 @@ class ModelRunner:
             block_ids.append(st.block_ids)
             computed.append(c)
             new.append(n)
+            if st.sampling_params.prompt_logprobs is not None and c + 1 < len(st.prompt_token_ids):
+                # rows c .. give the logits of prompt tokens c+1 .. (the last prompt row predicts
+                # the first output, which the sampled logprobs cover)
+                m = min(n, len(st.prompt_token_ids) - 1 - c)
+                if m > 0:
+                    prompt_lp.append((st, row, c + 1, m))
             row += n
             st.num_computed_tokens = c + n
             if (rid in samples) if samples is not None else c + n >= len(st.token_ids):
@@ -165,6 +175,11 @@ class ModelRunner:
         t2 = time.perf_counter()
         sampled: dict[str, list[int]] = {}
         self.logprobs = {}
+        self.prompt_logprobs = {}
+        for st, r0, p0, m in prompt_lp:
+            raw = self.model.compute_logits(hidden[r0:r0 + m])
+            k = st.sampling_params.prompt_logprobs
+            self.prompt_logprobs[st.req_id] = (p0, compute_logprobs(raw, st.prompt_token_ids[p0:p0 + m], [k] * m))
         if sampling:
             # Raw rows of the requests that want logprobs, kept before the sampler edits logits.
             lp_rows = [i for i, st in enumerate(sampling) if st.sampling_params.logprobs is not None]

@@ -101,7 +101,6 @@ UNSUPPORTED = {
     "function_call": _off(None, "none"),
     "response_format": lambda v: v is None or v == {"type": "text"},
     "suffix": _off(None, ""),
-    "prompt_logprobs": _off(None),
     "guided_json": _off(None),
     "guided_regex": _off(None),
     "guided_choice": _off(None),
@@ -165,6 +164,8 @@ class _Common(_Strict):
     user: str | None = None
     priority: I64 = 0
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's JSON) -> bias
+    # vLLM's extension: each prompt token's logprob and this many alternatives (choice.prompt_logprobs)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # max_tokens when the request gives none (None: as many as fit); see engine.core.admission
     default_max_tokens: ClassVar[int | None] = None
 
@@ -193,6 +194,10 @@ class _Common(_Strict):
             out[t] = v
         return out
 
+    def wanted_prompt_logprobs(self) -> int | None:
+        """How many alternatives each prompt token's logprob comes with, or None (not asked)."""
+        return self.prompt_logprobs
+
     def sampling_params(self, max_tokens: int, seed: int | None, logprobs: int | None,
                         logit_bias: dict[int, float] | None = None) -> SamplingParams:
         """Raises APIError(400) naming the field for invalid values."""
@@ -206,7 +211,8 @@ class _Common(_Strict):
                 temperature=d(self.temperature, 1.0), top_p=d(self.top_p, 1.0), top_k=d(self.top_k, 0),
                 seed=seed, presence_penalty=d(self.presence_penalty, 0.0),
                 frequency_penalty=d(self.frequency_penalty, 0.0),
-                repetition_penalty=d(self.repetition_penalty, 1.0), logprobs=logprobs, logit_bias=logit_bias)
+                repetition_penalty=d(self.repetition_penalty, 1.0), logprobs=logprobs, logit_bias=logit_bias,
+                prompt_logprobs=self.wanted_prompt_logprobs())
         except ValueError as e:
             msg = str(e)
             field = msg.split("SamplingParams.", 1)[-1].split("=", 1)[0] if "SamplingParams." in msg else None
@@ -226,6 +232,23 @@ class CompletionRequest(_Common):
     echo: bool | None = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     default_max_tokens: ClassVar[int | None] = 16  # OpenAI's and vLLM's completions (chat has none)
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated (vLLM's
+        echo without generation: one token is generated and dropped)."""
+        return bool(self.echo) and self.max_tokens == 0 and self.max_completion_tokens is None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.echo_only else _Common.requested_max_tokens.fget(self)
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        """echo with logprobs reports the prompt tokens' logprobs too (the legacy completions
+        format lm-evaluation-harness scores with), at the same number of alternatives."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompts(self, vocab_size: int) -> list[str | list[int]]:
         """The prompts of this request: texts, or lists of token ids in [0, vocab_size)."""

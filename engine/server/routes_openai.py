@@ -24,9 +24,6 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         arrival = engine.now() - received_elapsed_s(request.scope)
         req = await parse(request, CompletionRequest)
         prompts = req.prompts(vocab_size)
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo: echo with logprobs (prompt logprobs) is not supported by this server",
-                           "echo")
         texts = [(k, p) for k, p in enumerate(prompts) if isinstance(p, str)]
         for k, t in texts:
             check_chars(t, f"prompt[{k}]" if len(prompts) > 1 else "prompt")
@@ -43,8 +40,12 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         prompts = [p if isinstance(p, tuple) else (None, p) for p in prompts]
         rid = request_id(request, "cmpl")
         kids = children(req, rid, prompts, req.logprobs)
+        first = None
+        if req.echo and req.logprobs is not None and tokenizer is not None:  # the first prompt token's text
+            first = await pool.run(lambda tok: [tok.decode(ids[:1]) for _, ids in prompts])
         return await respond(request, req, rid, kids, arrival, chat=False,
-                             echo=[t or "" for t, _ in prompts] if req.echo else None)
+                             echo=[t or "" for t, _ in prompts] if req.echo else None, first_tokens=first)
+
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -66,7 +67,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         return await respond(request, req, rid, kids, arrival, chat=True)
 
     async def respond(request: Request, req, rid: str, kids: list[Child], arrival: float, chat: bool,
-                      echo: list[str] | None = None):
+                      echo: list[str] | None = None, first_tokens: list[str] | None = None):
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
         check_capacity(kids)
@@ -77,7 +78,10 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         gen = aeng.outputs(group)
         n_prompts = len(kids) // req.n
         prompt_lens = [len(kids[p * req.n].prompt_token_ids) for p in range(n_prompts)]
-        shape = Shape(rid, now_s(), req.model, chat, req.n, prompt_lens, echo)
+        shape = Shape(rid, now_s(), req.model, chat, req.n, prompt_lens, echo,
+                      prompt_logprobs=req.prompt_logprobs is not None,
+                      echo_logprobs=echo is not None and getattr(req, "logprobs", None) is not None,
+                      echo_only=bool(getattr(req, "echo_only", False)), first_tokens=first_tokens)
         if req.stream:
             cont = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             return StreamingResponse(sse(gen, shape, req.include_usage, cont),
@@ -115,7 +119,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         outs = [finals[i] for i in range(n)]
         if any(o.outputs[0].finish_reason == "error" for o in outs):
             raise APIError(500, "the engine failed while producing this response", None, type="server_error")
-        choices = [shape.choice(i, o.outputs[0]) for i, o in enumerate(outs)]
+        choices = [shape.choice(i, o.outputs[0], o.prompt_logprobs) for i, o in enumerate(outs)]
         return {"id": shape.rid, "object": shape.obj(False), "created": shape.created, "model": shape.model,
                 "choices": choices, "usage": shape.usage(outs)}
 
@@ -124,6 +128,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         sent = {}          # choice index -> text already sent
         sent_lp = {}       # choice index -> logprob entries already sent
         first_sent: set[int] = set()  # choices whose first token has been sent
+        prompt_sent: set[int] = set()  # choices whose prompt (echo, prompt logprobs) has been sent
 
         def event(choices: list[dict], usage_body=None) -> str:
             body = {"id": shape.rid, "object": shape.obj(True), "created": shape.created, "model": shape.model,
@@ -141,7 +146,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                 if shape.chat:
                     yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}], first_usage)
-                elif shape.echo is not None:
+                elif shape.echo is not None and not shape.echo_logprobs:
                     yield event([{"index": i, "text": shape.echo[i // shape.n], "logprobs": None,
                                   "finish_reason": None}], first_usage)
             async for i, out in gen:
@@ -149,6 +154,12 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                 c = out.outputs[0]
                 if c.finish_reason == "error":
                     raise RequestFailed("the engine failed while producing this response")
+                if i not in prompt_sent and (shape.echo_logprobs or shape.prompt_logprobs):
+                    # the prompt's logprobs come with a choice's first output, in a chunk of their own
+                    prompt_sent.add(i)
+                    yield event([shape.prompt_chunk(i, out.prompt_logprobs)], first_usage)
+                if shape.echo_only:
+                    c = shape.nothing_generated(c)
                 prev = sent.get(i, "")
                 delta = c.text[len(prev):] if c.text.startswith(prev) else ""
                 if delta:
@@ -181,10 +192,69 @@ class Shape:
     """How one HTTP request's choices are written: ids, objects, choices, logprobs, usage."""
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, n: int, prompt_lens: list[int],
-                 echo: list[str] | None) -> None:
+                 echo: list[str] | None, prompt_logprobs: bool = False, echo_logprobs: bool = False,
+                 echo_only: bool = False, first_tokens: list[str] | None = None) -> None:
         self.rid, self.created, self.model, self.chat, self.n = rid, created, model, chat, n
         self.prompt_lens, self.echo = prompt_lens, echo
         self.num_choices = n * len(prompt_lens)
+        self.prompt_logprobs = prompt_logprobs  # vLLM's choice.prompt_logprobs
+        self.echo_logprobs = echo_logprobs      # echo + logprobs: the prompt's tokens lead the logprobs
+        self.echo_only = echo_only              # echo with max_tokens 0: the generated token is dropped
+        self.first_tokens = first_tokens        # each prompt's first token's text (echo + logprobs)
+
+    @staticmethod
+    def nothing_generated(c):
+        """An echo-only choice's output: no text, tokens or logprobs of its own."""
+        import dataclasses
+        return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                                   finish_reason=c.finish_reason and "length", stop_reason=None)
+
+    @staticmethod
+    def vllm_prompt_logprobs(entries) -> list:
+        """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank,
+        decoded_token}} with the prompt token and its alternatives."""
+        out = []
+        for e in entries or []:
+            if e is None:
+                out.append(None)
+                continue
+            d = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.token}}
+            for rank, (t, s, v) in enumerate(e.top, start=1):
+                d.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": s})
+            out.append(d)
+        return out
+
+    def echo_prompt_logprobs(self, i: int, entries) -> dict:
+        """The legacy completions logprobs of choice i's echoed prompt: its tokens, their logprobs
+        (None for the first, which nothing precedes), top alternatives and offsets into the text."""
+        tokens, lps, tops, offsets, off = [], [], [], [], 0
+        for e in entries or []:
+            offsets.append(off)
+            if e is None:
+                t = self.first_tokens[i // self.n] if self.first_tokens else ""
+                tokens.append(t)
+                lps.append(None)
+                tops.append(None)
+                off += len(t)
+                continue
+            tokens.append(e.token)
+            lps.append(e.logprob)
+            tops.append({e.token: e.logprob, **{s: v for _, s, v in e.top}})
+            off += len(e.token)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def prompt_chunk(self, i: int, entries) -> dict:
+        """A stream's chunk with choice i's prompt: its echo and, as asked, its logprobs."""
+        if self.chat:
+            ch = {"index": i, "delta": {}, "logprobs": None, "finish_reason": None}
+        else:
+            text = self.echo[i // self.n] if self.echo is not None and self.echo_logprobs else ""
+            ch = {"index": i, "text": text,
+                  "logprobs": self.echo_prompt_logprobs(i, entries) if self.echo_logprobs else None,
+                  "finish_reason": None}
+        if self.prompt_logprobs:
+            ch["prompt_logprobs"] = self.vllm_prompt_logprobs(entries)
+        return ch
 
     def obj(self, stream: bool) -> str:
         if self.chat:
@@ -208,9 +278,16 @@ class Shape:
                 "top_logprobs": [{e.token: e.logprob, **{s: v for _, s, v in e.top}} for e in entries],
                 "text_offset": offsets}
 
-    def choice(self, i: int, c) -> dict:
+    def choice(self, i: int, c, prompt_lps=None) -> dict:
+        if self.echo_only:
+            c = self.nothing_generated(c)
         lp = self.logprobs(c.logprobs, self.echo_len(i)) if c.logprobs is not None else None
+        if self.echo_logprobs and lp is not None:
+            head = self.echo_prompt_logprobs(i, prompt_lps)
+            lp = {k: head[k] + lp[k] for k in lp}
         choice = {"index": i, "finish_reason": c.finish_reason, "logprobs": lp}
+        if self.prompt_logprobs:
+            choice["prompt_logprobs"] = self.vllm_prompt_logprobs(prompt_lps)
         if self.chat:
             choice["message"] = {"role": "assistant", "content": c.text, "refusal": None, "tool_calls": []}
         else:
@@ -228,7 +305,7 @@ class Shape:
     def usage(self, outs) -> dict:
         """Prompt tokens count each prompt once (not once per choice); cached tokens are the
         prefix-cache hits of each prompt's first choice."""
-        completion = sum(len(o.outputs[0].token_ids) for o in outs)
+        completion = 0 if self.echo_only else sum(len(o.outputs[0].token_ids) for o in outs)
         firsts = {}
         for o in outs:
             k = o.request_id
