@@ -92,7 +92,8 @@ def model_name(path: str) -> str | None:
 
 
 def usable(r: dict) -> dict | None:
-    """The simulator's case for a row, or None (MoE, disaggregated, PP/DP, fp4/int4, unknown)."""
+    """The simulator's case for a row, or None (disaggregated, pipeline parallel, attention DP of a
+    dense model, fp4/int4, an unknown model or GPU)."""
     if r["mode"] != "agg" or model_name(r["model_path"]) is None or r["system"] not in DEVICES:
         return None
     q = r["gemm_quant_mode"].strip()
@@ -347,6 +348,9 @@ def main(argv=None) -> None:
         "by_backend_system": summarize_errors(rows, ("backend", "system")),
         "by_model": summarize_errors(rows, ("backend", "system", "model", "weight_dtype")),
         "by_tp": summarize_errors(rows, ("backend", "system", "tp")),
+        # data-parallel attention ranks (1: none)
+        "by_data_parallel": summarize_errors([{**r, "data_parallel": r.get("data_parallel", 1)} for r in rows],
+                                             ("backend", "system", "model", "data_parallel")),
         "by_concurrency": summarize_errors(rows, ("backend", "concurrency")),
         "by_source": summarize_errors(rows, ("backend", "system", "source")),
     }

@@ -306,6 +306,9 @@ class LLMEngine:
         for t in prompt_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt_token_ids: {t!r} is not a token id in [0, {self.vocab_size})")
+        for t in sampling_params.logit_bias or {}:
+            if t >= self.vocab_size:
+                raise ValueError(f"logit_bias: token id {t} is not in [0, {self.vocab_size})")
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError(f"stop={sampling_params.stop!r}: stop strings need a tokenizer")
 
@@ -338,7 +341,7 @@ class LLMEngine:
         return RequestOutput(request_id, live.prompt, live.prompt_token_ids,
                              [CompletionOutput(0, live.detok.get_text(True), list(live.output_token_ids),
                                                "abort", None, _copy(live.logprobs))],
-                             True, live.record, live.record.num_cached_tokens)
+                             True, live.record, live.record.num_cached_tokens, _copy(live.prompt_logprobs))
 
     def _add(self, request_id: str, text: str | None, ids: list[int], sp: SamplingParams,
              arrival_time: float | None = None, priority: int = 0) -> None:
@@ -480,13 +483,15 @@ class LLMEngine:
         finished: list[RequestRecord] = []
         live_map = self._live
         step_logprobs = self.runner.logprobs
+        prompt_failed: set[str] = set()
         for rid, (p0, entries) in self.runner.prompt_logprobs.items():
             live = live_map.get(rid)
             if live is not None and live.prompt_logprobs is not None:
                 try:
                     live.prompt_logprobs[p0:p0 + len(entries)] = [self._logprob_entry(e) for e in entries]
-                except Exception:  # its text failing is reported with its other outputs below
+                except Exception:  # finished with 'error' with its other outputs below
                     logger.exception("request %s: prompt logprobs failed", rid)
+                    prompt_failed.add(rid)
         for co in core_outputs:
             live = live_map.get(co.request_id)
             if live is None:
@@ -495,6 +500,8 @@ class LLMEngine:
             live.output_token_ids.extend(toks)
             finish, stop_reason = co.finish_reason, co.stop_reason
             try:  # one request's text or logprobs failing must not fail its batch mates
+                if co.request_id in prompt_failed:
+                    raise RuntimeError("its prompt logprobs failed")
                 stop_str = live.detok.update(toks, stop_terminated=finish == "stop")
                 if live.logprobs is not None and toks:
                     live.logprobs.append(self._logprob_entry(step_logprobs[co.request_id]))

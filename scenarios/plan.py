@@ -270,10 +270,11 @@ def prune_reason(data: dict, cand: dict, longest: int, base_dir=None) -> str | N
     for tp in tps:
         if model.num_heads % tp:
             return f"tp={tp} does not divide the {model.num_heads} attention heads of {model.name}"
-        if tp > device.gpus_per_node and not dep.get("interconnect"):
-            return (f"tp={tp} spans more than one node of {device.gpus_per_node} {device.name} GPUs; declare "
-                    "deployment.interconnect to plan it")
         dp = cand.get("data_parallel", 1) if not pd else 1
+        if tp * dp > device.gpus_per_node and not dep.get("interconnect"):
+            width = f"tp={tp}" if dp == 1 else f"tp={tp} x data_parallel={dp}"
+            return (f"{width} spans more than one node of {device.gpus_per_node} {device.name} GPUs; declare "
+                    "deployment.interconnect to plan it")
         if dp > 1 and not model.is_moe:
             return f"data_parallel={dp}: attention data parallelism is for mixtures of experts ({model.name} is dense)"
         m = memory_report(model, device, tp, util, bs, data_parallel=dp)

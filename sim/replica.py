@@ -429,7 +429,8 @@ class DataParallelGroup:
     """vLLM's data-parallel attention (`--data-parallel-size`): `ranks` engine ranks, each with its
     own scheduler, KV pool and requests (Replica objects without a loop of their own), stepping
     together because every MoE layer is one collective over all of them: while any rank has work,
-    every rank's step starts at the same boundary (an idle one runs a dummy batch), the MoE layers
+    every rank's step starts at the same boundary (vLLM runs a dummy batch on an idle rank; its
+    time is not counted here, nor its tokens in the MoE layers), the MoE layers
     process the tokens of all ranks (CostModel.group_step_time), and the step ends when the
     slowest rank's attention and dense layers are done. So one rank's long prefill stalls the
     others' decodes. Plain steps only (no fast-forward)."""

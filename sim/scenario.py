@@ -76,8 +76,8 @@ class Scenario:
     max_time_s: float | None
     deployment: dict
     pd: dict | None = None  # disaggregated: pool sizes, link, and a (config, cost model) per pool
-    warnings: list[str] = field(default_factory=list)
-    data_parallel: int = 1  # data-parallel attention ranks per replica (MoE)  # e.g. a profile used outside what it measured
+    warnings: list[str] = field(default_factory=list)  # e.g. a profile used outside what it measured
+    data_parallel: int = 1  # data-parallel attention ranks per replica (MoE)
 
     def describe(self) -> str:
         c = self.scheduler_config
@@ -203,7 +203,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     util = dep.number("gpu_memory_utilization", 0.9, gt=0, le=1)
     blocks = dep.integer("num_gpu_blocks", None, ge=2)
     pd_m = dep.sub("pd")
-    widest = max([tp] + [pd_m.d.get(k) for k in ("prefill_tp", "decode_tp")
+    widest = max([tp * dp] + [pd_m.d.get(k) for k in ("prefill_tp", "decode_tp")
                          if pd_m is not None and isinstance(pd_m.d.get(k), int)])
     ic = dep.sub("interconnect")
     if ic is not None:  # a TP group beyond one node: its all-reduce runs over this link
@@ -213,7 +213,8 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
         ic.done()
     elif widest > device.gpus_per_node:
         raise ScenarioError(
-            f"deployment.tp={widest}: spans more than one node of {device.gpus_per_node} {device.name} GPUs; "
+            (f"deployment.tp={widest}" if dp == 1 else f"deployment.tp={tp} x data_parallel={dp}")
+            + f": spans more than one node of {device.gpus_per_node} {device.name} GPUs; "
             "declare the link between nodes (deployment.interconnect: {bandwidth_gb_s, latency_s}) "
             "for its all-reduce")
     pd = None
@@ -253,6 +254,8 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
                            + {"fp8": "-fp8", "fp8_block": "-fp8block"}.get(model.weight_dtype, "")
                            + ("-kvfp8" if model.kv_dtype == "fp8" else ""))
         k = kind
+        if k is None and dp > 1:  # data-parallel ranks: only the kernel tables time them
+            k = "kernels"
         if k is None:  # a shipped profile, else measured kernel tables, else the roofline
             k = ("fitted" if (PROFILES_DIR / f"{default_profile}.json").exists()
                  else "kernels" if device.kernel_tables else "analytic")

@@ -253,7 +253,7 @@ def test_generate_validates_every_prompt_first():
     assert len(out) == 1 and len(out[0].outputs[0].token_ids) <= 3
 
 
-def test_prompt_logprobs_equal_transformers_through_chunks_and_prefix_hits(tokenizer):
+def test_prompt_logprobs_equal_transformers_through_chunks_and_prefix_hits(tokenizer, monkeypatch):
     """Each prompt token's log-probability given the tokens before it, its rank and the top-k,
     against transformers' log-softmax of the whole prompt; in prefill chunks of 16 tokens, and for
     a second request of the same prompt whose blocks are cached (it computes them again, as vLLM)."""
@@ -266,6 +266,8 @@ def test_prompt_logprobs_equal_transformers_through_chunks_and_prefix_hits(token
     sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
     first = run_all(eng, [ids], sp)["0"]
     plain = run_all(eng, [ids], GREEDY)["0"]            # no prompt logprobs: reads the cache
+    from engine.runner import model_runner
+    monkeypatch.setattr(model_runner, "PROMPT_LOGITS_ROWS", 5)   # logits in slices of 5 rows
     eng.add_request("again", ids, sp)
     again = None
     while eng.has_unfinished_requests():
@@ -284,3 +286,5 @@ def test_prompt_logprobs_equal_transformers_through_chunks_and_prefix_hits(token
     assert first.outputs[0].token_ids == plain.outputs[0].token_ids[:2]
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
+    with pytest.raises(ValueError, match=r"logit_bias: token id 49152 is not in \[0, 49152\)"):
+        eng.add_request("oov", ids, SamplingParams(logit_bias={49152: 1.0}))

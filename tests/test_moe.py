@@ -224,6 +224,8 @@ def test_expert_parallel_is_a_deployment_key_and_a_serve_flag(tmp_path):
         parse_scenario({**base, "deployment": {"model": "llama-3.1-8b", "device": "h100", "expert_parallel": True}})
     with pytest.raises(ScenarioError, match="deployment.data_parallel=2: attention data parallelism is for mix"):
         parse_scenario({**base, "deployment": {"model": "llama-3.1-8b", "device": "h100", "data_parallel": 2}})
+    with pytest.raises(ScenarioError, match="deployment.tp=4 x data_parallel=4: spans more than one node of 8"):
+        parse_scenario({**base, "deployment": {"model": "qwen3-30b-a3b", "device": "h100", "tp": 4, "data_parallel": 4}})
     with pytest.raises(ScenarioError, match="data_parallel=2: timed by cost_model.type kernels only"):
         parse_scenario({**base, "deployment": {"model": "qwen3-30b-a3b", "device": "h100", "data_parallel": 2},
                         "cost_model": {"type": "analytic"}})

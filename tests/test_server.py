@@ -419,3 +419,62 @@ def test_echo_with_logprobs_scores_a_continuation_as_lm_eval_does(served, client
     head = chunks[0]["choices"][0]
     assert head["text"] == tok.decode(ids) and len(head["logprobs"]["tokens"]) == len(ids)
     assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks[1:] if c["choices"][0]["logprobs"]) == 2
+
+
+def test_vllm_extensions_token_ids_invocations_roles_and_chat_echo(served):
+    """vLLM's extensions its clients use, in this project's words: return_token_ids (streamed and
+    not), return_tokens_as_token_ids, /invocations, custom message roles, chat echo."""
+    url = served["url"]
+    tok = served["engine"].tokenizer
+    kw = {"model": MODEL, "prompt": "The sky is", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(url + "/v1/completions", json={**kw, "return_token_ids": True}, timeout=60).json()
+    ch = r["choices"][0]
+    assert ch["prompt_token_ids"] == tok.encode("The sky is") and len(ch["token_ids"]) == 5
+    assert tok.decode(ch["token_ids"]) == ch["text"]
+    with httpx.stream("POST", url + "/v1/completions", json={**kw, "return_token_ids": True, "stream": True},
+                      timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ") and "[DONE]" not in line]
+    streamed = [t for c in chunks for t in c["choices"][0].get("token_ids", [])]
+    assert streamed == ch["token_ids"] and chunks[0]["choices"][0]["prompt_token_ids"] == ch["prompt_token_ids"]
+    r = httpx.post(url + "/v1/completions", json={**kw, "logprobs": 1, "return_tokens_as_token_ids": True},
+                   timeout=60).json()
+    assert [f"token_id:{t}" for t in ch["token_ids"]] == r["choices"][0]["logprobs"]["tokens"]
+    chat_body = {"model": MODEL, "max_tokens": 3, "temperature": 0,
+                 "messages": [{"role": "user", "content": "Say hi"}], "return_token_ids": True}
+    c = httpx.post(url + "/v1/chat/completions", json=chat_body, timeout=60).json()
+    assert c["prompt_token_ids"][:3] and len(c["choices"][0]["token_ids"]) == c["usage"]["completion_tokens"]
+    # /invocations: SageMaker's entry, dispatched by the body
+    inv = httpx.post(url + "/invocations", json=chat_body, timeout=60).json()
+    assert inv["object"] == "chat.completion" and inv["choices"][0]["message"]["content"] == c["choices"][0]["message"]["content"]
+    inv = httpx.post(url + "/invocations", json=kw, timeout=60).json()
+    assert inv["object"] == "text_completion" and inv["choices"][0]["text"] == ch["text"]
+    bad = httpx.post(url + "/invocations", json={"model": MODEL}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+    # a role the OpenAI schema does not list reaches the chat template (which decides)
+    r = httpx.post(url + "/v1/chat/completions", json={**chat_body, "messages": [
+        {"role": "observer", "content": "It rains."}, {"role": "user", "content": "Weather?"}]}, timeout=60)
+    assert r.status_code in (200, 400) and (r.status_code == 200 or r.json()["error"]["param"] == "messages")
+    # chat echo: continuing an assistant message, the reply starts with it
+    r = httpx.post(url + "/v1/chat/completions", json={
+        "model": MODEL, "max_tokens": 3, "temperature": 0, "echo": True, "add_generation_prompt": False,
+        "continue_final_message": True, "messages": [{"role": "user", "content": "Count to five."},
+                                                     {"role": "assistant", "content": "1, 2,"}]}, timeout=60).json()
+    assert r["choices"][0]["message"]["content"].startswith("1, 2,")
+    assert len(r["choices"][0]["message"]["content"]) > len("1, 2,")
+
+
+def test_openapi_documents_every_post_body(served):
+    doc = httpx.get(served["url"] + "/openapi.json", timeout=30).json()
+    assert doc["openapi"].startswith("3.1")
+    posts = {p: ops["post"] for p, ops in doc["paths"].items() if "post" in ops}
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/invocations"} <= set(posts)
+    for path, op in posts.items():
+        assert "application/json" in op["requestBody"]["content"], path
+    comp = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert comp["max_tokens"] and comp["logit_bias"] and comp["prompt_logprobs"] and "echo" in comp
+    chat = doc["components"]["schemas"]["ChatCompletionRequest"]
+    assert "messages" in chat["required"]
+    # every $ref resolves inside the document
+    import re
+    refs = set(re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(doc)))
+    assert refs <= set(doc["components"]["schemas"])

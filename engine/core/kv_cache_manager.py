@@ -82,7 +82,7 @@ class KVCacheManager:
         """Longest run of cached full blocks from the start of the request.
 
         At most (num_tokens - 1) // block_size blocks: the last token is always recomputed so
-        the step produces logits for it. None for a request that wants its prompt's logprobs
+        the step produces logits for it. No hits for a request that wants its prompt's logprobs
         (vLLM's rule: its whole prompt is computed, so every position has logits).
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:

