@@ -1,7 +1,12 @@
-"""Small drivers shared by the scheduler tests."""
+"""Small drivers shared by the tests: scheduler drivers, and a subprocess runner for Triton
+kernels under the interpreter."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 from engine.core import Request, SamplingParams, Scheduler, SchedulerConfig
 
@@ -36,3 +41,15 @@ def step(s: Scheduler, token: int | dict = 7):
         if r.num_computed_tokens >= r.num_tokens:
             sampled[rid] = [token[rid] if isinstance(token, dict) else token]
     return out, s.update_from_output(out, sampled)
+
+
+def run_interpreted(call: str, marker: str, timeout: int = 600) -> None:
+    """Run `call` (Python source, e.g. "from tests.x import check; check()") in a subprocess with
+    TRITON_INTERPRET=1 (set before triton is imported, as the interpreter needs) and assert that it
+    succeeded and printed `marker`."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo)}
+    env.pop("SERVETWIN_ATTN_BACKEND", None)
+    proc = subprocess.run([sys.executable, "-c", call], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0 and marker in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]

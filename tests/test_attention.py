@@ -2,9 +2,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,8 +14,7 @@ from engine.attention import (  # noqa: E402
     kv_cache_bytes_per_block,
 )
 from engine.attention import reference  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import run_interpreted
 
 # (context_len, q_len) per sequence: decodes, a fresh prefill, prefill chunks on cached context
 # (prefix hit / chunked prefill), chunks that start and end mid-block and on block boundaries.
@@ -162,10 +158,4 @@ def triton_check() -> None:
 
 
 def test_triton_kernels_match_reference_interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    env.pop("SERVETWIN_ATTN_BACKEND", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", "from tests.test_attention import triton_check; triton_check()"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0 and "TRITON_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_interpreted("from tests.test_attention import triton_check; triton_check()", "TRITON_OK", timeout=300)

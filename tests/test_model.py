@@ -1,11 +1,7 @@
 """Our paged, flattened-batch model vs transformers on the same weights (SmolLM2 and tiny random configs)."""
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +11,7 @@ import transformers  # noqa: E402  (make test installs it)
 from engine.attention import allocate_kv_cache, build_metadata, build_positions  # noqa: E402
 from engine.model.llama import LlamaForCausalLM, ModelConfig  # noqa: E402
 from engine.model.loader import build_random_model, load_model, resolve_model  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import run_interpreted
 
 
 class PagedDriver:
@@ -274,10 +269,4 @@ def triton_model_check() -> None:
 
 
 def test_tiny_model_with_triton_backend_interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    env.pop("SERVETWIN_ATTN_BACKEND", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", "from tests.test_model import triton_model_check; triton_model_check()"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0 and "TRITON_MODEL_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_interpreted("from tests.test_model import triton_model_check; triton_model_check()", "TRITON_MODEL_OK", timeout=300)

@@ -4,9 +4,6 @@ layer's output within 1e-5, logits within 1e-4 through chunked prefill and decod
 equal; the Triton grouped-GEMM experts against the torch ones under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -18,7 +15,8 @@ from engine.model.llama import LlamaForCausalLM, ModelConfig
 from engine.model.loader import build_random_model, load_model
 from engine.model.moe import fused_experts_torch, route
 from engine.sampler import SamplingParams
-from tests.test_model import REPO, TINY, PagedDriver, assert_logits_close, hf_logits
+from tests.test_model import TINY, PagedDriver, assert_logits_close, hf_logits
+from tests.helpers import run_interpreted
 
 FAMILIES = {
     # name: (config class, model class, config fields)
@@ -222,13 +220,7 @@ def triton_moe_check() -> None:
 
 
 def test_triton_grouped_gemm_experts_interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    env.pop("SERVETWIN_ATTN_BACKEND", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", "from tests.test_moe_engine import triton_moe_check; triton_moe_check()"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0 and "TRITON_MOE_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_interpreted("from tests.test_moe_engine import triton_moe_check; triton_moe_check()", "TRITON_MOE_OK", timeout=600)
 
 
 def test_dense_model_class_unchanged_for_llama():
