@@ -88,7 +88,8 @@ class RequestOutput:
     metrics: RequestRecord | None = None
     num_cached_tokens: int | None = None
     # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
-    # precedes it); complete in every output (they come after the prompt is processed)
+    # precedes it); complete in every output (they come after the prompt is processed); shared
+    # between a request's outputs, never changed once handed out
     prompt_logprobs: list[Logprob | None] | None = None
 
 
@@ -341,7 +342,7 @@ class LLMEngine:
         return RequestOutput(request_id, live.prompt, live.prompt_token_ids,
                              [CompletionOutput(0, live.detok.get_text(True), list(live.output_token_ids),
                                                "abort", None, _copy(live.logprobs))],
-                             True, live.record, live.record.num_cached_tokens, _copy(live.prompt_logprobs))
+                             True, live.record, live.record.num_cached_tokens, live.prompt_logprobs)
 
     def _add(self, request_id: str, text: str | None, ids: list[int], sp: SamplingParams,
              arrival_time: float | None = None, priority: int = 0) -> None:
@@ -487,8 +488,10 @@ class LLMEngine:
         for rid, (p0, entries) in self.runner.prompt_logprobs.items():
             live = live_map.get(rid)
             if live is not None and live.prompt_logprobs is not None:
-                try:
-                    live.prompt_logprobs[p0:p0 + len(entries)] = [self._logprob_entry(e) for e in entries]
+                try:  # a new list (outputs already handed out keep theirs): no copy per output
+                    updated = list(live.prompt_logprobs)
+                    updated[p0:p0 + len(entries)] = [self._logprob_entry(e) for e in entries]
+                    live.prompt_logprobs = updated
                 except Exception:  # finished with 'error' with its other outputs below
                     logger.exception("request %s: prompt logprobs failed", rid)
                     prompt_failed.add(rid)
@@ -525,7 +528,7 @@ class LLMEngine:
                 [CompletionOutput(0, text, list(live.output_token_ids), finish, stop_reason,
                                   _copy(live.logprobs))],
                 finish is not None, live.record, live.record.num_cached_tokens,
-                None if live.prompt_logprobs is None else list(live.prompt_logprobs)))
+                live.prompt_logprobs))
         t_end = perf()
         end_s = t_end - self._t0
         step = book.num_steps

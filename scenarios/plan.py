@@ -275,8 +275,6 @@ def prune_reason(data: dict, cand: dict, longest: int, base_dir=None) -> str | N
             width = f"tp={tp}" if dp == 1 else f"tp={tp} x data_parallel={dp}"
             return (f"{width} spans more than one node of {device.gpus_per_node} {device.name} GPUs; declare "
                     "deployment.interconnect to plan it")
-        if dp > 1 and not model.is_moe:
-            return f"data_parallel={dp}: attention data parallelism is for mixtures of experts ({model.name} is dense)"
         m = memory_report(model, device, tp, util, bs, data_parallel=dp)
         if not m["fits"]:
             return (f"weights {m['weight_bytes_per_gpu'] / 1e9:.1f} GB per GPU at tp={tp} + reserve "

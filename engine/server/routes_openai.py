@@ -3,6 +3,7 @@ Server-Sent Events, and how one HTTP request's choices are written (Shape)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 from fastapi import FastAPI, Request
@@ -240,7 +241,6 @@ class Shape:
     @staticmethod
     def nothing_generated(c):
         """An echo-only choice's output: no text, tokens or logprobs of its own."""
-        import dataclasses
         return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
                                    finish_reason=c.finish_reason and "length", stop_reason=None)
 
@@ -310,7 +310,6 @@ class Shape:
 
     def logprobs(self, entries, offset: int) -> dict:
         if self.tokens_as_ids:
-            import dataclasses
             entries = [dataclasses.replace(e, token=self._tok(e.token_id, e.token),
                                            top=[(t, self._tok(t, s), v) for t, s, v in e.top]) for e in entries]
         if self.chat:
