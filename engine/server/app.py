@@ -1,9 +1,11 @@
 """OpenAI-compatible HTTP server over the real engine (FastAPI + uvicorn), a drop-in for vLLM's.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (chat template), POST /invocations
+Endpoints: POST /v1/completions, POST /v1/chat/completions (chat template), POST
+/v1/chat/completions/batch (vLLM's: several conversations, one response), POST /invocations
 (either, by the body), GET /v1/models and /v1/models/{id}, POST /tokenize and /detokenize, GET
 /version, GET|POST /ping, GET /health, POST /reset_prefix_cache, GET /metrics (Prometheus, vLLM's
-names), GET /openapi.json (request bodies documented: engine/server/openapi.py). Errors, 404 and
+names), GET /openapi.json (OpenAPI 3.1: every request body and every response, errors and
+streamed chunks included: engine/server/openapi.py, engine/server/responses.py). Errors, 404 and
 405 included, are OpenAI-format JSON.
 
 Completions take one prompt or several (text or token ids), `n` choices each, `echo`, `logprobs`

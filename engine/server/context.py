@@ -148,7 +148,13 @@ class ServerContext:
         if self.log is not None:
             self.log.close()
 
-    async def read_json(self, request: Request) -> dict:
+    async def read_optional_json(self, request: Request) -> dict:
+        """The body of an endpoint that needs none: nothing, or a JSON object (else a 400)."""
+        if request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers:
+            return {}
+        return await self.read_json(request, allow_empty=True)
+
+    async def read_json(self, request: Request, allow_empty: bool = False) -> dict:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > self.max_body_bytes:
             raise APIError(413, f"body: {int(size)} bytes exceeds the server's limit of "
@@ -160,7 +166,10 @@ class ServerContext:
                 raise APIError(413, f"body: more than the server's limit of {self.max_body_bytes} bytes",
                                "body")
             chunks.append(chunk)
-        body = loads(b"".join(chunks))
+        raw = b"".join(chunks)
+        if allow_empty and not raw.strip():
+            return {}
+        body = loads(raw)
         if not isinstance(body, dict):
             raise APIError(400, f"body: must be a JSON object, got {type(body).__name__}", "body")
         check_json_values(body)
@@ -222,7 +231,10 @@ class ServerContext:
             return f"{prefix}-{given}"
         return new_id(prefix)
 
-    def check_capacity(self, kids: list[Child]) -> None:
+    def check_capacity(self, kids: list[Child], field: str = "n") -> None:
+        if len(kids) > self.max_waiting:  # could never be queued: the request's fault, not load
+            raise APIError(400, f"{field}: the request's {len(kids)} sequences exceed the server's "
+                                f"max_waiting={self.max_waiting}", field)
         if not self.aeng.alive:
             raise APIError(503, f"engine is not running: {self.aeng.error!r}", None, type="server_error",
                            headers={"Retry-After": "1"})

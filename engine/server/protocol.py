@@ -13,13 +13,27 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 
 from engine.core.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 
 I64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
 MAX_JSON_DEPTH = 32
 MAX_N = 128
+
+# Fields checked by hand (to name the bad element), documented in /openapi.json as they are checked.
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+StopField = Annotated[Any, WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
+                                                     {"type": "null"}], "default": None})]
+PromptField = Annotated[Any, WithJsonSchema({
+    "anyOf": [{"type": "string"}, _TOKEN_IDS,
+              {"type": "array", "minItems": 1, "items": {"anyOf": [{"type": "string"}, _TOKEN_IDS]}}],
+    "description": "a text, a list of token ids, or a list of either (one completion each)"})]
+ContentField = Annotated[Any, WithJsonSchema({
+    "anyOf": [{"type": "string"}, {"type": "null"},
+              {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                          "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}],
+    "default": None, "description": "a text, or a list of text parts"})]
 
 
 class APIError(Exception):
@@ -143,27 +157,28 @@ class StreamOptions(_Strict):
 
 class _Common(_Strict):
     model: str | None = None
-    max_tokens: I64 | None = None
-    max_completion_tokens: I64 | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: I64 | None = None
+    max_tokens: I64 | None = Field(None, json_schema_extra={"minimum": 0})
+    max_completion_tokens: I64 | None = Field(None, json_schema_extra={"minimum": 1})
+    temperature: float | None = Field(None, json_schema_extra={"minimum": 0})
+    top_p: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
+    top_k: I64 | None = Field(None, json_schema_extra={"minimum": -1})
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     best_of: I64 | None = None
-    stop: Any = None                  # str | list[str] | None, checked in stop_strings()
-    stop_token_ids: list[I64] | None = None
+    stop: StopField = None            # str | list[str] | None, checked in stop_strings()
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=(1 << 63) - 1)]] | None = None
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: I64 = 0
+    presence_penalty: float | None = Field(None, json_schema_extra={"minimum": -2, "maximum": 2})
+    frequency_penalty: float | None = Field(None, json_schema_extra={"minimum": -2, "maximum": 2})
+    repetition_penalty: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0})
+    min_tokens: Annotated[int, Field(ge=0, le=(1 << 63) - 1)] = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: I64 = 0
-    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's JSON) -> bias
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})  # token id (as a string, as OpenAI's JSON) -> bias
     # vLLM's extension: each prompt token's logprob and this many alternatives (choice.prompt_logprobs)
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # vLLM's extensions: the prompt's and the output's token ids in the response; logprob tokens
@@ -231,8 +246,15 @@ class _Common(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _required(js: dict, name: str) -> None:
+    """Document a field as required that the model checks itself (to answer "NAME: required")."""
+    js["required"] = sorted({*js.get("required", ()), name})
+    js["properties"][name].pop("default", None)
+
+
 class CompletionRequest(_Common):
-    prompt: Any = None                # str | list[int] | list[str] | list[list[int]], see prompts()
+    model_config = ConfigDict(json_schema_extra=lambda js: _required(js, "prompt"))
+    prompt: PromptField = None        # str | list[int] | list[str] | list[list[int]], see prompts()
     echo: bool | None = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     default_max_tokens: ClassVar[int | None] = 16  # OpenAI's and vLLM's completions (chat has none)
@@ -283,7 +305,7 @@ class CompletionRequest(_Common):
 
 class ChatMessage(_Strict):
     role: Annotated[str, Field(min_length=1)]  # any role the chat template takes (vLLM: custom roles)
-    content: Any = None               # str | list of content parts | None, see text()
+    content: ContentField = None      # str | list of content parts | None, see text()
     name: str | None = None
 
     def text(self, where: str) -> str:
@@ -312,8 +334,7 @@ class ChatMessage(_Strict):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
+class _ChatFields(_Common):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
@@ -322,17 +343,57 @@ class ChatCompletionRequest(_Common):
     # reply's role (assistant), e.g. a message being continued
     echo: bool | None = False
 
-    def echo_text(self) -> str | None:
-        if not self.echo or self.messages[-1].role != "assistant":
+    def conversations(self) -> list[list[ChatMessage]]:
+        raise NotImplementedError
+
+    def _where(self, k: int) -> str:
+        return "messages"
+
+    def echo_texts(self) -> list[str] | None:
+        """Each conversation's echo (its last message's text when that is the assistant's, else
+        ""), or None without echo or when no conversation ends with the assistant."""
+        if not self.echo:
             return None
-        return self.messages[-1].text(f"messages[{len(self.messages) - 1}]")
+        out = []
+        for k, msgs in enumerate(self.conversations()):
+            last = msgs[-1]
+            out.append(last.text(f"{self._where(k)}[{len(msgs) - 1}]") if last.role == "assistant" else "")
+        return out if any(m[-1].role == "assistant" for m in self.conversations()) else None
+
+    def chat_turns(self) -> list[list[dict]]:
+        """Each conversation as the chat template takes it ({role, content} dicts)."""
+        out = []
+        for k, msgs in enumerate(self.conversations()):
+            where = self._where(k)
+            for i, m in enumerate(msgs):
+                if m.model_extra and m.model_extra.get("tool_calls"):
+                    raise APIError(400, f"{where}[{i}].tool_calls: not supported by this server",
+                                   f"{where}[{i}].tool_calls")
+            out.append([{"role": m.role, "content": m.text(f"{where}[{i}]")} for i, m in enumerate(msgs)])
+        return out
+
+
+class ChatCompletionRequest(_ChatFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+    def conversations(self) -> list[list[ChatMessage]]:
+        return [self.messages]
 
     def conversation(self) -> list[dict]:
-        for i, m in enumerate(self.messages):
-            if m.model_extra and m.model_extra.get("tool_calls"):
-                raise APIError(400, f"messages[{i}].tool_calls: not supported by this server",
-                               f"messages[{i}].tool_calls")
-        return [{"role": m.role, "content": m.text(f"messages[{i}]")} for i, m in enumerate(self.messages)]
+        return self.chat_turns()[0]
+
+
+class BatchChatCompletionRequest(_ChatFields):
+    """vLLM's /v1/chat/completions/batch: several conversations in one request, answered as one
+    chat completion whose choices follow the conversations (conversation k's j-th sample is
+    choice k * n + j). Not streamed."""
+    messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] = Field(min_length=1)
+
+    def conversations(self) -> list[list[ChatMessage]]:
+        return self.messages
+
+    def _where(self, k: int) -> str:
+        return f"messages[{k}]"
 
 
 class TokenizeRequest(_Strict):

@@ -22,9 +22,14 @@ def add_misc_routes(app: FastAPI, ctx: ServerContext) -> None:
             return JSONResponse({"status": "error", "error": repr(aeng.error)}, status_code=503)
         return {"status": "ok"}
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
     async def ping():
         return Response(status_code=200 if aeng.alive else 503)
+
+    @app.post("/ping")
+    async def ping_post(request: Request):
+        await ctx.read_optional_json(request)  # none needed; anything but a JSON object is a 400
+        return await ping()
 
     @app.get("/version")
     async def version():
@@ -50,7 +55,8 @@ def add_misc_routes(app: FastAPI, ctx: ServerContext) -> None:
         return model_card(model_id)
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
+    async def reset_prefix_cache(request: Request):
+        await ctx.read_optional_json(request)
         ok = await aeng.call(lambda eng: eng.reset_prefix_cache())
         if not ok:
             raise APIError(409, "the prefix cache cannot be reset while requests hold KV blocks; "

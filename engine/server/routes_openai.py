@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.server.async_engine import Child, EngineDead, RequestFailed
 from engine.server.context import ServerContext, _apply_template, _encode, _field_of
-from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, now_s, usage
+from engine.server.protocol import APIError, BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest, now_s, usage
 from engine.server.receipt import received_elapsed_s
 
 
@@ -55,24 +55,35 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def chat(request: Request):
         return await _chat(request)
 
-    async def _chat(request: Request, body: dict | None = None):
+    async def _chat(request: Request, body: dict | None = None, batch: bool = False):
         arrival = engine.now() - received_elapsed_s(request.scope)
-        req = await parse(request, ChatCompletionRequest, body)
+        req = await parse(request, BatchChatCompletionRequest if batch else ChatCompletionRequest, body)
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, f"model={req.model!r} has no chat template", "model")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
-        conv = req.conversation()
-        check_chars("".join(m["content"] for m in conv), "messages")
+        if batch and req.stream:
+            raise APIError(400, "stream: a batch of conversations is not streamed", "stream")
+        if batch and req.return_token_ids:
+            raise APIError(400, "return_token_ids: not supported for a batch of conversations", "return_token_ids")
+        convs = req.chat_turns()
+        for k, conv in enumerate(convs):
+            check_chars("".join(m["content"] for m in conv), f"messages[{k}]" if batch else "messages")
         try:
-            text, ids = await pool.run(_apply_template, conv, req.add_generation_prompt,
-                                       req.continue_final_message)
-        except Exception as e:  # the template refused the conversation (e.g. role order)
+            templated = await pool.run(lambda tok: [_apply_template(tok, conv, req.add_generation_prompt,
+                                                                     req.continue_final_message)
+                                                    for conv in convs])
+        except Exception as e:  # the template refused a conversation (e.g. role order)
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
         rid = request_id(request, "chatcmpl")
-        kids = children(req, rid, [(text, ids)], (req.top_logprobs or 0) if req.logprobs else None)
-        echo = req.echo_text()
-        return await respond(request, req, rid, kids, arrival, chat=True, echo=None if echo is None else [echo])
+        kids = children(req, rid, templated, (req.top_logprobs or 0) if req.logprobs else None)
+        return await respond(request, req, rid, kids, arrival, chat=True, echo=req.echo_texts())
+
+    @app.post("/v1/chat/completions/batch")
+    async def chat_batch(request: Request):
+        """vLLM's batch of conversations: `messages` is a list of conversations; one chat
+        completion answers them all, choice k * n + j for conversation k's j-th sample."""
+        return await _chat(request, batch=True)
 
     @app.post("/invocations")
     async def invocations(request: Request):
@@ -87,7 +98,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                       echo: list[str] | None = None, first_tokens: list[str] | None = None):
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
-        check_capacity(kids)
+        check_capacity(kids, "n" if req.n > 1 else "prompt" if not chat else "messages")
         try:
             group = aeng.submit(kids, arrival, stream=bool(req.stream))  # same event-loop turn as check_capacity(): counted at once
         except EngineDead as e:

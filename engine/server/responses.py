@@ -1,0 +1,206 @@
+"""The bodies this server answers with, as pydantic models: `/openapi.json` documents each
+endpoint's responses with them (engine.server.openapi), and tests check every answer against that
+document. The handlers build plain dicts (the streaming path writes them as they come); these
+models describe those dicts, field for field: a field the server sends and these do not list is
+an error (extra="forbid"), so the document cannot drift from the answers unnoticed.
+
+Nullable fields are present with null where OpenAI's schemas require them (a chat message's
+`refusal`, a choice's `logprobs`), as vLLM sends them. vLLM's extensions (prompt_logprobs,
+token ids, stop_reason) appear only when asked for or set."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ------------------------------------------------------------------ errors
+class ErrorDetail(_Body):
+    message: str
+    type: str = Field(description="invalid_request_error, server_error or server_overloaded_error")
+    param: str | None = Field(description="the request field at fault, e.g. messages[0].content")
+    code: str | None
+
+
+class ErrorResponse(_Body):
+    error: ErrorDetail
+
+
+# ------------------------------------------------------------------ shared parts
+class PromptTokensDetails(_Body):
+    cached_tokens: int = Field(description="prompt tokens served from the prefix cache")
+
+
+class Usage(_Body):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptLogprob(_Body):
+    """vLLM's prompt_logprobs entry: one token of a prompt position, with its rank."""
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# A choice's prompt_logprobs (vLLM): null for the first prompt token, then per position the prompt
+# token and the asked-for alternatives, keyed by token id (as a string).
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class _Extensions(_Body):
+    stop_reason: int | str | None = Field(None, description="the stop string or token id that ended the "
+                                                              "choice (vLLM); absent otherwise")
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="with prompt_logprobs (or echo with logprobs)")
+    token_ids: list[int] | None = Field(None, description="with return_token_ids: the generated token ids")
+
+
+# ------------------------------------------------------------------ completions
+class CompletionLogprobs(_Body):
+    tokens: list[str]
+    token_logprobs: list[float | None] = Field(description="null for an echoed prompt's first token")
+    top_logprobs: list[dict[str, float] | None] = Field(description="the sampled token and the asked-for "
+                                                                      "alternatives, per position")
+    text_offset: list[int]
+
+
+class CompletionChoice(_Extensions):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason
+    prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids")
+
+
+class Completion(_Body):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunkChoice(CompletionChoice):
+    finish_reason: FinishReason | None
+
+
+class CompletionChunk(_Body):
+    """One `data:` event of a streamed completion (the stream ends with `data: [DONE]`)."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = Field(None, description="with stream_options.include_usage: on the last chunk "
+                                                   "(and on every chunk with continuous_usage_stats)")
+
+
+# ------------------------------------------------------------------ chat
+class TopLogprob(_Body):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Body):
+    content: list[ChatTokenLogprob] | None
+
+
+class ChatMessageOut(_Body):
+    role: Literal["assistant"]
+    content: str | None
+    refusal: None = Field(description="always null: this server never refuses by policy")
+    tool_calls: list[dict] = Field(description="always empty: tools are not supported")
+
+
+class ChatChoice(_Extensions):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(_Body):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids (vLLM)")
+
+
+class ChatDelta(_Body):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Extensions):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(_Body):
+    """One `data:` event of a streamed chat completion (the stream ends with `data: [DONE]`)."""
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, description="with stream_options.include_usage: on the last chunk "
+                                                   "(and on every chunk with continuous_usage_stats)")
+
+
+# ------------------------------------------------------------------ models, tokenizer, health
+class ModelCard(_Body):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: int
+
+
+class ModelList(_Body):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Body):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeResponse(_Body):
+    prompt: str
+
+
+class Health(_Body):
+    status: Literal["ok"]
+
+
+class HealthError(_Body):
+    status: Literal["error"]
+    error: str
+
+
+class Version(_Body):
+    version: str
