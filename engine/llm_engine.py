@@ -310,6 +310,10 @@ class LLMEngine:
         for t in sampling_params.logit_bias or {}:
             if t >= self.vocab_size:
                 raise ValueError(f"logit_bias: token id {t} is not in [0, {self.vocab_size})")
+        for t in sampling_params.allowed_token_ids or ():
+            if t >= self.vocab_size:
+                raise ValueError(f"allowed_token_ids: token id {t} is out of vocabulary (not in "
+                                 f"[0, {self.vocab_size}))")
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError(f"stop={sampling_params.stop!r}: stop strings need a tokenizer")
 

@@ -2,15 +2,17 @@
 
 The order follows vLLM V1's sampler:
 
-1. min_tokens: EOS and stop token ids get -inf while a request has fewer than min_tokens outputs;
-   then logit_bias: each request's per-token biases added;
+1. allowed_token_ids: every other token gets -inf; min_tokens: EOS and stop token ids get -inf
+   while a request has fewer than min_tokens outputs; then logit_bias: each request's per-token
+   biases added;
 2. penalties (OpenAI / vLLM semantics):
      repetition  r over prompt + output tokens: logit / r if logit > 0 else logit * r
      frequency   f over output tokens:          logit - f * count(token in output)
      presence    p over output tokens:          logit - p * (token in output)
 3. greedy rows (temperature 0): argmax of the penalised logits;
-4. the others: logits / temperature, then top-k (ties with the k-th value kept) and top-p (the
-   smallest prefix of the sorted distribution whose mass reaches p, at least one token), then a
+4. the others: logits / temperature, then min_p (tokens below min_p x the top probability
+   dropped), top-k (ties with the k-th value kept) and top-p (the smallest prefix of the sorted
+   distribution whose mass reaches p, at least one token), then a
    draw by the exponential race `argmax(probs / Exp(1))`, which samples from `probs`.
 
 A request with a `seed` draws its Exp(1) noise from its own torch.Generator, one row at a time, so
@@ -92,6 +94,27 @@ def is_greedy(sp: SamplingParams) -> bool:
 
 def has_penalties(sp: SamplingParams) -> bool:
     return sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
+
+
+def apply_allowed_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place: -inf on every token outside a row's allowed_token_ids (ids past the vocabulary,
+    which the engine refuses, are ignored here)."""
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        allowed = row.sampling_params.allowed_token_ids
+        if allowed:
+            keep = torch.tensor([t for t in allowed if t < vocab], dtype=torch.int64, device=logits.device)
+            mask = torch.ones(vocab, dtype=torch.bool, device=logits.device)
+            mask[keep] = False
+            logits[i].masked_fill_(mask, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (with -inf) each row's tokens whose probability is below min_p[row] x the row's top
+    probability (min_p: float [N], 0 = off). Returns a new tensor."""
+    probs = logits.softmax(dim=-1)
+    floor = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < floor, float("-inf"))
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -248,6 +271,7 @@ class Sampler:
             raise ValueError(f"sampler: {logits.shape[0]} logit rows for {n} requests")
         if n == 0:
             return []
+        apply_allowed_tokens(logits, rows)
         apply_min_tokens(logits, rows)
         apply_logit_bias(logits, rows)
         apply_penalties(logits, rows)
@@ -262,6 +286,9 @@ class Sampler:
         lg = logits[rand_t] if len(rand) < n else logits
         temp = torch.tensor([r.sampling_params.temperature for r in sel], dtype=lg.dtype, device=dev)
         lg = lg / temp[:, None]
+        mps = [r.sampling_params.min_p for r in sel]
+        if any(mps):
+            lg = apply_min_p(lg, torch.tensor(mps, dtype=lg.dtype, device=dev))
         vocab = lg.shape[1]
         ks = [r.sampling_params.top_k for r in sel]
         ps = [r.sampling_params.top_p for r in sel]

@@ -206,3 +206,33 @@ def test_logit_bias_adds_to_the_logits_before_sampling():
         SamplingParams(logit_bias={1: 150.0})
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={-1: 1.0})
+
+
+def test_min_p_keeps_tokens_above_a_share_of_the_top_probability():
+    # after temperature 1: probabilities 0.5, 0.3, 0.15, 0.05; min_p 0.25 -> floor 0.125 keeps the
+    # first three, renormalised to 0.5/0.95, 0.3/0.95, 0.15/0.95
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    sampler = Sampler(make_generator(1))
+    draws = sampler(probs.log().repeat(6000, 1), [Row(SamplingParams(temperature=1.0, min_p=0.25))] * 6000)
+    freq = torch.bincount(torch.tensor(draws), minlength=4).float() / 6000
+    assert freq[3] == 0
+    assert torch.allclose(freq[:3], probs[:3] / 0.95, atol=0.03), freq
+    # min_p 1: only the most likely token survives, whatever the temperature
+    got = sampler(torch.randn(50, 40, generator=torch.Generator().manual_seed(3)) * 0.1,
+                  [Row(SamplingParams(temperature=5.0, min_p=1.0))] * 50)
+    assert got == [int(x) for x in (torch.randn(50, 40, generator=torch.Generator().manual_seed(3)) * 0.1).argmax(-1)]
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5)
+
+
+def test_allowed_token_ids_restrict_every_draw():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(300, 50, generator=g)
+    allowed = [3, 17, 41]
+    sampler = Sampler(make_generator(2))
+    got = sampler(logits.clone(), [Row(SamplingParams(temperature=1.0, allowed_token_ids=allowed))] * 300)
+    assert set(got) == set(allowed)  # each drawn, nothing else
+    greedy = sampler(logits.clone()[:5], [Row(SamplingParams(temperature=0, allowed_token_ids=allowed))] * 5)
+    assert greedy == [allowed[int(r[allowed].argmax())] for r in logits[:5]]
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])

@@ -461,3 +461,42 @@ def test_vllm_extensions_token_ids_invocations_roles_and_chat_echo(served):
                                                      {"role": "assistant", "content": "1, 2,"}]}, timeout=60).json()
     assert r["choices"][0]["message"]["content"].startswith("1, 2,")
     assert len(r["choices"][0]["message"]["content"]) > len("1, 2,")
+
+
+def test_vllm_sampling_extensions_reach_the_sampler(served):
+    """min_p, allowed_token_ids, truncate_prompt_tokens and chat_template_kwargs as vLLM's clients
+    send them: each changes what is generated, none is silently ignored."""
+    url = served["url"]
+    tok = served["engine"].tokenizer
+
+    def comp(**kw):
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "The capital of France is",
+                                                      "max_tokens": 6, **kw}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    # min_p 1 keeps only the most likely token: sampling at any temperature gives the greedy text
+    greedy = comp(temperature=0)["choices"][0]["text"]
+    assert all(comp(temperature=1.5, min_p=1.0, seed=s)["choices"][0]["text"] == greedy for s in (1, 2, 3))
+    # allowed_token_ids: every generated token is one of them
+    allowed = tok(" yes no maybe", add_special_tokens=False).input_ids
+    out = comp(temperature=1.0, seed=4, allowed_token_ids=allowed, return_token_ids=True, ignore_eos=True)
+    assert out["choices"][0]["token_ids"] and set(out["choices"][0]["token_ids"]) <= set(allowed)
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "allowed_token_ids": [10 ** 7]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"
+    assert "out of vocabulary" in r.json()["error"]["message"]
+    # truncate_prompt_tokens: the prompt is its last k tokens (the usage counts them)
+    full = comp(temperature=0, max_tokens=1)["usage"]["prompt_tokens"]
+    assert full > 3 and comp(temperature=0, max_tokens=1, truncate_prompt_tokens=3)["usage"]["prompt_tokens"] == 3
+    # chat_template_kwargs reach the template (an unused variable is harmless); the server's own
+    # template arguments cannot be overridden; bad_words is refused, not ignored
+    chat = {"model": MODEL, "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}
+    base = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).json()
+    same = httpx.post(url + "/v1/chat/completions", json={**chat, "chat_template_kwargs": {"enable_thinking": False}},
+                      timeout=60).json()
+    assert same["usage"]["prompt_tokens"] == base["usage"]["prompt_tokens"]
+    assert same["choices"][0]["message"] == base["choices"][0]["message"]
+    for body, field in (({"chat_template_kwargs": {"add_generation_prompt": False}},
+                         "chat_template_kwargs.add_generation_prompt"), ({"bad_words": ["Paris"]}, "bad_words")):
+        r = httpx.post(url + "/v1/chat/completions", json={**chat, **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

@@ -129,12 +129,22 @@ def test_body_limit_and_length_check_refuse_before_tokenizing(srv):
     assert r.status_code == 400 and "characters cannot fit" in r.json()["error"]["message"]
 
 
-def test_seeds_use_all_64_bits(srv):
+def test_seeds_take_vllm_s_signed_64_bits(srv):
     def text(seed):
         return complete(srv, prompt="Once upon a time", temperature=1.0, max_tokens=12, seed=seed)["choices"][0]["text"]
     assert text(5) == text(5)
     assert text(5) != text(5 + 2 ** 32)
-    assert text(2 ** 64 - 1) == text(2 ** 64 - 1)
+    assert text(2 ** 63 - 1) == text(2 ** 63 - 1) and text(-2 ** 63) == text(-2 ** 63)
+    # one beyond torch.long either way: a 400 naming the field, the limit and pydantic's error type
+    for seed, kind in ((2 ** 63, "less_than_equal"), (-2 ** 63 - 1, "greater_than_equal")):
+        r = post(srv, "/v1/chat/completions", {"model": MODEL, "seed": seed, "max_tokens": 2,
+                                               "messages": [{"role": "user", "content": "hi"}]})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "seed" and kind in err["message"], err
+        assert str(2 ** 63 - 1 if seed > 0 else -2 ** 63) in err["message"]
+    # an out-of-vocabulary prompt token: named as vLLM names it
+    r = post(srv, "/v1/completions", {"model": MODEL, "prompt": [1, 10 ** 7], "max_tokens": 2})
+    assert r.status_code == 400 and "out of vocabulary" in r.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------- compatibility

@@ -19,6 +19,9 @@ class SamplingParams:
     log-probability (0 = the sampled token's only), at most MAX_LOGPROBS. Log-probabilities are
     those of the model's raw distribution, before penalties, temperature and top-k/top-p (vLLM's
     default "raw_logprobs").
+    `min_p` (vLLM): after temperature, tokens less likely than min_p x the most likely token's
+    probability are dropped (0 disables it).
+    `allowed_token_ids` (vLLM): only these tokens may be sampled (every other logit -inf first).
     `logit_bias`: token id -> a bias in [-100, 100] added to that token's logit before sampling
     (after the min_tokens mask, before penalties, as vLLM's logits processors run); log-probabilities
     stay those of the raw distribution.
@@ -33,6 +36,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -43,6 +47,7 @@ class SamplingParams:
     # raw distribution at the position before it; the first prompt token has none). As in vLLM,
     # such a request reads nothing from the prefix cache: its whole prompt is computed.
     prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +74,11 @@ class SamplingParams:
             bad("top_p", "must be in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < -1:
             bad("top_k", "must be an integer >= 1, or 0/-1 to disable")
+        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1] (0 disables it)")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be a non-empty list of token ids (integers >= 0), or None")
         if not _is_num(self.presence_penalty) or not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", "must be in [-2, 2]")
         if not _is_num(self.frequency_penalty) or not -2.0 <= self.frequency_penalty <= 2.0:

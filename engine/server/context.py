@@ -108,11 +108,12 @@ def _encode(tok, text: str, special: bool) -> list[int]:
     return list(tok(text, add_special_tokens=special).input_ids)
 
 
-def _apply_template(tok, conv: list[dict], add_generation_prompt: bool, continue_final: bool) -> tuple[str, list[int]]:
+def _apply_template(tok, conv: list[dict], add_generation_prompt: bool, continue_final: bool,
+                    template_kwargs: dict | None = None, add_special_tokens: bool = False) -> tuple[str, list[int]]:
     kw = {"continue_final_message": True} if continue_final else {}
     text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt and not continue_final,
-                                   tokenize=False, **kw)
-    return text, _encode(tok, text, False)
+                                   tokenize=False, **kw, **(template_kwargs or {}))
+    return text, _encode(tok, text, add_special_tokens)
 
 
 class ServerContext:
@@ -213,6 +214,8 @@ class ServerContext:
                  logprobs: int | None) -> list[Child]:
         out = []
         biases = req.token_biases(self.vocab_size)
+        req.check_allowed_ids(self.vocab_size)
+        prompts = [(text, req.truncated(ids, self.max_model_len)) for text, ids in prompts]
         many = len(prompts) * req.n > 1
         for p, (text, ids) in enumerate(prompts):
             field = f"prompt[{p}]" if len(prompts) > 1 else "prompt"

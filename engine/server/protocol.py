@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 
-from engine.core.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 I64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
 MAX_JSON_DEPTH = 32
@@ -126,6 +126,11 @@ UNSUPPORTED = {
     "skip_special_tokens": _off(None, True),
     "use_beam_search": _off(None, False),
     "logits_processors": _off(None, []),
+    "bad_words": _off(None, []),
+    "documents": _off(None, []),
+    "chat_template": _off(None),
+    "prompt_embeds": _off(None),
+    "length_penalty": _off(None, 1.0, 1),
 }
 
 
@@ -162,11 +167,16 @@ class _Common(_Strict):
     temperature: float | None = Field(None, json_schema_extra={"minimum": 0})
     top_p: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
     top_k: I64 | None = Field(None, json_schema_extra={"minimum": -1})
+    min_p: float | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 1})  # vLLM's
+    # vLLM's extensions: only these tokens may be sampled; the prompt cut to its last k tokens
+    # (-1: to max_model_len)
+    allowed_token_ids: list[Annotated[int, Field(ge=0, le=(1 << 63) - 1)]] | None = Field(None, min_length=1)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=(1 << 63) - 1)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     best_of: I64 | None = None
     stop: StopField = None            # str | list[str] | None, checked in stop_strings()
     stop_token_ids: list[Annotated[int, Field(ge=0, le=(1 << 63) - 1)]] | None = None
-    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    seed: I64 | None = None           # vLLM's range: a signed 64-bit integer (torch.long)
     presence_penalty: float | None = Field(None, json_schema_extra={"minimum": -2, "maximum": 2})
     frequency_penalty: float | None = Field(None, json_schema_extra={"minimum": -2, "maximum": 2})
     repetition_penalty: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0})
@@ -209,9 +219,25 @@ class _Common(_Strict):
             except ValueError:
                 raise APIError(400, f"logit_bias: key {_short(k)} is not a token id", "logit_bias") from None
             if not 0 <= t < vocab_size:
-                raise APIError(400, f"logit_bias: token id {t} is not in [0, {vocab_size})", "logit_bias")
+                raise APIError(400, f"logit_bias: token id {t} is out of vocabulary (not in [0, {vocab_size}))",
+                               "logit_bias")
             out[t] = v
         return out
+
+    def check_allowed_ids(self, vocab_size: int) -> None:
+        """allowed_token_ids within the vocabulary, or a 400 naming it."""
+        bad = [t for t in self.allowed_token_ids or () if t >= vocab_size]
+        if bad:
+            raise APIError(400, f"allowed_token_ids: token id {bad[0]} is out of vocabulary (not in "
+                                f"[0, {vocab_size}))", "allowed_token_ids")
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's ids cut to their last truncate_prompt_tokens (-1: max_model_len), as vLLM."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        k = max_model_len if k == -1 else k
+        return ids[-k:] if k and len(ids) > k else ids
 
     def wanted_prompt_logprobs(self) -> int | None:
         """How many alternatives each prompt token's logprob comes with, or None (not asked)."""
@@ -231,7 +257,8 @@ class _Common(_Strict):
                 seed=seed, presence_penalty=d(self.presence_penalty, 0.0),
                 frequency_penalty=d(self.frequency_penalty, 0.0),
                 repetition_penalty=d(self.repetition_penalty, 1.0), logprobs=logprobs, logit_bias=logit_bias,
-                prompt_logprobs=self.wanted_prompt_logprobs())
+                prompt_logprobs=self.wanted_prompt_logprobs(), min_p=d(self.min_p, 0.0),
+                allowed_token_ids=self.allowed_token_ids)
         except ValueError as e:
             msg = str(e)
             field = msg.split("SamplingParams.", 1)[-1].split("=", 1)[0] if "SamplingParams." in msg else None
@@ -342,6 +369,20 @@ class _ChatFields(_Common):
     # vLLM's extension: the reply starts with the last message's text when that message has the
     # reply's role (assistant), e.g. a message being continued
     echo: bool | None = False
+    # vLLM's: extra variables for the chat template (e.g. enable_thinking), and whether the
+    # templated text gets the tokenizer's special tokens too (the template writes its own)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
+
+    def template_kwargs(self) -> dict:
+        """chat_template_kwargs, without the names the server sets itself (a 400 naming one)."""
+        kw = dict(self.chat_template_kwargs or {})
+        for name in ("conversation", "messages", "add_generation_prompt", "continue_final_message",
+                     "tokenize", "chat_template", "tools", "documents"):
+            if name in kw:
+                raise APIError(400, f"chat_template_kwargs.{name}: set by the server (or not supported)",
+                               f"chat_template_kwargs.{name}")
+        return kw
 
     def conversations(self) -> list[list[ChatMessage]]:
         raise NotImplementedError
@@ -417,8 +458,9 @@ def validate_model(cls, body: dict):
     except ValidationError as err:
         first = err.errors()[0]
         field = path_name(first.get("loc", ()))
-        raise APIError(400, f"{field}={_short(first.get('input'))}: {first.get('msg', 'invalid')}",
-                       field) from None
+        # vLLM's messages carry pydantic's error type (clients and vLLM's tests match on it)
+        raise APIError(400, f"{field}={_short(first.get('input'))}: {first.get('msg', 'invalid')} "
+                            f"[type={first.get('type', 'invalid')}]", field) from None
 
 
 def _is_int(x) -> bool:
@@ -428,7 +470,7 @@ def _is_int(x) -> bool:
 def _token_ids(ids: list, vocab_size: int, name: str) -> list[int]:
     for t in ids:
         if not 0 <= t < vocab_size:
-            raise APIError(400, f"{name}: token id {t} is not in [0, {vocab_size})", name)
+            raise APIError(400, f"{name}: token id {t} is out of vocabulary (not in [0, {vocab_size}))", name)
     return list(ids)
 
 

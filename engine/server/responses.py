@@ -117,6 +117,7 @@ class ChatTokenLogprob(TopLogprob):
 
 class ChatLogprobs(_Body):
     content: list[ChatTokenLogprob] | None
+    refusal: None = Field(description="always null (OpenAI's schema requires the field)")
 
 
 class ChatMessageOut(_Body):

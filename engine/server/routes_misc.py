@@ -93,5 +93,6 @@ def add_misc_routes(app: FastAPI, ctx: ServerContext) -> None:
             raise APIError(400, "tokens: this model has no tokenizer", "tokens")
         bad = [t for t in req.tokens if not 0 <= t < vocab_size]
         if bad:
-            raise APIError(400, f"tokens: token id {bad[0]} is not in [0, {vocab_size})", "tokens")
+            raise APIError(400, f"tokens: token id {bad[0]} is out of vocabulary (not in [0, {vocab_size}))",
+                           "tokens")
         return {"prompt": await pool.run(lambda tok: tok.decode(req.tokens))}

@@ -70,9 +70,13 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         for k, conv in enumerate(convs):
             check_chars("".join(m["content"] for m in conv), f"messages[{k}]" if batch else "messages")
         try:
+            kw = req.template_kwargs()
             templated = await pool.run(lambda tok: [_apply_template(tok, conv, req.add_generation_prompt,
-                                                                     req.continue_final_message)
+                                                                     req.continue_final_message, kw,
+                                                                     req.add_special_tokens)
                                                     for conv in convs])
+        except APIError:
+            raise
         except Exception as e:  # the template refused a conversation (e.g. role order)
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
         rid = request_id(request, "chatcmpl")
@@ -326,7 +330,7 @@ class Shape:
         if self.chat:
             return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
                                  "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())}
-                                                  for _, s, v in e.top]} for e in entries]}
+                                                  for _, s, v in e.top]} for e in entries], "refusal": None}
         offsets = []
         for e in entries:
             offsets.append(offset)
