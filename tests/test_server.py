@@ -500,3 +500,20 @@ def test_vllm_sampling_extensions_reach_the_sampler(served):
                          "chat_template_kwargs.add_generation_prompt"), ({"bad_words": ["Paris"]}, "bad_words")):
         r = httpx.post(url + "/v1/chat/completions", json={**chat, **body}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_tokenize_a_conversation_as_the_tokenizer_templates_it(served):
+    """/tokenize with messages gives the ids of transformers' own apply_chat_template for every
+    combination vLLM's tokenization tests try; both flags together are a 400, as in chat."""
+    url, tok = served["url"], served["engine"].tokenizer
+    conv = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Nice to meet"}]
+    for gen, cont, special in ((True, False, False), (False, False, True), (False, True, False), (False, True, True)):
+        text = tok.apply_chat_template(conv, add_generation_prompt=gen, continue_final_message=cont, tokenize=False)
+        want = tok(text, add_special_tokens=special).input_ids
+        r = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": conv, "add_generation_prompt": gen,
+                                                "continue_final_message": cont, "add_special_tokens": special})
+        assert r.status_code == 200 and r.json()["tokens"] == want, (gen, cont, special, r.text)
+    for path, body in (("/tokenize", {"messages": conv, "continue_final_message": True}),
+                       ("/v1/chat/completions", {"messages": conv, "continue_final_message": True, "max_tokens": 2})):
+        r = httpx.post(url + path, json={"model": MODEL, **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text

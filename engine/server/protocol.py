@@ -438,12 +438,20 @@ class BatchChatCompletionRequest(_ChatFields):
 
 
 class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt (special tokens added unless add_special_tokens is false) or a
+    conversation through the chat template (with add_generation_prompt / continue_final_message
+    / chat_template_kwargs as chat takes them; special tokens only with add_special_tokens)."""
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+
+    def template_kwargs(self) -> dict:
+        return _ChatFields.template_kwargs(self)
 
 
 class DetokenizeRequest(_Strict):

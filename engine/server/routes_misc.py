@@ -77,8 +77,13 @@ def add_misc_routes(app: FastAPI, ctx: ServerContext) -> None:
         else:
             conv = [{"role": m.role, "content": m.text(f"messages[{i}]")} for i, m in enumerate(req.messages)]
             check_chars("".join(m["content"] for m in conv), "messages")
+            if req.add_generation_prompt and req.continue_final_message:
+                raise APIError(400, "continue_final_message: not with add_generation_prompt=true",
+                               "continue_final_message")
+            kw = req.template_kwargs()
             try:
-                _, ids = await pool.run(_apply_template, conv, req.add_generation_prompt, False)
+                _, ids = await pool.run(_apply_template, conv, req.add_generation_prompt, req.continue_final_message,
+                                        kw, bool(req.add_special_tokens))
             except Exception as e:  # the template refused the conversation
                 raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
         strs = await pool.run(lambda tok: tok.convert_ids_to_tokens(ids)) if req.return_token_strs else None

@@ -62,6 +62,9 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
             raise APIError(400, f"model={req.model!r} has no chat template", "model")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
+        if req.add_generation_prompt and req.continue_final_message:  # vLLM's rule
+            raise APIError(400, "continue_final_message: not with add_generation_prompt=true (set it false)",
+                           "continue_final_message")
         if batch and req.stream:
             raise APIError(400, "stream: a batch of conversations is not streamed", "stream")
         if batch and req.return_token_ids:
