@@ -219,6 +219,34 @@ def triton_moe_check() -> None:
     print("TRITON_MOE_OK")
 
 
+def test_align_block_size_pads_each_expert_run_without_host_sync():
+    """Invariants of the device-side padding (the outputs sized for the worst case): every pair
+    exactly once; each block holds one expert's pairs (or the sentinel) and names that expert;
+    each expert's run starts on a block boundary, in the order of the pairs; blocks past the
+    last run are -1 and hold only the sentinel."""
+    from engine.model.moe_triton import align_block_size
+    g = torch.Generator().manual_seed(1)
+    for t, e, k, bm in ((1, 128, 8, 16), (7, 8, 4, 16), (70, 6, 2, 16), (33, 5, 1, 4), (64, 4, 2, 8)):
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+        sorted_ids, block_expert = align_block_size(ids, e, bm)
+        pairs = t * k
+        assert sorted_ids.numel() == block_expert.numel() * bm >= pairs + e * (bm - 1)
+        real = sorted_ids[sorted_ids < pairs]
+        assert sorted(real.tolist()) == list(range(pairs))
+        flat = ids.reshape(-1)
+        used = sorted(set(flat.tolist()))
+        blocks = block_expert.tolist()
+        assert [b for b in blocks if b >= 0] == sorted(b for b in blocks if b >= 0)  # runs in expert order
+        assert blocks.count(-1) == len(blocks) - sum(-(-int((flat == x).sum()) // bm) for x in used)
+        for b, ex in enumerate(blocks):
+            rows = sorted_ids[b * bm:(b + 1) * bm]
+            rows = rows[rows < pairs]
+            if ex < 0:
+                assert rows.numel() == 0
+            else:
+                assert rows.numel() > 0 and (flat[rows] == ex).all() and rows.tolist() == sorted(rows.tolist())
+
+
 def test_triton_grouped_gemm_experts_interpreted():
     run_interpreted("from tests.test_moe_engine import triton_moe_check; triton_moe_check()", "TRITON_MOE_OK", timeout=600)
 

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.model.moe import sort_by_expert
 
 
 @triton.jit
@@ -29,10 +28,12 @@ def _grouped_gemm_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:  # a block past the last expert's run (align_block_size sizes for the worst case)
+        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
     valid = pair < num_pairs  # padding rows carry the sentinel num_pairs
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     a_row = pair // A_ROW_DIV
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -53,20 +54,30 @@ def _grouped_gemm_kernel(
 
 def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted pair ids, each expert's run padded to a multiple of block_m with the sentinel T*k;
-    the expert of each block of block_m rows)."""
-    order, counts = sort_by_expert(topk_ids, num_experts)
-    sentinel = topk_ids.numel()
-    ids, experts, start = [], [], 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        blocks = -(-n // block_m)
-        run = torch.full((blocks * block_m,), sentinel, dtype=torch.int64, device=topk_ids.device)
-        run[:n] = order[start:start + n]
-        ids.append(run)
-        experts += [e] * blocks
-        start += n
-    return torch.cat(ids), torch.tensor(experts, dtype=torch.int64, device=topk_ids.device)
+    the expert of each block of block_m rows, -1 for the blocks past the last run).
+
+    All on the device, without reading the counts back to the host (no sync per layer): the
+    outputs have the size of the worst case, T*k + E*(block_m - 1) rows rounded up to block_m, as
+    vLLM's moe_align_block_size allocates them, and the kernel returns at once on a block of
+    expert -1."""
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    pairs = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    end_padded = torch.cumsum(padded, 0)
+    start_padded = end_padded - padded
+    start_raw = torch.cumsum(counts, 0) - counts
+    expert_of = flat[order]                                   # the sorted pairs' experts
+    dest = start_padded[expert_of] + torch.arange(pairs, device=dev) - start_raw[expert_of]
+    capacity = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    sorted_ids = torch.full((capacity,), pairs, dtype=torch.int64, device=dev)
+    sorted_ids[dest] = order
+    block_start = torch.arange(0, capacity, block_m, device=dev)
+    block_expert = torch.searchsorted(end_padded, block_start, right=True)
+    block_expert = torch.where(block_start < end_padded[-1], block_expert, torch.full_like(block_expert, -1))
+    return sorted_ids, block_expert
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
