@@ -517,3 +517,55 @@ def test_tokenize_a_conversation_as_the_tokenizer_templates_it(served):
                        ("/v1/chat/completions", {"messages": conv, "continue_final_message": True, "max_tokens": 2})):
         r = httpx.post(url + path, json={"model": MODEL, **body}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
+def test_vllm_serve_command_lines_and_server_options(tmp_path):
+    """`servetwin serve` takes `vllm serve` command lines (positional model, several served names,
+    flags that change nothing here) and vLLM's server options: --api-key guards the /v1/ routes,
+    --max-logprobs bounds requests, --enable-server-load-tracking answers GET /load; a body
+    that is not JSON by its Content-Type is a 400."""
+    import argparse
+
+    from engine.server.cli import add_serve_args, build_app
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser.add_subparsers())
+    a = parser.parse_args(["serve", MODEL, "--served-model-name", "alias-a", "alias-b", "--enforce-eager",
+                           "--trust-remote-code", "--no-enable-prefix-caching", "--max-model-len", "512",
+                           "--num-gpu-blocks", "64", "--device", "cpu", "--api-key", "sk-test", "--max-logprobs", "5",
+                           "--enable-server-load-tracking", "--seed", "3"])
+    app = build_app(a)
+    ctx = app.state.context
+    assert ctx.names == {"alias-a", "alias-b"} and ctx.model_name == "alias-a"
+    assert not ctx.engine.scheduler_config.enable_prefix_caching and ctx.max_model_len == 512
+    with pytest.raises(SystemExit, match="tensor-parallel-size"):
+        build_app(parser.parse_args(["serve", MODEL, "-tp", "2", "--device", "cpu"]))
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    key = {"Authorization": "Bearer sk-test"}
+    with _Server(app, port):
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert [m["id"] for m in httpx.get(url + "/v1/models", headers=key).json()["data"]] == ["alias-a", "alias-b"]
+        assert httpx.get(url + "/health").status_code == 200   # outside /v1/: no key, as vLLM
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0)
+        assert client.completions.create(model="alias-b", prompt="Hi", max_tokens=2).model == "alias-b"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+        r = httpx.post(url + "/v1/completions", headers=key, json={"prompt": "Hi", "max_tokens": 2, "logprobs": 6})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+        r = httpx.post(url + "/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "x"}]}',
+                       headers={**key, "Content-Type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "Content-Type"
+        # /load: nothing in flight, then a stream counts until it ends
+        assert httpx.get(url + "/load").json() == {"server_load": 0}
+        with httpx.stream("POST", url + "/v1/completions", headers=key, timeout=60,
+                          json={"prompt": "Tell me a story", "max_tokens": 40, "ignore_eos": True, "stream": True}) as s:
+            lines = s.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            assert httpx.get(url + "/load").json() == {"server_load": 1}
+            for _ in lines:
+                pass
+        deadline = time.time() + 10
+        while httpx.get(url + "/load").json()["server_load"] and time.time() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(url + "/load").json() == {"server_load": 0}

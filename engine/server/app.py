@@ -27,6 +27,7 @@ next step). Past `max_waiting` queued requests the server answers 503 with Retry
 """
 from __future__ import annotations
 
+import hmac
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -46,14 +47,56 @@ __all__ = ["RequestLog", "Shape", "TokenizerPool", "VERSION", "create_app"]
 logger = logging.getLogger("servetwin.server")
 
 
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/invocations")
+
+
+class _ApiKey:
+    """ASGI middleware (not FastAPI's http middleware, which buffers streams): the /v1/ routes
+    need `Authorization: Bearer KEY`, as vLLM's --api-key; health, metrics and the rest do not."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.expected = app, ("Bearer " + key).encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
+            auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(auth, self.expected):
+                err = APIError(401, "Unauthorized: a valid `Authorization: Bearer` API key is required", None,
+                               type="authentication_error", code="invalid_api_key")
+                await _error(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _LoadCounter:
+    """ASGI middleware: the generation requests in flight (from receipt to the stream's end), as
+    vLLM's --enable-server-load-tracking counts them (GET /load)."""
+
+    def __init__(self, app, state) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.state.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.server_load -= 1
+
+
 def create_app(engine, model_name: str = "default", max_waiting: int = 256,
                request_timeout_s: float = 600.0, request_log: str | Path | None = None,
                served_model_names: list[str] | None = None, max_body_bytes: int = 4 << 20,
-               tokenizer_workers: int = 2) -> FastAPI:
+               tokenizer_workers: int = 2, api_key: str | None = None, max_logprobs: int | None = None,
+               load_tracking: bool = False) -> FastAPI:
     """`engine` is an LLMEngine; the app owns its loop thread (started with the app). The routes
-    live in routes_openai.py and routes_misc.py, the state they share in context.py."""
+    live in routes_openai.py and routes_misc.py, the state they share in context.py. vLLM's
+    server options: `api_key` (the /v1/ routes need it), `max_logprobs` (the most a request may
+    ask for), `load_tracking` (GET /load)."""
     ctx = ServerContext(engine, model_name, max_waiting, request_timeout_s, request_log,
-                        served_model_names, max_body_bytes, tokenizer_workers)
+                        served_model_names, max_body_bytes, tokenizer_workers, max_logprobs)
     metrics = ctx.metrics
 
     @asynccontextmanager
@@ -97,5 +140,14 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
 
     add_misc_routes(app, ctx)
     add_openai_routes(app, ctx)
+    if load_tracking:
+        app.state.server_load = 0
+        app.add_middleware(_LoadCounter, state=app.state)
+
+        @app.get("/load")
+        async def load():
+            return {"server_load": app.state.server_load}
+    if api_key:
+        app.add_middleware(_ApiKey, key=api_key)
     install_openapi(app)
     return app

@@ -7,7 +7,9 @@ import logging
 
 def add_serve_args(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), an HF dir or a .gguf")
+    p.add_argument("model_tag", nargs="?", default=None, help="the model, as `vllm serve MODEL` takes it "
+                   "(the same as --model)")
+    p.add_argument("--model", default=None, help="'default' (SmolLM2-135M-Instruct), an HF dir or a .gguf")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -20,13 +22,33 @@ def add_serve_args(sub) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="vLLM's spelling (--no-enable-prefix-caching turns it off)")
     p.add_argument("--policy", default="fcfs", help="fcfs, priority (requests' `priority` field) or "
                    "shortest_prompt_first")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 503")
     p.add_argument("--request-timeout-s", type=float, default=600.0, help="abort requests running longer")
     p.add_argument("--request-log", default=None, help="CSV of finished requests (simulator record format)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get a 413")
-    p.add_argument("--served-model-name", action="append", default=None)
+    p.add_argument("--served-model-name", nargs="+", action="extend", default=None,
+                   help="the names clients use (as vLLM: the first is the default; the model's own "
+                        "name is then not served)")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/ routes "
+                   "(as vLLM; also read from VLLM_API_KEY)")
+    p.add_argument("--seed", type=int, default=0, help="the engine's seed for requests without one")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template (a file or the template "
+                   "itself) instead of the tokenizer's")
+    p.add_argument("--max-logprobs", type=int, default=None,
+                   help="the most logprobs a request may ask for (at most the engine's 20)")
+    p.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="GET /load answers the number of requests in flight (vLLM's)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 only (one device)")
+    # vLLM flags that change nothing here: accepted so `vllm serve` command lines run unchanged
+    for flag in ("--enforce-eager", "--trust-remote-code", "--disable-log-requests", "--disable-log-stats",
+                 "--disable-frontend-multiprocessing", "--disable-uvicorn-access-log"):
+        p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    for flag in ("--tokenizer-mode", "--load-format", "--uvicorn-log-level", "--swap-space"):
+        p.add_argument(flag, default=None, help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for the engine (CPU only; default: one per core but one, "
                         "which is left to the HTTP side: event loop, tokenizer workers, SSE)")
@@ -34,29 +56,48 @@ def add_serve_args(sub) -> None:
 
 
 def build_app(a):
+    import os
+
     import torch
 
+    from engine.core.sampling_params import MAX_LOGPROBS
     from engine.llm_engine import LLMEngine
     from engine.server.app import create_app
+
+    if a.model_tag and a.model and a.model_tag != a.model:
+        raise SystemExit(f"serve: the model is given twice ({a.model_tag!r} and --model {a.model!r})")
+    model = a.model_tag or a.model or "default"
+    if a.tensor_parallel_size != 1:
+        raise SystemExit(f"serve: --tensor-parallel-size={a.tensor_parallel_size}: this engine runs on one device")
+    if a.max_logprobs is not None and not 0 <= a.max_logprobs <= MAX_LOGPROBS:
+        raise SystemExit(f"serve: --max-logprobs={a.max_logprobs}: must be in [0, {MAX_LOGPROBS}]")
+    prefix_caching = not a.no_prefix_caching if a.enable_prefix_caching is None else a.enable_prefix_caching
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":
         # torch's CPU threads spin while they wait for each other: with a thread on every core,
         # the event loop (HTTP receipt, SSE writes) and the tokenizer workers wait behind a
         # forward pass, and clients see TTFT the server never logged.
-        import os
         threads = a.threads or max(1, (os.cpu_count() or 1) - 1)
         torch.set_num_threads(threads)
         logging.getLogger(__name__).info("engine: %d torch CPU thread(s)", threads)
-    engine = LLMEngine(model=a.model, device=device, dtype=a.dtype,
+    engine = LLMEngine(model=model, device=device, dtype=a.dtype,
                        max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                        max_model_len=a.max_model_len, block_size=a.block_size,
                        num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
                        gpu_memory_utilization=a.gpu_memory_utilization,
-                       enable_prefix_caching=not a.no_prefix_caching, policy=a.policy)
-    return create_app(engine, model_name=a.model, max_waiting=a.max_waiting,
+                       enable_prefix_caching=prefix_caching, policy=a.policy, seed=a.seed)
+    if a.chat_template is not None:
+        if engine.tokenizer is None:
+            raise SystemExit("serve: --chat-template: this model has no tokenizer")
+        path = os.path.expanduser(a.chat_template)
+        engine.tokenizer.chat_template = open(path).read() if os.path.isfile(path) else a.chat_template
+    served = a.served_model_name
+    return create_app(engine, model_name=served[0] if served else model, max_waiting=a.max_waiting,
                       request_timeout_s=a.request_timeout_s, request_log=a.request_log,
-                      served_model_names=a.served_model_name, max_body_bytes=a.max_body_bytes)
+                      served_model_names=served, max_body_bytes=a.max_body_bytes,
+                      api_key=a.api_key or os.environ.get("VLLM_API_KEY"), max_logprobs=a.max_logprobs,
+                      load_tracking=a.enable_server_load_tracking)
 
 
 def run_serve(a: argparse.Namespace) -> int:

@@ -121,8 +121,9 @@ class ServerContext:
 
     def __init__(self, engine, model_name: str, max_waiting: int, request_timeout_s: float,
                  request_log: str | Path | None, served_model_names: list[str] | None,
-                 max_body_bytes: int, tokenizer_workers: int) -> None:
+                 max_body_bytes: int, tokenizer_workers: int, max_logprobs: int | None = None) -> None:
         self.engine = engine
+        self.max_logprobs = max_logprobs  # None: the engine's own limit (the request models check it)
         self.model_name = model_name
         self.max_waiting = max_waiting
         self.max_body_bytes = max_body_bytes
@@ -156,6 +157,10 @@ class ServerContext:
         return await self.read_json(request, allow_empty=True)
 
     async def read_json(self, request: Request, allow_empty: bool = False) -> dict:
+        ctype = request.headers.get("content-type")
+        if ctype is not None and ctype.split(";")[0].strip().lower() != "application/json":
+            raise APIError(400, f"Content-Type={ctype!r}: unsupported media type; only 'application/json' "
+                                "is allowed", "Content-Type")
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > self.max_body_bytes:
             raise APIError(413, f"body: {int(size)} bytes exceeds the server's limit of "
@@ -187,6 +192,11 @@ class ServerContext:
                                 f"{sorted(self.names)}", "model", code="model_not_found")
         if req.model is None:
             req.model = self.model_name
+        if self.max_logprobs is not None:
+            for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+                v = getattr(req, name, None)
+                if not isinstance(v, bool) and isinstance(v, int) and v > self.max_logprobs:
+                    raise APIError(400, f"{name}={v}: more than the server's max_logprobs={self.max_logprobs}", name)
         return req
 
     def check_chars(self, text: str, field: str) -> None:
