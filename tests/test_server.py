@@ -180,6 +180,26 @@ def test_metrics_endpoint(served, client):
     assert gen[0].startswith('vllm:generation_tokens_total{model_name="default"}')
     assert float(gen[0].split()[-1]) >= 4
 
+    def value(txt, name):
+        line = next(x for x in txt.splitlines() if x.startswith(name + "{") or x.startswith(name + " "))
+        return float(line.split()[-1])
+
+    # the rest of vLLM's names: per-step tokens, request parameters, the cache's settings
+    before = text
+    client.completions.create(model=MODEL, prompt=["One", "Two"], n=2, max_tokens=3, temperature=1.0)
+    after = httpx.get(served["url"] + "/metrics").text
+    assert value(after, "vllm:request_params_n_count") - value(before, "vllm:request_params_n_count") == 2
+    assert value(after, "vllm:request_params_n_sum") - value(before, "vllm:request_params_n_sum") == 4
+    assert value(after, "vllm:request_params_max_tokens_sum") - value(before, "vllm:request_params_max_tokens_sum") == 6
+    assert value(after, "vllm:request_max_num_generation_tokens_count") > value(before, "vllm:request_max_num_generation_tokens_count")
+    steps = value(after, "vllm:iteration_tokens_total_count") - value(before, "vllm:iteration_tokens_total_count")
+    tokens = value(after, "vllm:iteration_tokens_total_sum") - value(before, "vllm:iteration_tokens_total_sum")
+    assert steps >= 3 and tokens >= 4 * 2  # at least each choice's prompt once and its decodes
+    eng = served["engine"]
+    assert (f'vllm:cache_config_info{{block_size="{eng.scheduler_config.block_size}",'
+            f'cache_dtype="float32",enable_prefix_caching="True",'
+            f'num_gpu_blocks="{eng.scheduler_config.num_gpu_blocks}"}} 1.0') in after
+
 
 def test_load_with_disconnects_frees_everything(served, client):
     """100 concurrent streaming requests, 20% of clients hang up mid-stream."""

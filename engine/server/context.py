@@ -128,6 +128,7 @@ class ServerContext:
         self.max_waiting = max_waiting
         self.max_body_bytes = max_body_bytes
         self.metrics = ServerMetrics(model_name)
+        self.metrics.describe_cache(engine)
         self.log = RequestLog(request_log) if request_log else None
         self.aeng = AsyncEngine(engine, self.metrics, self.log, request_timeout_s)
         self.names = set(served_model_names or []) | {model_name}

@@ -23,6 +23,7 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class ServerMetrics:
@@ -71,6 +72,17 @@ class ServerMetrics:
         self.preemptions = counter(v + "num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter(v + "prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(v + "generation_tokens", "Number of generation tokens processed.")
+        self.iteration_tokens = hist(v + "iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                     _ITERATION_BUCKETS)
+        self.params_n = hist(v + "request_params_n", "Histogram of the n request parameter.",
+                             (1, 2, 5, 10, 20))
+        self.params_max_tokens = hist(v + "request_params_max_tokens", "Histogram of the max_tokens request "
+                                      "parameter.", _TOKEN_BUCKETS)
+        self.max_generation_tokens = hist(v + "request_max_num_generation_tokens", "Histogram of maximum "
+                                          "number of requested generation tokens.", _TOKEN_BUCKETS)
+        self.cache_config = Gauge(v + "cache_config_info", "Information of the LLMEngine CacheConfig",
+                                  ["block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"],
+                                  registry=r)
         self._success = Counter(v + "request_success", "Count of successfully processed requests.",
                                 lab + ["finished_reason"], registry=r)
         self._rejected = Counter("servetwin_rejected_requests", "Requests refused at the HTTP boundary.",
@@ -96,8 +108,23 @@ class ServerMetrics:
             self.prefix_hits.inc(kvm.num_hit_tokens - self._hits)
             self._queried, self._hits = kvm.num_queried_tokens, kvm.num_hit_tokens
 
+    def describe_cache(self, engine) -> None:
+        """vllm:cache_config_info: the KV cache's settings as labels of a gauge set to 1."""
+        cfg = engine.scheduler_config
+        self.cache_config.labels(str(cfg.block_size), str(cfg.num_gpu_blocks),
+                                 str(cfg.enable_prefix_caching), str(engine.dtype).removeprefix("torch.")).set(1)
+
+    def on_submit(self, n: int, max_tokens: list[int]) -> None:
+        """One HTTP request's parameters: n, and each prompt's max_tokens (server thread)."""
+        for mt in max_tokens:
+            self.params_n.observe(n)
+            self.params_max_tokens.observe(mt)
+
     def on_step(self, engine, outputs, new_preemptions: int) -> None:
         self.refresh(engine)
+        tokens = getattr(engine, "last_step_tokens", 0)
+        if tokens:
+            self.iteration_tokens.observe(tokens)
         if new_preemptions:
             self.preemptions.inc(new_preemptions)
         for o in outputs:
@@ -118,6 +145,7 @@ class ServerMetrics:
                 self.finished(o.outputs[0].finish_reason or "stop").inc()
                 self.request_prompt_tokens.observe(rec.num_prompt_tokens)
                 self.request_generation_tokens.observe(rec.num_output_tokens)
+                self.max_generation_tokens.observe(rec.num_output_tokens)
                 if rec.first_token_s is not None:
                     self.ttft.observe(rec.first_token_s - rec.arrival_s)
                     if rec.first_scheduled_s is not None:

@@ -112,6 +112,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
             raise APIError(503, str(e), None, type="server_error", headers={"Retry-After": "1"}) from None
         gen = aeng.outputs(group)
         n_prompts = len(kids) // req.n
+        ctx.metrics.on_submit(req.n, [kids[p * req.n].params.max_tokens for p in range(n_prompts)])
         prompt_lens = [len(kids[p * req.n].prompt_token_ids) for p in range(n_prompts)]
         shape = Shape(rid, now_s(), req.model, chat, req.n, prompt_lens, echo,
                       prompt_logprobs=req.prompt_logprobs,
