@@ -219,8 +219,8 @@ class _Common(_Strict):
             except ValueError:
                 raise APIError(400, f"logit_bias: key {_short(k)} is not a token id", "logit_bias") from None
             if not 0 <= t < vocab_size:
-                raise APIError(400, f"logit_bias: token id {t} is out of vocabulary (not in [0, {vocab_size}))",
-                               "logit_bias")
+                raise APIError(400, f"logit_bias: token id {t} is out-of-vocab (out of vocabulary: not in "
+                                    f"[0, {vocab_size}); vocabulary size: {vocab_size})", "logit_bias")
             out[t] = v
         return out
 
