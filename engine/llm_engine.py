@@ -236,7 +236,6 @@ class LLMEngine:
         self._t0 = time.perf_counter()
         self._step_index = 0
         self._step_req_ids: dict[str, int] = {}  # the current step's {request id: tokens}
-        self.last_step_tokens = 0                 # tokens the last step scheduled
 
     # ------------------------------------------------------------------ memory
     def _size_kv_pool(self, num_gpu_blocks, kv_bytes, utilization, max_tokens, max_seqs) -> dict[str, Any]:
@@ -466,7 +465,6 @@ class LLMEngine:
         out = sched.schedule()
         t_sched = perf()
         self._step_req_ids = out.num_scheduled_tokens
-        self.last_step_tokens = out.total_num_scheduled_tokens  # vllm:iteration_tokens_total
         scheduled = bool(out.num_scheduled_tokens)
         start_s = t_start - self._t0
         feats = batch_features(out, sched.requests) if scheduled else None

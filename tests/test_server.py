@@ -192,9 +192,14 @@ def test_metrics_endpoint(served, client):
     assert value(after, "vllm:request_params_n_sum") - value(before, "vllm:request_params_n_sum") == 4
     assert value(after, "vllm:request_params_max_tokens_sum") - value(before, "vllm:request_params_max_tokens_sum") == 6
     assert value(after, "vllm:request_max_num_generation_tokens_count") > value(before, "vllm:request_max_num_generation_tokens_count")
-    steps = value(after, "vllm:iteration_tokens_total_count") - value(before, "vllm:iteration_tokens_total_count")
-    tokens = value(after, "vllm:iteration_tokens_total_sum") - value(before, "vllm:iteration_tokens_total_sum")
-    assert steps >= 3 and tokens >= 4 * 2  # at least each choice's prompt once and its decodes
+    # one request alone: vLLM counts a step per generated token, and in them the prompt once and
+    # every generated token
+    r = client.completions.create(model=MODEL, prompt="One two three", max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    last = httpx.get(served["url"] + "/metrics").text
+    assert value(last, "vllm:iteration_tokens_total_count") - value(after, "vllm:iteration_tokens_total_count") == 5
+    assert (value(last, "vllm:iteration_tokens_total_sum") - value(after, "vllm:iteration_tokens_total_sum")
+            == r.usage.prompt_tokens + 5)
     eng = served["engine"]
     assert (f'vllm:cache_config_info{{block_size="{eng.scheduler_config.block_size}",'
             f'cache_dtype="float32",enable_prefix_caching="True",'
@@ -552,7 +557,7 @@ def test_vllm_serve_command_lines_and_server_options(tmp_path):
     a = parser.parse_args(["serve", MODEL, "--served-model-name", "alias-a", "alias-b", "--enforce-eager",
                            "--trust-remote-code", "--no-enable-prefix-caching", "--max-model-len", "512",
                            "--num-gpu-blocks", "64", "--device", "cpu", "--api-key", "sk-test", "--max-logprobs", "5",
-                           "--enable-server-load-tracking", "--seed", "3"])
+                           "--enable-server-load-tracking", "--seed", "3", "--enable-request-id-headers"])
     app = build_app(a)
     ctx = app.state.context
     assert ctx.names == {"alias-a", "alias-b"} and ctx.model_name == "alias-a"
@@ -567,6 +572,12 @@ def test_vllm_serve_command_lines_and_server_options(tmp_path):
         assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert [m["id"] for m in httpx.get(url + "/v1/models", headers=key).json()["data"]] == ["alias-a", "alias-b"]
         assert httpx.get(url + "/health").status_code == 200   # outside /v1/: no key, as vLLM
+        # --enable-request-id-headers: the client's id comes back verbatim, else a fresh one
+        assert httpx.get(url + "/health", headers={"X-Request-Id": "abc-1"}).headers["x-request-id"] == "abc-1"
+        assert len(httpx.get(url + "/health").headers["x-request-id"]) == 32
+        r = httpx.post(url + "/v1/completions", headers={**key, "X-Request-Id": "mine"},
+                       json={"prompt": "Hi", "max_tokens": 1})
+        assert r.headers.get_list("x-request-id") == ["mine"] and r.json()["id"] == "cmpl-mine"
         client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0)
         assert client.completions.create(model="alias-b", prompt="Hi", max_tokens=2).model == "alias-b"
         with pytest.raises(openai.AuthenticationError):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -86,15 +87,38 @@ class _LoadCounter:
             self.state.server_load -= 1
 
 
+class _RequestIdHeader:
+    """ASGI middleware: every response carries X-Request-Id, the client's own or a fresh one, as
+    vLLM's --enable-request-id-headers (it replaces the generation routes' prefixed id)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        rid = given or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": headers + [(b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def create_app(engine, model_name: str = "default", max_waiting: int = 256,
                request_timeout_s: float = 600.0, request_log: str | Path | None = None,
                served_model_names: list[str] | None = None, max_body_bytes: int = 4 << 20,
                tokenizer_workers: int = 2, api_key: str | None = None, max_logprobs: int | None = None,
-               load_tracking: bool = False) -> FastAPI:
+               load_tracking: bool = False, request_id_headers: bool = False) -> FastAPI:
     """`engine` is an LLMEngine; the app owns its loop thread (started with the app). The routes
     live in routes_openai.py and routes_misc.py, the state they share in context.py. vLLM's
     server options: `api_key` (the /v1/ routes need it), `max_logprobs` (the most a request may
-    ask for), `load_tracking` (GET /load)."""
+    ask for), `load_tracking` (GET /load), `request_id_headers` (X-Request-Id on every response)."""
     ctx = ServerContext(engine, model_name, max_waiting, request_timeout_s, request_log,
                         served_model_names, max_body_bytes, tokenizer_workers, max_logprobs)
     metrics = ctx.metrics
@@ -149,5 +173,7 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
             return {"server_load": app.state.server_load}
     if api_key:
         app.add_middleware(_ApiKey, key=api_key)
+    if request_id_headers:
+        app.add_middleware(_RequestIdHeader)
     install_openapi(app)
     return app

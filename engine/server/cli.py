@@ -42,6 +42,8 @@ def add_serve_args(sub) -> None:
                    help="the most logprobs a request may ask for (at most the engine's 20)")
     p.add_argument("--enable-server-load-tracking", action="store_true",
                    help="GET /load answers the number of requests in flight (vLLM's)")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="X-Request-Id on every response: the client's own, or a fresh one (vLLM's)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 only (one device)")
     # vLLM flags that change nothing here: accepted so `vllm serve` command lines run unchanged
     for flag in ("--enforce-eager", "--trust-remote-code", "--disable-log-requests", "--disable-log-stats",
@@ -97,7 +99,8 @@ def build_app(a):
                       request_timeout_s=a.request_timeout_s, request_log=a.request_log,
                       served_model_names=served, max_body_bytes=a.max_body_bytes,
                       api_key=a.api_key or os.environ.get("VLLM_API_KEY"), max_logprobs=a.max_logprobs,
-                      load_tracking=a.enable_server_load_tracking)
+                      load_tracking=a.enable_server_load_tracking,
+                      request_id_headers=a.enable_request_id_headers)
 
 
 def run_serve(a: argparse.Namespace) -> int:

@@ -122,9 +122,9 @@ class ServerMetrics:
 
     def on_step(self, engine, outputs, new_preemptions: int) -> None:
         self.refresh(engine)
-        tokens = getattr(engine, "last_step_tokens", 0)
-        if tokens:
-            self.iteration_tokens.observe(tokens)
+        # vLLM's iteration tokens: the tokens generated this step, plus the whole prompt of each
+        # request whose first token this is
+        iteration = 0
         if new_preemptions:
             self.preemptions.inc(new_preemptions)
         for o in outputs:
@@ -136,7 +136,9 @@ class ServerMetrics:
             for i in range(max(1, seen), len(times)):
                 self.itl.observe(times[i] - times[i - 1])
             self.generation_tokens.inc(len(times) - seen)
+            iteration += len(times) - seen
             if seen == 0 and rec.first_scheduled_s is not None:
+                iteration += rec.num_prompt_tokens
                 self.prompt_tokens.inc(rec.num_prompt_tokens)
                 self.queue.observe(rec.first_scheduled_s - rec.arrival_s)
             self._seen[o.request_id] = len(times)
@@ -158,6 +160,8 @@ class ServerMetrics:
                         self.decode.observe(rec.finish_s - rec.first_token_s)
                     if rec.first_scheduled_s is not None:
                         self.inference.observe(rec.finish_s - rec.first_scheduled_s)
+        if iteration:
+            self.iteration_tokens.observe(iteration)
 
     def on_abort(self, request_id: str, engine=None, reason: str = "abort") -> None:
         """A request aborted (disconnect, timeout) or failed ("error"); gauges refreshed at once."""
