@@ -554,13 +554,13 @@ def test_vllm_serve_command_lines_and_server_options(tmp_path):
     from engine.server.cli import add_serve_args, build_app
     parser = argparse.ArgumentParser()
     add_serve_args(parser.add_subparsers())
-    a = parser.parse_args(["serve", MODEL, "--served-model-name", "alias-a", "alias-b", "--enforce-eager",
+    a = parser.parse_args(["serve", MODEL, "--served-model-name", "alias-b", "alias-a", "--enforce-eager",
                            "--trust-remote-code", "--no-enable-prefix-caching", "--max-model-len", "512",
                            "--num-gpu-blocks", "64", "--device", "cpu", "--api-key", "sk-test", "--max-logprobs", "5",
                            "--enable-server-load-tracking", "--seed", "3", "--enable-request-id-headers"])
     app = build_app(a)
     ctx = app.state.context
-    assert ctx.names == {"alias-a", "alias-b"} and ctx.model_name == "alias-a"
+    assert list(ctx.names) == ["alias-b", "alias-a"] and ctx.model_name == "alias-b"  # the order given
     assert not ctx.engine.scheduler_config.enable_prefix_caching and ctx.max_model_len == 512
     with pytest.raises(SystemExit, match="tensor-parallel-size"):
         build_app(parser.parse_args(["serve", MODEL, "-tp", "2", "--device", "cpu"]))
@@ -570,7 +570,7 @@ def test_vllm_serve_command_lines_and_server_options(tmp_path):
     with _Server(app, port):
         assert httpx.get(url + "/v1/models").status_code == 401
         assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
-        assert [m["id"] for m in httpx.get(url + "/v1/models", headers=key).json()["data"]] == ["alias-a", "alias-b"]
+        assert [m["id"] for m in httpx.get(url + "/v1/models", headers=key).json()["data"]] == ["alias-b", "alias-a"]
         assert httpx.get(url + "/health").status_code == 200   # outside /v1/: no key, as vLLM
         # --enable-request-id-headers: the client's id comes back verbatim, else a fresh one
         assert httpx.get(url + "/health", headers={"X-Request-Id": "abc-1"}).headers["x-request-id"] == "abc-1"
@@ -579,7 +579,9 @@ def test_vllm_serve_command_lines_and_server_options(tmp_path):
                        json={"prompt": "Hi", "max_tokens": 1})
         assert r.headers.get_list("x-request-id") == ["mine"] and r.json()["id"] == "cmpl-mine"
         client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0)
-        assert client.completions.create(model="alias-b", prompt="Hi", max_tokens=2).model == "alias-b"
+        assert client.completions.create(model="alias-a", prompt="Hi", max_tokens=2).model == "alias-a"
+        r = httpx.post(url + "/v1/completions", headers=key, json={"prompt": "Hi", "max_tokens": 1})
+        assert r.json()["model"] == "alias-b"  # no model named: the first served name
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
         r = httpx.post(url + "/v1/completions", headers=key, json={"prompt": "Hi", "max_tokens": 2, "logprobs": 6})

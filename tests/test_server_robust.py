@@ -142,9 +142,11 @@ def test_seeds_take_vllm_s_signed_64_bits(srv):
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "seed" and kind in err["message"], err
         assert str(2 ** 63 - 1 if seed > 0 else -2 ** 63) in err["message"]
-    # an out-of-vocabulary prompt token: named as vLLM names it
+    # an out-of-vocabulary prompt token and an empty prompt: named as vLLM names them
     r = post(srv, "/v1/completions", {"model": MODEL, "prompt": [1, 10 ** 7], "max_tokens": 2})
     assert r.status_code == 400 and "out of vocabulary" in r.json()["error"]["message"]
+    r = post(srv, "/v1/completions", {"model": MODEL, "prompt": "", "max_tokens": 2})
+    assert r.status_code == 400 and "decoder prompt cannot be empty" in r.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------- compatibility

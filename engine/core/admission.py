@@ -37,7 +37,8 @@ def admit(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, *,
     (truncate to what fits). The *_field names are the request's own (e.g. "messages")."""
     n, pf = num_prompt_tokens, prompt_field
     if n <= 0:
-        raise AdmissionError(pf, f"{pf}: empty prompt (0 tokens); a request needs at least one prompt token")
+        raise AdmissionError(pf, f"{pf}: the decoder prompt cannot be empty (0 tokens): a "
+                                 "request needs at least one prompt token")
     if n > max_model_len:
         raise AdmissionError(pf, f"{pf}: {n} tokens is longer than max_model_len={max_model_len}")
     room = max_model_len - n

@@ -131,7 +131,9 @@ class ServerContext:
         self.metrics.describe_cache(engine)
         self.log = RequestLog(request_log) if request_log else None
         self.aeng = AsyncEngine(engine, self.metrics, self.log, request_timeout_s)
-        self.names = set(served_model_names or []) | {model_name}
+        # the served names in the order given (the default first, as vLLM lists them), as a dict
+        # for membership; the default model name joins them if it is not one of them
+        self.names = dict.fromkeys([model_name, *(served_model_names or [])])
         self.tokenizer = tok = engine.tokenizer
         self.pool = TokenizerPool(tok, tokenizer_workers) if tok is not None else None
         self.max_model_len = engine.max_model_len
@@ -190,7 +192,7 @@ class ServerContext:
         req = validate_model(cls, body)
         if req.model is not None and req.model not in self.names:
             raise APIError(404, f"model={req.model!r}: no such model; this server serves "
-                                f"{sorted(self.names)}", "model", code="model_not_found")
+                                f"{list(self.names)}", "model", code="model_not_found")
         if req.model is None:
             req.model = self.model_name
         if self.max_logprobs is not None:

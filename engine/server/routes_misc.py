@@ -45,12 +45,12 @@ def add_misc_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(n) for n in sorted(names)]}
+        return {"object": "list", "data": [model_card(n) for n in names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id not in names:
-            raise APIError(404, f"model={model_id!r}: no such model; this server serves {sorted(names)}",
+            raise APIError(404, f"model={model_id!r}: no such model; this server serves {list(names)}",
                            "model", code="model_not_found")
         return model_card(model_id)
 
