@@ -550,6 +550,10 @@ def test_vllm_serve_command_lines_and_server_options(tmp_path):
     --max-logprobs bounds requests, --enable-server-load-tracking answers GET /load; a body
     that is not JSON by its Content-Type is a 400."""
     import argparse
+    import functools
+
+    hget = functools.partial(httpx.get, timeout=120)
+    hpost = functools.partial(httpx.post, timeout=120)
 
     from engine.server.cli import add_serve_args, build_app
     parser = argparse.ArgumentParser()
@@ -557,7 +561,8 @@ def test_vllm_serve_command_lines_and_server_options(tmp_path):
     a = parser.parse_args(["serve", MODEL, "--served-model-name", "alias-b", "alias-a", "--enforce-eager",
                            "--trust-remote-code", "--no-enable-prefix-caching", "--max-model-len", "512",
                            "--num-gpu-blocks", "64", "--device", "cpu", "--api-key", "sk-test", "--max-logprobs", "5",
-                           "--enable-server-load-tracking", "--seed", "3", "--enable-request-id-headers"])
+                           "--enable-server-load-tracking", "--seed", "3", "--enable-request-id-headers",
+                           "--return-tokens-as-token-ids"])
     app = build_app(a)
     ctx = app.state.context
     assert list(ctx.names) == ["alias-b", "alias-a"] and ctx.model_name == "alias-b"  # the order given
@@ -568,37 +573,40 @@ def test_vllm_serve_command_lines_and_server_options(tmp_path):
     url = f"http://127.0.0.1:{port}"
     key = {"Authorization": "Bearer sk-test"}
     with _Server(app, port):
-        assert httpx.get(url + "/v1/models").status_code == 401
-        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
-        assert [m["id"] for m in httpx.get(url + "/v1/models", headers=key).json()["data"]] == ["alias-b", "alias-a"]
-        assert httpx.get(url + "/health").status_code == 200   # outside /v1/: no key, as vLLM
+        assert hget(url + "/v1/models").status_code == 401
+        assert hget(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert [m["id"] for m in hget(url + "/v1/models", headers=key).json()["data"]] == ["alias-b", "alias-a"]
+        assert hget(url + "/health").status_code == 200   # outside /v1/: no key, as vLLM
         # --enable-request-id-headers: the client's id comes back verbatim, else a fresh one
-        assert httpx.get(url + "/health", headers={"X-Request-Id": "abc-1"}).headers["x-request-id"] == "abc-1"
-        assert len(httpx.get(url + "/health").headers["x-request-id"]) == 32
-        r = httpx.post(url + "/v1/completions", headers={**key, "X-Request-Id": "mine"},
+        assert hget(url + "/health", headers={"X-Request-Id": "abc-1"}).headers["x-request-id"] == "abc-1"
+        assert len(hget(url + "/health").headers["x-request-id"]) == 32
+        r = hpost(url + "/v1/completions", headers={**key, "X-Request-Id": "mine"},
                        json={"prompt": "Hi", "max_tokens": 1})
         assert r.headers.get_list("x-request-id") == ["mine"] and r.json()["id"] == "cmpl-mine"
         client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0)
         assert client.completions.create(model="alias-a", prompt="Hi", max_tokens=2).model == "alias-a"
-        r = httpx.post(url + "/v1/completions", headers=key, json={"prompt": "Hi", "max_tokens": 1})
+        r = hpost(url + "/v1/completions", headers=key, json={"prompt": "Hi", "max_tokens": 1, "logprobs": 0})
         assert r.json()["model"] == "alias-b"  # no model named: the first served name
+        # as vLLM by default: no prompt_tokens_details; --return-tokens-as-token-ids is the default
+        assert "prompt_tokens_details" not in r.json()["usage"]
+        assert r.json()["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
-        r = httpx.post(url + "/v1/completions", headers=key, json={"prompt": "Hi", "max_tokens": 2, "logprobs": 6})
+        r = hpost(url + "/v1/completions", headers=key, json={"prompt": "Hi", "max_tokens": 2, "logprobs": 6})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
-        r = httpx.post(url + "/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "x"}]}',
+        r = hpost(url + "/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "x"}]}',
                        headers={**key, "Content-Type": "application/x-www-form-urlencoded"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "Content-Type"
         # /load: nothing in flight, then a stream counts until it ends
-        assert httpx.get(url + "/load").json() == {"server_load": 0}
+        assert hget(url + "/load").json() == {"server_load": 0}
         with httpx.stream("POST", url + "/v1/completions", headers=key, timeout=60,
                           json={"prompt": "Tell me a story", "max_tokens": 40, "ignore_eos": True, "stream": True}) as s:
             lines = s.iter_lines()
             next(line for line in lines if line.startswith("data: {"))
-            assert httpx.get(url + "/load").json() == {"server_load": 1}
+            assert hget(url + "/load").json() == {"server_load": 1}
             for _ in lines:
                 pass
         deadline = time.time() + 10
-        while httpx.get(url + "/load").json()["server_load"] and time.time() < deadline:
+        while hget(url + "/load").json()["server_load"] and time.time() < deadline:
             time.sleep(0.05)
-        assert httpx.get(url + "/load").json() == {"server_load": 0}
+        assert hget(url + "/load").json() == {"server_load": 0}

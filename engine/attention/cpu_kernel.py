@@ -11,6 +11,7 @@ the Python ABI, so a changed source or a new torch rebuilds instead of loading a
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import sys
@@ -70,12 +71,21 @@ def load() -> Any:
 
         _ninja_on_path()
         flags = _cflags()
+        # torch's install directory too: two virtual environments write different include paths
+        # into build.ninja, and sharing one build directory made each rebuild the other's
         key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode(),
-                                         sys.implementation.cache_tag.encode()])).hexdigest()[:16]
+                                         sys.implementation.cache_tag.encode(),
+                                         os.path.dirname(torch.__file__).encode()])).hexdigest()[:16]
         out = cache_dir() / "cpu_kernel" / key
         out.mkdir(parents=True, exist_ok=True)
-        build(name=f"servetwin_paged_decode_{key}", sources=[str(SOURCE)], extra_cflags=flags,
-              extra_ldflags=["-fopenmp"], build_directory=str(out), is_python_module=False, verbose=False)
+        # torch's build lock is a file that waits forever when its holder died mid-build (a killed
+        # test run left one and every later engine hung in its first forward). An OS lock, which
+        # dies with its holder, serialises the builders; under it a leftover torch lock is stale.
+        with open(out / "servetwin-build.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (out / "lock").unlink(missing_ok=True)
+            build(name=f"servetwin_paged_decode_{key}", sources=[str(SOURCE)], extra_cflags=flags,
+                  extra_ldflags=["-fopenmp"], build_directory=str(out), is_python_module=False, verbose=False)
         _module = torch.ops.servetwin
     except Exception as e:  # no compiler, no ninja, a build error: the torch path still works
         warnings.warn(f"CPU decode-attention kernel unavailable, using the torch path ({type(e).__name__}: "

@@ -114,13 +114,18 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
                request_timeout_s: float = 600.0, request_log: str | Path | None = None,
                served_model_names: list[str] | None = None, max_body_bytes: int = 4 << 20,
                tokenizer_workers: int = 2, api_key: str | None = None, max_logprobs: int | None = None,
-               load_tracking: bool = False, request_id_headers: bool = False) -> FastAPI:
+               load_tracking: bool = False, request_id_headers: bool = False,
+               prompt_tokens_details: bool = True, return_tokens_as_token_ids: bool = False) -> FastAPI:
     """`engine` is an LLMEngine; the app owns its loop thread (started with the app). The routes
     live in routes_openai.py and routes_misc.py, the state they share in context.py. vLLM's
     server options: `api_key` (the /v1/ routes need it), `max_logprobs` (the most a request may
-    ask for), `load_tracking` (GET /load), `request_id_headers` (X-Request-Id on every response)."""
+    ask for), `load_tracking` (GET /load), `request_id_headers` (X-Request-Id on every response),
+    `prompt_tokens_details` (usage.prompt_tokens_details.cached_tokens; `servetwin serve` leaves it
+    off unless --enable-prompt-tokens-details, as vLLM), `return_tokens_as_token_ids` (the
+    default of the request field)."""
     ctx = ServerContext(engine, model_name, max_waiting, request_timeout_s, request_log,
-                        served_model_names, max_body_bytes, tokenizer_workers, max_logprobs)
+                        served_model_names, max_body_bytes, tokenizer_workers, max_logprobs,
+                        prompt_tokens_details, return_tokens_as_token_ids)
     metrics = ctx.metrics
 
     @asynccontextmanager

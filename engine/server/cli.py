@@ -42,6 +42,10 @@ def add_serve_args(sub) -> None:
                    help="the most logprobs a request may ask for (at most the engine's 20)")
     p.add_argument("--enable-server-load-tracking", action="store_true",
                    help="GET /load answers the number of requests in flight (vLLM's)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens in answers (vLLM's; off by default)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprob tokens written token_id:ID unless a request says otherwise (vLLM's)")
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="X-Request-Id on every response: the client's own, or a fresh one (vLLM's)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 only (one device)")
@@ -100,7 +104,9 @@ def build_app(a):
                       served_model_names=served, max_body_bytes=a.max_body_bytes,
                       api_key=a.api_key or os.environ.get("VLLM_API_KEY"), max_logprobs=a.max_logprobs,
                       load_tracking=a.enable_server_load_tracking,
-                      request_id_headers=a.enable_request_id_headers)
+                      request_id_headers=a.enable_request_id_headers,
+                      prompt_tokens_details=a.enable_prompt_tokens_details,
+                      return_tokens_as_token_ids=a.return_tokens_as_token_ids)
 
 
 def run_serve(a: argparse.Namespace) -> int:

@@ -121,8 +121,11 @@ class ServerContext:
 
     def __init__(self, engine, model_name: str, max_waiting: int, request_timeout_s: float,
                  request_log: str | Path | None, served_model_names: list[str] | None,
-                 max_body_bytes: int, tokenizer_workers: int, max_logprobs: int | None = None) -> None:
+                 max_body_bytes: int, tokenizer_workers: int, max_logprobs: int | None = None,
+                 prompt_tokens_details: bool = True, return_tokens_as_token_ids: bool = False) -> None:
         self.engine = engine
+        self.prompt_tokens_details = prompt_tokens_details          # usage carries cached_tokens
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids  # the default of the request field
         self.max_logprobs = max_logprobs  # None: the engine's own limit (the request models check it)
         self.model_name = model_name
         self.max_waiting = max_waiting

@@ -120,7 +120,9 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                       echo_only=bool(getattr(req, "echo_only", False)), first_tokens=first_tokens,
                       prompt_ids=[kids[p * req.n].prompt_token_ids for p in range(n_prompts)]
                       if req.return_token_ids else None,
-                      tokens_as_ids=bool(req.return_tokens_as_token_ids))
+                      tokens_as_ids=bool(ctx.return_tokens_as_token_ids if req.return_tokens_as_token_ids is None
+                                         else req.return_tokens_as_token_ids),
+                      cached_details=ctx.prompt_tokens_details)
         if req.stream:
             cont = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             return StreamingResponse(sse(gen, shape, req.include_usage, cont),
@@ -242,7 +244,8 @@ class Shape:
     def __init__(self, rid: str, created: int, model: str, chat: bool, n: int, prompt_lens: list[int],
                  echo: list[str] | None, prompt_logprobs: int | None = None, echo_logprobs: int | None = None,
                  echo_only: bool = False, first_tokens: list[str] | None = None,
-                 prompt_ids: list[list[int]] | None = None, tokens_as_ids: bool = False) -> None:
+                 prompt_ids: list[list[int]] | None = None, tokens_as_ids: bool = False,
+                 cached_details: bool = True) -> None:
         self.rid, self.created, self.model, self.chat, self.n = rid, created, model, chat, n
         self.prompt_lens, self.echo = prompt_lens, echo
         self.num_choices = n * len(prompt_lens)
@@ -256,6 +259,7 @@ class Shape:
         self.first_tokens = first_tokens        # each prompt's first token's text (echo + logprobs)
         self.prompt_ids = prompt_ids            # return_token_ids: each prompt's token ids
         self.tokens_as_ids = tokens_as_ids      # return_tokens_as_token_ids
+        self.cached_details = cached_details    # usage.prompt_tokens_details.cached_tokens
 
     @staticmethod
     def nothing_generated(c):
@@ -392,7 +396,7 @@ class Shape:
             k = o.request_id
             firsts.setdefault(self._prompt_of(k), o)
         cached = sum((o.num_cached_tokens or 0) for o in firsts.values())
-        return usage(sum(self.prompt_lens), completion, cached)
+        return usage(sum(self.prompt_lens), completion, cached if self.cached_details else None)
 
     def _prompt_of(self, request_id: str) -> int:
         if self.num_choices == 1:
