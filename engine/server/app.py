@@ -14,7 +14,8 @@ Completions take one prompt or several (text or token ids), `n` choices each, `e
 `return_token_ids` and `return_tokens_as_token_ids`. Streaming is Server-Sent Events
 (`stream: true`); `stream_options.include_usage` adds a last chunk with usage, and
 `continuous_usage_stats` puts usage in every chunk. `usage.prompt_tokens_details.cached_tokens`
-counts prefix-cache hits.
+counts prefix-cache hits (unless `prompt_tokens_details` is off, as `servetwin serve` has it by
+default, like vLLM).
 
 A request's arrival is stamped when the HTTP request is received: under `servetwin serve`, when
 uvicorn's parser meets its first bytes (engine/server/receipt.py); elsewhere, when its handler
