@@ -611,7 +611,12 @@ def test_what_if_validation_runs_every_setting_at_the_base_rates(tmp_path):
     assert saved["settings"]["engine"]["max_num_batched_tokens"] == 128  # the base, at the top level too
     d = next(x for x in wi["deltas"] if x["metric"] == "ttft_s.p50")
     assert d["setting"] == "max_num_batched_tokens=32" and d["sim_interval"][0] <= d["sim"] <= d["sim_interval"][1]
-    assert wi["summary"]["p50_p90_deltas"] == len([x for x in wi["deltas"] if x["metric"].endswith(("p50", "p90"))])
+    # the summary counts the p50/p90 changes at loads neither setting saturates (which loads do
+    # depends on the machine's speed during the capacity bursts: a busy machine saturated the
+    # 0.5 load of the small budget once)
+    counted = [x for x in wi["deltas"] if x["metric"].endswith(("p50", "p90")) and not x.get("saturated")]
+    assert wi["summary"]["p50_p90_deltas"] == len(counted)
+    assert wi["summary"]["within_10pp"] == sum(x["within_10pp"] for x in counted)
     assert (tmp_path / "val" / "whatif-deltas.png").stat().st_size > 1000
     assert (tmp_path / "val" / "cdf-max-num-batched-tokens-32-load0.4.png").exists()
     assert {d["load"] for d in wi["deltas"]} == {0.4, 0.5}
