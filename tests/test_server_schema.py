@@ -121,6 +121,11 @@ def test_completions_conform_plain_and_streamed(served, body):
     r = httpx.post(url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     _check(doc, "/v1/completions", 200, r.json())
+    # vLLM's extension fields are there, null when unused: its clients read them as attributes
+    for choice in r.json()["choices"]:
+        assert {"stop_reason", "prompt_logprobs", "token_ids", "prompt_token_ids"} <= set(choice)
+        assert (choice["prompt_logprobs"] is None) == (body.get("prompt_logprobs") is None)
+        assert (choice["token_ids"] is None) == (not body.get("return_token_ids"))
     if not (body.get("echo") and body.get("logprobs") is not None):
         # OpenAI's own types (required fields, enums). An echoed prompt's first token has no
         # logprob: null, as OpenAI's legacy API and vLLM (whose tests check it) answer, where the
@@ -141,7 +146,8 @@ def test_chat_conforms_plain_and_streamed(served, body):
     msg = r.json()["choices"][0]["message"]
     assert msg["refusal"] is None and msg["role"] == "assistant"
     _check(doc, "/v1/chat/completions", 200, r.json())
-    openai.types.chat.ChatCompletion.model_validate(r.json())
+    sdk = openai.types.chat.ChatCompletion.model_validate(r.json())
+    assert all(c.stop_reason is None or isinstance(c.stop_reason, (int, str)) for c in sdk.choices)
     chunk = _validator(doc, _documented(doc, "/v1/chat/completions", "post", 200, "text/event-stream"))
     chunks = _sse(url, "/v1/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
     for c in chunks:

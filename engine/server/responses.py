@@ -5,8 +5,10 @@ models describe those dicts, field for field: a field the server sends and these
 an error (extra="forbid"), so the document cannot drift from the answers unnoticed.
 
 Nullable fields are present with null where OpenAI's schemas require them (a chat message's
-`refusal`, a choice's `logprobs`), as vLLM sends them. vLLM's extensions (prompt_logprobs,
-token ids, stop_reason) appear only when asked for or set."""
+`refusal`, a choice's `logprobs`), as vLLM sends them. vLLM's extensions of a choice
+(stop_reason, token ids, a completion's prompt_logprobs) are present in an answer, null when
+unused, as vLLM's are; in a stream they come only when set (stop_reason on a choice's last
+chunk)."""
 from __future__ import annotations
 
 from typing import Literal
@@ -58,7 +60,7 @@ PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 class _Extensions(_Body):
     stop_reason: int | str | None = Field(None, description="the stop string or token id that ended the "
-                                                              "choice (vLLM); absent otherwise")
+                                                              "choice (vLLM); null otherwise")
     prompt_logprobs: PromptLogprobs | None = Field(None, description="with prompt_logprobs (or echo with logprobs)")
     token_ids: list[int] | None = Field(None, description="with return_token_ids: the generated token ids")
 

@@ -359,20 +359,19 @@ class Shape:
             lp = {k: head[k] + lp[k] for k in lp}
         elif c.logprobs is not None:
             lp = self.logprobs(c.logprobs, self.echo_len(i))
-        choice = {"index": i, "finish_reason": c.finish_reason, "logprobs": lp}
-        if self.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = self.vllm_prompt_logprobs(prompt_lps)
+        # vLLM's extension fields are present, null when unused (its clients and tests read them
+        # as attributes); chat leaves out prompt_logprobs unless asked, as vLLM's chat does
+        choice = {"index": i, "finish_reason": c.finish_reason, "logprobs": lp, "stop_reason": c.stop_reason}
+        if self.prompt_logprobs is not None or not self.chat:
+            choice["prompt_logprobs"] = (self.vllm_prompt_logprobs(prompt_lps) if self.prompt_logprobs is not None
+                                         else None)
         head = self.echo[i // self.n] if self.echo is not None else ""
         if self.chat:
             choice["message"] = {"role": "assistant", "content": head + c.text, "refusal": None, "tool_calls": []}
         else:
             choice["text"] = head + c.text
-        if self.prompt_ids is not None:
-            if not self.chat:
-                choice["prompt_token_ids"] = self.prompt_ids[i // self.n]
-            choice["token_ids"] = list(c.token_ids)
-        if c.stop_reason is not None:
-            choice["stop_reason"] = c.stop_reason
+            choice["prompt_token_ids"] = self.prompt_ids[i // self.n] if self.prompt_ids is not None else None
+        choice["token_ids"] = list(c.token_ids) if self.prompt_ids is not None else None
         return choice
 
     def delta(self, i: int, text: str, c, lp, token_ids: list[int] | None = None, first: bool = False) -> dict:
@@ -385,6 +384,8 @@ class Shape:
             out["token_ids"] = token_ids
             if first and not self.chat:
                 out["prompt_token_ids"] = self.prompt_ids[i // self.n]
+        if c.finish_reason is not None:  # vLLM's last chunk of a choice says what stopped it
+            out["stop_reason"] = c.stop_reason
         return out
 
     def usage(self, outs) -> dict:
