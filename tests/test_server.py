@@ -364,6 +364,9 @@ def test_openai_defaults_and_stream_details_as_vllm_has_them(served, client):
             bodies.append([json.loads(line[6:]) for line in s.iter_lines()
                            if line.startswith("data: ") and line != "data: [DONE]"])
     assert not any("usage" in b for b in bodies[0])
+    with httpx.stream("POST", url + "/v1/completions", json={**kw, "stream_options": {"include_usage": None}},
+                      timeout=60) as s:  # null is vLLM's "not set": no usage, not a 400
+        assert s.status_code == 200 and not any('"usage"' in line for line in s.iter_lines())
     with_usage = bodies[1]
     assert all(b.get("usage") for b in with_usage)          # every chunk, the counts so far
     done = [b["usage"]["completion_tokens"] for b in with_usage]

@@ -156,8 +156,8 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: bool | None = False           # null: false (vLLM's fields are optional)
+    continuous_usage_stats: bool | None = False
 
 
 class _Common(_Strict):
