@@ -226,10 +226,7 @@ class _Common(_Strict):
 
     def check_allowed_ids(self, vocab_size: int) -> None:
         """allowed_token_ids within the vocabulary, or a 400 naming it."""
-        bad = [t for t in self.allowed_token_ids or () if t >= vocab_size]
-        if bad:
-            raise APIError(400, f"allowed_token_ids: token id {bad[0]} is out of vocabulary (not in "
-                                f"[0, {vocab_size}))", "allowed_token_ids")
+        token_ids(self.allowed_token_ids or [], vocab_size, "allowed_token_ids")
 
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
         """The prompt's ids cut to their last truncate_prompt_tokens (-1: max_model_len), as vLLM."""
@@ -314,7 +311,7 @@ class CompletionRequest(_Common):
             raise APIError(400, f"prompt={_short(p)}: must be a string, a list of token ids, or a "
                                 "non-empty list of either", "prompt")
         if all(_is_int(t) for t in p):
-            return [_token_ids(p, vocab_size, "prompt")]
+            return [token_ids(p, vocab_size, "prompt")]
         if any(isinstance(t, (int, float)) for t in p):  # meant as token ids, one is not
             i = next(i for i, t in enumerate(p) if not _is_int(t))
             raise APIError(400, f"prompt[{i}]={_short(p[i])}: a token id must be an integer", f"prompt[{i}]")
@@ -323,7 +320,7 @@ class CompletionRequest(_Common):
             if isinstance(q, str):
                 out.append(q)
             elif isinstance(q, list) and q and all(_is_int(t) for t in q):
-                out.append(_token_ids(q, vocab_size, f"prompt[{i}]"))
+                out.append(token_ids(q, vocab_size, f"prompt[{i}]"))
             else:
                 raise APIError(400, f"prompt[{i}]={_short(q)}: must be a string or a non-empty list of "
                                     "token ids", f"prompt[{i}]")
@@ -373,16 +370,6 @@ class _ChatFields(_Common):
     # templated text gets the tokenizer's special tokens too (the template writes its own)
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
-
-    def template_kwargs(self) -> dict:
-        """chat_template_kwargs, without the names the server sets itself (a 400 naming one)."""
-        kw = dict(self.chat_template_kwargs or {})
-        for name in ("conversation", "messages", "add_generation_prompt", "continue_final_message",
-                     "tokenize", "chat_template", "tools", "documents"):
-            if name in kw:
-                raise APIError(400, f"chat_template_kwargs.{name}: set by the server (or not supported)",
-                               f"chat_template_kwargs.{name}")
-        return kw
 
     def conversations(self) -> list[list[ChatMessage]]:
         raise NotImplementedError
@@ -450,13 +437,27 @@ class TokenizeRequest(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
-    def template_kwargs(self) -> dict:
-        return _ChatFields.template_kwargs(self)
 
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[I64]
+
+
+def template_kwargs(req) -> dict:
+    """A chat or tokenize request's chat_template_kwargs, after vLLM's checks: not both
+    add_generation_prompt and continue_final_message, and none of the names the server sets
+    itself (each a 400 naming the field)."""
+    if req.add_generation_prompt and req.continue_final_message:
+        raise APIError(400, "continue_final_message: not with add_generation_prompt=true (set it false)",
+                       "continue_final_message")
+    kw = dict(req.chat_template_kwargs or {})
+    for name in ("conversation", "messages", "add_generation_prompt", "continue_final_message",
+                 "tokenize", "chat_template", "tools", "documents"):
+        if name in kw:
+            raise APIError(400, f"chat_template_kwargs.{name}: set by the server (or not supported)",
+                           f"chat_template_kwargs.{name}")
+    return kw
 
 
 def validate_model(cls, body: dict):
@@ -475,7 +476,8 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _token_ids(ids: list, vocab_size: int, name: str) -> list[int]:
+def token_ids(ids: list, vocab_size: int, name: str) -> list[int]:
+    """`ids` if each is in [0, vocab_size), else a 400 naming the field (vLLM's words)."""
     for t in ids:
         if not 0 <= t < vocab_size:
             raise APIError(400, f"{name}: token id {t} is out of vocabulary (not in [0, {vocab_size}))", name)

@@ -6,7 +6,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.server.context import ServerContext, _apply_template, _encode
-from engine.server.protocol import APIError, DetokenizeRequest, TokenizeRequest, now_s, validate_model
+from engine.server.protocol import (APIError, DetokenizeRequest, TokenizeRequest, now_s, template_kwargs,
+                                    token_ids, validate_model)
 
 VERSION = "0.1.0"
 
@@ -77,10 +78,7 @@ def add_misc_routes(app: FastAPI, ctx: ServerContext) -> None:
         else:
             conv = [{"role": m.role, "content": m.text(f"messages[{i}]")} for i, m in enumerate(req.messages)]
             check_chars("".join(m["content"] for m in conv), "messages")
-            if req.add_generation_prompt and req.continue_final_message:
-                raise APIError(400, "continue_final_message: not with add_generation_prompt=true",
-                               "continue_final_message")
-            kw = req.template_kwargs()
+            kw = template_kwargs(req)
             try:
                 _, ids = await pool.run(_apply_template, conv, req.add_generation_prompt, req.continue_final_message,
                                         kw, bool(req.add_special_tokens))
@@ -96,8 +94,5 @@ def add_misc_routes(app: FastAPI, ctx: ServerContext) -> None:
             raise APIError(404, f"model={req.model!r}: no such model", "model", code="model_not_found")
         if tokenizer is None:
             raise APIError(400, "tokens: this model has no tokenizer", "tokens")
-        bad = [t for t in req.tokens if not 0 <= t < vocab_size]
-        if bad:
-            raise APIError(400, f"tokens: token id {bad[0]} is out of vocabulary (not in [0, {vocab_size}))",
-                           "tokens")
+        token_ids(req.tokens, vocab_size, "tokens")
         return {"prompt": await pool.run(lambda tok: tok.decode(req.tokens))}

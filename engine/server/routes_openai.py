@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.server.async_engine import Child, EngineDead, RequestFailed
 from engine.server.context import ServerContext, _apply_template, _encode, _field_of
-from engine.server.protocol import APIError, BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest, now_s, usage
+from engine.server.protocol import (APIError, BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest,
+                                    now_s, template_kwargs, usage)
 from engine.server.receipt import received_elapsed_s
 
 
@@ -62,9 +63,6 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
             raise APIError(400, f"model={req.model!r} has no chat template", "model")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
-        if req.add_generation_prompt and req.continue_final_message:  # vLLM's rule
-            raise APIError(400, "continue_final_message: not with add_generation_prompt=true (set it false)",
-                           "continue_final_message")
         if batch and req.stream:
             raise APIError(400, "stream: a batch of conversations is not streamed", "stream")
         if batch and req.return_token_ids:
@@ -72,14 +70,12 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         convs = req.chat_turns()
         for k, conv in enumerate(convs):
             check_chars("".join(m["content"] for m in conv), f"messages[{k}]" if batch else "messages")
+        kw = template_kwargs(req)
         try:
-            kw = req.template_kwargs()
             templated = await pool.run(lambda tok: [_apply_template(tok, conv, req.add_generation_prompt,
                                                                      req.continue_final_message, kw,
                                                                      req.add_special_tokens)
                                                     for conv in convs])
-        except APIError:
-            raise
         except Exception as e:  # the template refused a conversation (e.g. role order)
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
         rid = request_id(request, "chatcmpl")
