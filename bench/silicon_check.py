@@ -54,6 +54,11 @@ MODELS = {"meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b", "meta-llama/Llama-
           "Qwen/Qwen3-32B": "qwen3-32b"}
 DEVICES = {"h100_sxm": "h100-sxm", "h200_sxm": "h200", "b200_sxm": "b200"}
 QUANT = {"": "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block"}
+# Rows that ran a model's own checkpoint in its native 4-bit experts, by the label the sample
+# gives them: OpenAI's gpt-oss checkpoints hold only MXFP4 experts (the sample labels every 4-bit
+# row nvfp4), Kimi-K2.5's its int4 experts (int4_wo). These run as the checkpoint ships
+# (weight_dtype None: the catalog's dtypes); other 4-bit rows (NVFP4 checkpoints) are skipped.
+NATIVE_4BIT = {"gpt-oss-120b": "nvfp4", "gpt-oss-20b": "nvfp4", "kimi-k2.5": "int4_wo"}
 
 
 def default_csv() -> str | None:
@@ -93,11 +98,12 @@ def model_name(path: str) -> str | None:
 
 def usable(r: dict) -> dict | None:
     """The simulator's case for a row, or None (disaggregated, pipeline parallel, attention DP of a
-    dense model, fp4/int4, an unknown model or GPU)."""
+    dense model, fp4/int4 other than a checkpoint's native experts, an unknown model or GPU)."""
     if r["mode"] != "agg" or model_name(r["model_path"]) is None or r["system"] not in DEVICES:
         return None
     q = r["gemm_quant_mode"].strip()
-    if q not in QUANT:
+    native = NATIVE_4BIT.get(model_name(r["model_path"])) == q
+    if q not in QUANT and not native:
         return None
     if float(r["pp_size"] or 1) != 1:
         return None
@@ -109,7 +115,7 @@ def usable(r: dict) -> dict | None:
     if not (ttft > 0 and tpot > 0):
         return None
     case = {"backend": r["backend"], "system": r["system"], "model": model_name(r["model_path"]),
-            "weight_dtype": QUANT[q], "tp": tp, "concurrency": conc, "isl": int(r["isl"]),
+            "weight_dtype": None if native else QUANT[q], "tp": tp, "concurrency": conc, "isl": int(r["isl"]),
             "osl": int(r["osl"]), "ttft_ms": ttft, "tpot_ms": tpot, "source": source_family(r)}
     if float(r.get("moe_ep_size") or 1) > 1:  # vLLM's --enable-expert-parallel
         case["expert_parallel"] = True
@@ -149,13 +155,24 @@ PROTOCOLS = {"inferencemax": {"min_ratio": 0.8, "prompts_per_slot": 10, "warmup"
 # "Server Configurations"): `vllm serve ... --max-num-seqs $CONC --max-num-batched-tokens 8192
 # --async-scheduling --no-enable-prefix-caching`, and on B200 also `--kv-cache-dtype fp8` (H200:
 # the bf16 default). Other rows: vLLM's defaults (the scenario's).
-def server(case: dict) -> tuple[dict, dict]:
-    """(deployment extras, scheduler settings) of the row's server."""
+# Per model and GPU, where InferenceMAX's recipe for it departs from the above (its
+# benchmarks/<model>_<precision>_<gpu>.sh): `max_num_seqs` None keeps $CONC,
+# `cudagraph_max_tokens` is its --max-cudagraph-capture-size (vLLM's default: 512).
+RECIPES = {
+    ("gpt-oss-120b", "b200_sxm"): {"max_num_seqs": 512, "cudagraph_max_tokens": 2048},
+}
+
+
+def server(case: dict) -> tuple[dict, dict, dict]:
+    """(deployment extras, scheduler settings, cost-model overheads) of the row's server."""
     if case["source"] == "inferencemax" and case["backend"] == "vllm":
         dep = {"kv_dtype": "fp8"} if case["system"] == "b200_sxm" else {}
-        return dep, {"max_num_seqs": case["concurrency"], "max_num_batched_tokens": 8192,
-                     "enable_prefix_caching": False}
-    return {}, {}
+        r = RECIPES.get((case["model"], case["system"]), {})
+        sched = {"max_num_seqs": r.get("max_num_seqs") or case["concurrency"], "max_num_batched_tokens": 8192,
+                 "enable_prefix_caching": False}
+        ovh = {"cudagraph_max_tokens": r["cudagraph_max_tokens"]} if "cudagraph_max_tokens" in r else {}
+        return dep, sched, ovh
+    return {}, {}, {}
 
 
 def scenario_data(case: dict, prompts_per_slot: int = 4, cost_model: dict | None = None,
@@ -170,10 +187,10 @@ def scenario_data(case: dict, prompts_per_slot: int = 4, cost_model: dict | None
         bench["min_ratio"] = proto["min_ratio"]
     elif range_ratio:
         bench["range_ratio"] = range_ratio
-    dep, sched = server(case) if recipe else ({}, {})
+    dep, sched, ovh = server(case) if recipe else ({}, {}, {})
     data = {"name": "silicon-check", "seed": 0,
             "deployment": {"model": case["model"], "device": DEVICES[case["system"]], "tp": case["tp"],
-                           "weight_dtype": case["weight_dtype"], **dep,
+                           **({"weight_dtype": case["weight_dtype"]} if case["weight_dtype"] else {}), **dep,
                            **({"expert_parallel": True} if case.get("expert_parallel") else {}),
                            **({"data_parallel": case["data_parallel"]} if case.get("data_parallel") else {})},
             "workload": {"benchmark": bench}}
@@ -181,6 +198,9 @@ def scenario_data(case: dict, prompts_per_slot: int = 4, cost_model: dict | None
         data["scheduler"] = sched
     if cost_model:
         data["cost_model"] = cost_model
+    if ovh and data.get("cost_model", {}).get("type", "kernels") == "kernels":
+        cm = data.setdefault("cost_model", {"type": "kernels"})
+        cm["overheads"] = {**ovh, **cm.get("overheads", {})}
     return data
 
 
@@ -221,7 +241,7 @@ def aisimulate_config(case: dict, data: dict, tmp: Path) -> Path:
     trace = tmp / "trace.jsonl"
     write_mooncake_trace(trace, wl, timestamps=False)  # replayed at the row's concurrency
     timing = {}
-    if AIS_QUANT[case["weight_dtype"]]:
+    if AIS_QUANT.get(case["weight_dtype"]):
         timing["gemm_quant_mode"] = AIS_QUANT[case["weight_dtype"]]
     if data["deployment"].get("kv_dtype") == "fp8":
         timing["kvcache_quant_mode"] = "fp8"
@@ -305,7 +325,7 @@ def main(argv=None) -> None:
         cases = [c for c in cases if c["system"] in a.system]
     if a.max_osl:
         cases = [c for c in cases if c["osl"] <= a.max_osl]
-    cases.sort(key=lambda c: (c["backend"], c["system"], c["model"], c["weight_dtype"], c["tp"],
+    cases.sort(key=lambda c: (c["backend"], c["system"], c["model"], c["weight_dtype"] or "", c["tp"],
                               c["concurrency"], c["isl"], c["osl"]))
     if a.max_rows and len(cases) > a.max_rows:
         step = len(cases) / a.max_rows

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from engine.core.features import BatchFeatures
-from sim.specs import DeviceSpec, ModelSpec, get_device, get_model
+from sim.specs import WEIGHT_ONLY_4BIT, DeviceSpec, ModelSpec, get_device, get_model
 
 PROFILE_FORMAT = "servetwin-profile/1"
 PROFILES_DIR = Path(__file__).parent / "profiles"
@@ -207,7 +207,7 @@ class AnalyticCostModel(CostModel):
         # Routed experts: bytes of all of them on this GPU, FLOPs per token (top-k experts).
         self._expert_s = m.expert_weight_bytes_per_gpu(tp) / (d.mem_bandwidth * e.bandwidth)
         edt = m.expert_dtype or m.weight_dtype
-        epeak = d.peak_flops("bfloat16" if edt in ("mxfp4", "int4") else edt)
+        epeak = d.peak_flops("bfloat16" if edt in WEIGHT_ONLY_4BIT else edt)
         self._expert_flop_s = (2 * m.num_moe_layers * m.num_experts_per_tok
                                * sum(n * k for n, k in m.expert_gemms(tp).values()) / (epeak * e.flops)) if m.is_moe else 0.0
         self._attn_time_per_pair = 4 * m.num_layers * m.num_heads * m.head_dim / tp / (d.flops * e.attention_flops)

@@ -33,7 +33,7 @@ import numpy as np
 
 from engine.core.features import BatchFeatures
 from sim.cost_model import PROFILE_FORMAT, CostModel, FittedCostModel
-from sim.specs import EXPERT_DTYPE_BYTES, DeviceSpec, ModelSpec, get_device, get_model
+from sim.specs import EXPERT_DTYPE_BYTES, WEIGHT_ONLY_4BIT, DeviceSpec, ModelSpec, get_device, get_model
 
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "calibration" / "kernels"
 KV_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8"}
@@ -386,7 +386,7 @@ def _log_grid(lo: int, hi: int, per_octave: int = 4) -> list[int]:
 # ModelSpec expert dtype -> the weight format of the fused-MoE tables (fp8 per channel is timed
 # with the 128x128-block kernel's table: the same bytes and math; fp16 as bf16).
 MOE_FORMATS = {"bfloat16": "bf16", "float16": "bf16", "fp8_block": "fp8_block", "fp8": "fp8_block",
-               "mxfp4": "mxfp4", "int4": "int4"}
+               "mxfp4": "mxfp4", "int4": "int4", "int4_g32": "int4"}
 
 
 def _grouped_expert_gemms(m: ModelSpec, T: float, tp: int) -> list[tuple[float, int, int]]:
@@ -396,6 +396,34 @@ def _grouped_expert_gemms(m: ModelSpec, T: float, tp: int) -> list[tuple[float, 
     e = m.experts_touched(T)
     rows = max(1.0, T * m.num_experts_per_tok / e)
     return [(rows, e * n, k) for n, k in m.expert_gemms(tp).values()]
+
+
+def _uniform_routing(tab: dict, spec: ModelSpec, distribution: str):
+    """A fused-MoE table as a function of the step's tokens T under uniform random routing (what
+    ModelSpec.experts_touched assumes), from the distribution the table was measured with.
+
+    `balanced` (AIConfigurator's balanced_logits) spreads the T x k token rows over as many
+    experts as it can, min(E, T x k): at a given T it touches more experts than random routing,
+    which touches e(T) = E (1 - (1 - k/E)^T) on average, and a decode-sized step is the time to
+    stream the touched experts' weights. So the time at T is the table's at the token count where
+    balanced routing touches e(T) experts (e(T)/k), and at least the table's time at T scaled by
+    the share of experts touched, e(T) / min(E, T k) (the two agree where weights dominate; at
+    large T both routings touch every expert and the table is read as measured). Any other
+    distribution is read as measured. Returns (token axis, microseconds) for a Grid."""
+    grid = Grid(tab["values"], tab["us"], None)
+    if distribution != "balanced":
+        return tab["values"], tab["us"]
+    E, k = spec.num_experts, spec.num_experts_per_tok
+    lo, hi = tab["values"][0][0], tab["values"][0][-1]
+    ts = _log_grid(max(1, int(lo)), int(hi))
+    out = []
+    for T in ts:
+        e = spec.experts_touched(T)
+        t_eff = min(max(e / k, lo), T)
+        a, _ = grid(t_eff)
+        b, _ = grid(T)
+        out.append(max(a, b * e / min(E, T * k)))
+    return [ts], out
 
 
 def _nearest_moe_table(tables: dict, fmt: str, m: ModelSpec, moe_tp: int, moe_ep: int = 1):
@@ -502,7 +530,7 @@ class KernelCostModel(CostModel):
     # ------------------------------------------------------------------ rooflines
     def _gemm_roof(self, dtype: str) -> Callable[..., float]:
         d, m = self.device, self.model
-        sub_byte = dtype in ("mxfp4", "int4")  # weight-only formats: bf16 math after dequantizing
+        sub_byte = dtype in WEIGHT_ONLY_4BIT  # weight-only formats: bf16 math after dequantizing
         peak = d.peak_flops("bfloat16" if sub_byte else dtype)
         wb = EXPERT_DTYPE_BYTES[dtype] if sub_byte else (1 if dtype in ("fp8", "fp8_block") else 2)
         a = m.act_dtype_bytes
@@ -613,21 +641,21 @@ class KernelCostModel(CostModel):
                     ok &= ex
                 return tot, ok
             mt = (tables or {}).get("moe", {}).get("tables", {})
+            dist = (tables or {}).get("moe", {}).get("distribution", "")
             fmt = MOE_FORMATS.get(edt)
             mtp, mep = (1, self.moe_ranks) if self.expert_parallel else (self.moe_ranks, 1)
             key = f"{fmt}/{m.hidden_size}/{m.moe_intermediate_size}/{m.num_experts_per_tok}/{m.num_experts}/{mtp}/{mep}"
             if fmt and key in mt:
-                tab = mt[key]
-                self.g_moe = Grid(tab["values"], tab["us"], self._moe_roof)
+                self.g_moe = Grid(*_uniform_routing(mt[key], m, dist), self._moe_roof)
                 cov["moe"] = key
             else:
                 ref = _nearest_moe_table(mt, fmt, m, mtp, mep) if fmt else None
                 ts, moe, ok_m = _log_grid(1, 262144), [], []
                 if ref is not None:
                     rkey, rspec = ref
-                    tab = mt[rkey]
-                    rgrid = Grid(tab["values"], tab["us"], None)
-                    lo, hi = tab["values"][0][0], tab["values"][0][-1]
+                    vals, us = _uniform_routing(mt[rkey], rspec, dist)
+                    rgrid = Grid(vals, us, None)
+                    lo, hi = vals[0][0], vals[0][-1]
                     for T in ts:
                         q = min(max(T, lo), hi)
                         r, _ = rgrid(q)
@@ -917,6 +945,13 @@ class KernelCostModel(CostModel):
         out["allreduce"] = 0.0
         if self.g_ar is not None:
             out["allreduce"] = (2 * L + 1) * self._look("allreduce", self.g_ar, T * m.hidden_size)
+            if m.qk_norm_across_heads:
+                # per layer, the q/k norms' partial sums (2 fp32 = 4 bf16 elements per token),
+                # latency-bound: read no lower than the smallest measured message; and the extra
+                # kernel that splits the norm around it
+                smallest = self.g_ar.values[0][0]
+                out["allreduce"] += L * self._look("allreduce", self.g_ar, max(4.0 * T, smallest))
+                out["elementwise"] += L * self.ovh.elementwise_latency_s
         if len(self._memo_t) < 65536:
             self._memo_t[key] = (out, *self._delta(before))
         return out

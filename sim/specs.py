@@ -24,7 +24,9 @@ FP8 = ("fp8", "fp8_block")  # fp8_block: weights in 128x128 blocks with their ow
 # Sub-byte formats, for routed experts only (expert_dtype): bytes per weight with their scales.
 #   mxfp4  4-bit e2m1 values and one 8-bit e8m0 scale per 32 (gpt-oss): 0.5 + 1/32
 #   int4   4-bit weights in groups of 128 with a 16-bit scale (compressed-tensors w4a16): 0.5 + 2/128
-EXPERT_DTYPE_BYTES = {**DTYPE_BYTES, "mxfp4": 0.5 + 1 / 32, "int4": 0.5 + 2 / 128}
+#   int4_g32  the same in groups of 32 (Kimi-K2-Thinking, Kimi-K2.5): 0.5 + 2/32
+EXPERT_DTYPE_BYTES = {**DTYPE_BYTES, "mxfp4": 0.5 + 1 / 32, "int4": 0.5 + 2 / 128, "int4_g32": 0.5 + 2 / 32}
+WEIGHT_ONLY_4BIT = ("mxfp4", "int4", "int4_g32")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16", "float8": "fp8", "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8",
                   "e4m3": "fp8", "fp8_e5m2": "fp8", "auto": "bfloat16"}
@@ -56,6 +58,9 @@ class ModelSpec:
     kv_dtype: str = "bfloat16"       # KV cache
     act_dtype: str = "bfloat16"      # activations, all-reduce, embeddings, LM head, norms
     qk_norm: bool = False            # Qwen3: RMSNorm on q and k per head
+    # MiniMax-M2: the q and k RMSNorms run over all heads together, so under TP every layer
+    # all-reduces each token's partial sums of squares (two fp32 per token) between two kernels
+    qk_norm_across_heads: bool = False
     # Mixture of experts (all 0: a dense model). A MoE layer's MLP is a router over num_experts
     # routed experts of moe_intermediate_size, num_experts_per_tok of them per token, plus shared
     # experts that every token runs (shared_intermediate_size: all of them together); the other
@@ -65,7 +70,7 @@ class ModelSpec:
     moe_intermediate_size: int = 0
     shared_intermediate_size: int = 0
     num_moe_layers: int = 0
-    expert_dtype: str = ""           # routed experts' weights ("": weight_dtype; mxfp4, int4)
+    expert_dtype: str = ""           # routed experts' weights ("": weight_dtype; mxfp4, int4, int4_g32)
     attn_weight_dtype: str = ""      # attention projections ("": weight_dtype; bf16 in some fp8 checkpoints)
     # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; kv_lora_rank 0: none): the KV cache
     # holds one latent of kv_lora_rank + qk_rope_head_dim per token and layer, on every TP rank.
@@ -351,7 +356,8 @@ def _quantization(cfg: dict) -> tuple[str | None, str]:
         if bits == {8} and "float" in types:
             return "fp8", ""
         if bits == {4} and types <= {"int", None}:
-            return None, "int4"
+            sizes = {(g.get("weights") or {}).get("group_size") for g in groups.values() if isinstance(g, dict)}
+            return None, ("int4_g32" if sizes == {32} else "int4")
     raise ValueError(f"config.json quantization_config.quant_method={q.get('quant_method')!r}: "
                      "a weight format ServeTwin does not know (known: fp8 per channel or 128x128 "
                      "blocks, mxfp4 experts, compressed-tensors fp8 or int4 experts)")
@@ -426,7 +432,8 @@ def hf_config_fields(cfg: dict) -> dict:
                   num_sliding_layers=sum(t == "sliding_attention" for t in types),
                   attn_weight_dtype=torch_dtype if edtype else "")
     elif mt == "minimax_m2":
-        kw.update(num_experts=_need(cfg, "num_local_experts", w), moe_intermediate_size=_need(cfg, "intermediate_size", w),
+        kw.update(qk_norm=True, qk_norm_across_heads=True,
+                  num_experts=_need(cfg, "num_local_experts", w), moe_intermediate_size=_need(cfg, "intermediate_size", w),
                   shared_intermediate_size=cfg.get("shared_intermediate_size") or 0, num_moe_layers=L)
     else:  # llama4 / llama4_text: MoE every interleave_moe_layer_step layers, one shared expert
         step = cfg.get("interleave_moe_layer_step") or 1
@@ -503,8 +510,15 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
               num_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, shared_intermediate_size=2048,
               num_moe_layers=60, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
               q_lora_rank=1536),
+    # Kimi-K2.5 (and K2-Thinking): K2's text model as its checkpoint ships it, the routed experts
+    # int4 weight-only (compressed-tensors, groups of 32), everything else 16-bit
+    ModelSpec("kimi-k2.5", 61, 7168, 64, 64, 192, 18432, 163840, False, 262144, expert_dtype="int4_g32",
+              num_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, shared_intermediate_size=2048,
+              num_moe_layers=60, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+              q_lora_rank=1536),
     ModelSpec("minimax-m2", 62, 3072, 48, 8, 128, 1536, 200064, False, 196608, weight_dtype="fp8_block",
-              qk_norm=True, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=1536, num_moe_layers=62),
+              qk_norm=True, qk_norm_across_heads=True, num_experts=256, num_experts_per_tok=8,
+              moe_intermediate_size=1536, num_moe_layers=62),
     ModelSpec("llama-4-scout-17b-16e", 48, 5120, 40, 8, 128, 16384, 202048, False, 10485760, qk_norm=True,
               num_experts=16, num_experts_per_tok=1, moe_intermediate_size=8192, shared_intermediate_size=8192,
               num_moe_layers=48),
@@ -520,7 +534,7 @@ _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-
                   "mixtral-8x7b-v0.1": "mixtral-8x7b", "mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
                   "mixtral-8x22b-v0.1": "mixtral-8x22b", "mixtral-8x22b-instruct-v0.1": "mixtral-8x22b",
                   "deepseek-r1": "deepseek-v3", "deepseek-v3-0324": "deepseek-v3", "minimax-m2.5": "minimax-m2",
-                  "llama-4-scout": "llama-4-scout-17b-16e", "qwen3-30b-a3b-thinking": "qwen3-30b-a3b"}
+                  "llama-4-scout": "llama-4-scout-17b-16e", "kimi-k2-thinking": "kimi-k2.5", "qwen3-30b-a3b-thinking": "qwen3-30b-a3b"}
 
 DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
     DeviceSpec("h100-sxm", 81559 * MiB, 3.35e12, 989e12, 450e9, fp8_flops=1979e12, kernel_tables="h100_sxm"),

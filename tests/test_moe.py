@@ -91,12 +91,36 @@ def test_deepseek_v3_weights_and_latent_kv_by_hand():
     assert m.kv_bytes_per_token == m.kv_bytes_per_token_per_gpu(8) == L * (512 + 64) * 2
 
 
+def test_kimi_k2_5_int4_experts_in_groups_of_32_by_hand():
+    # Kimi-K2.5 / K2-Thinking ship their routed experts as compressed-tensors int4 in groups of 32
+    # (a 16-bit scale each) and everything else in bf16
+    cfg = {**DEEPSEEK_V3, "model_type": "kimi_k2", "n_routed_experts": 384, "first_k_dense_replace": 1,
+           "num_attention_heads": 64, "num_key_value_heads": 64, "vocab_size": 163840,
+           "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+               "weights": {"num_bits": 4, "type": "int", "group_size": 32, "strategy": "group"}}}}}
+    m = ModelSpec.from_hf_config(cfg)
+    assert (m.weight_dtype, m.expert_dtype) == ("bfloat16", "int4_g32")
+    assert m.weight_bytes == get_model("moonshotai/Kimi-K2.5").weight_bytes
+    L, h, H = 61, 7168, 64
+    attn = (h * 1536 + 1536 * H * 192 + h * (512 + 64) + 512 * H * (128 + 128) + H * 128 * h)
+    experts = 60 * 384 * 3 * h * 2048
+    other = L * attn + 3 * h * 18432 + 60 * 3 * h * 2048 + 60 * h * 384 + (2 * L + 1) * h + L * (512 + 1536) \
+        + 2 * 163840 * h
+    assert m.weight_bytes == int(experts * (0.5 + 2 / 32) + 2 * other)
+    assert 590e9 < m.weight_bytes < 600e9                    # the published checkpoint: about 594 GB
+    # groups of 128 (the other int4 checkpoints) carry a quarter of the scales
+    g128 = {**cfg, "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "weights": {"num_bits": 4, "type": "int", "group_size": 128}}}}}
+    assert ModelSpec.from_hf_config(g128).expert_dtype == "int4"
+
+
 @pytest.mark.parametrize("name, family", [
     ("Qwen/Qwen3-30B-A3B", "qwen3-30b-a3b"), ("Qwen/Qwen3-235B-A22B-FP8", "qwen3-235b-a22b"),
     ("mistralai/Mixtral-8x7B-Instruct-v0.1", "mixtral-8x7b"), ("mistralai/Mixtral-8x22B-v0.1", "mixtral-8x22b"),
     ("openai/gpt-oss-20b", "gpt-oss-20b"), ("openai/gpt-oss-120b", "gpt-oss-120b"),
     ("deepseek-ai/DeepSeek-V3", "deepseek-v3"), ("deepseek-ai/DeepSeek-R1", "deepseek-v3"),
     ("moonshotai/Kimi-K2-Instruct", "kimi-k2"), ("MiniMaxAI/MiniMax-M2", "minimax-m2"),
+    ("moonshotai/Kimi-K2.5", "kimi-k2.5"), ("moonshotai/Kimi-K2-Thinking", "kimi-k2.5"),
     ("meta-llama/Llama-4-Scout-17B-16E-Instruct", "llama-4-scout-17b-16e")])
 def test_moe_catalog_names(name, family):
     m = get_model(name)
@@ -188,6 +212,47 @@ def test_kernel_model_reads_the_fused_moe_table_of_the_shape():
     # 2 of 8 experts at one token, nearly all at 64: the measured kernel grows, but less than 4x
     assert 1.5 < k.breakdown(f)["moe"] / k.breakdown(f1)["moe"] < 4.5
     assert KernelCostModel("llama-3.1-8b", "h100").breakdown(f)["moe"] == 0.0
+
+
+def test_a_balanced_moe_table_is_read_for_uniform_random_routing():
+    # A table measured with balanced routing (AIConfigurator's balanced_logits: T tokens x k spread
+    # over min(E, T k) experts), here one whose time is the weights of the experts it touches,
+    # 10 us each. Random routing touches e(T) = E (1 - (1 - k/E)^T) of them: so 10 e(T) us.
+    from sim.kernel_model import _uniform_routing
+    spec = ModelSpec("toy", 2, 64, 4, 4, 16, 128, 100, num_experts=64, num_experts_per_tok=4,
+                     moe_intermediate_size=32, num_moe_layers=2)
+    ts = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    tab = {"values": [ts], "us": [10.0 * min(64, 4 * t) for t in ts]}
+    (axis,), us = _uniform_routing(tab, spec, "balanced")
+    got = dict(zip(axis, us))
+    for T in (2, 4, 8, 16, 64, 256):
+        assert got[T] == pytest.approx(10.0 * spec.experts_touched(T), rel=1e-9)
+        assert got[T] <= 10.0 * min(64, 4 * T)              # never more than balanced routing
+    assert got[256] == pytest.approx(640.0, rel=0.01)       # a big batch touches them all either way
+    # a table measured with another routing is read as measured
+    assert _uniform_routing(tab, spec, "power_law_1.01") == (tab["values"], tab["us"])
+
+
+def test_minimax_norms_q_and_k_across_the_tp_group():
+    # MiniMax-M2's q/k RMSNorm spans all heads: under TP each layer all-reduces the per-token sums
+    # of squares (vLLM's MiniMaxText01RMSNormTP), one more small all-reduce per layer; none at TP 1
+    import dataclasses
+    m = get_model("MiniMaxAI/MiniMax-M2.5")
+    assert m.qk_norm_across_heads
+    assert ModelSpec.from_hf_config({"architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2",
+                                     "hidden_size": 3072, "intermediate_size": 1536, "num_attention_heads": 48,
+                                     "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 62,
+                                     "num_local_experts": 256, "num_experts_per_tok": 8,
+                                     "vocab_size": 200064}).qk_norm_across_heads
+    plain = dataclasses.replace(m, qk_norm_across_heads=False, name="minimax-plain")
+    f = BatchFeatures(num_reqs=4, num_decode_reqs=4, decode_context_tokens=4 * 1000)
+    for tp in (2, 4):
+        k, p = KernelCostModel(m, "b200", tp), KernelCostModel(plain, "b200", tp)
+        extra = k.breakdown(f)["allreduce"] - p.breakdown(f)["allreduce"]
+        smallest = k.g_ar.us[0] * 1e-6                      # 16 bytes a token: the latency floor
+        assert extra == pytest.approx(62 * smallest, rel=1e-6)
+        assert k.breakdown(f)["elementwise"] - p.breakdown(f)["elementwise"] == pytest.approx(62 * 1.5e-6)
+    assert KernelCostModel(m, "b200", 1, tables=None).breakdown(f) == KernelCostModel(plain, "b200", 1, tables=None).breakdown(f)
 
 
 def test_an_unmeasured_moe_shape_is_scaled_from_the_nearest_and_counted():

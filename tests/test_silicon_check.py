@@ -55,6 +55,15 @@ def test_a_row_becomes_its_case_and_unsupported_rows_are_skipped():
     assert sc.usable(row(model_path="google/gemma-3-27b-it")) is None      # not in the catalog
     assert sc.usable(row(mode="disagg")) is None
     assert sc.usable(row(gemm_quant_mode="nvfp4")) is None
+    # a checkpoint that ships 4-bit experts runs as it ships: gpt-oss (MXFP4; the sample labels
+    # its rows nvfp4) and Kimi-K2.5 (int4 groups of 32); an NVFP4 row of another model does not run
+    oss = sc.usable(row(model_path="openai/gpt-oss-120b", gemm_quant_mode="nvfp4"))
+    assert oss["model"] == "gpt-oss-120b" and oss["weight_dtype"] is None
+    assert "weight_dtype" not in sc.scenario_data(oss)["deployment"]
+    kimi = sc.usable(row(model_path="moonshotai/Kimi-K2.5", gemm_quant_mode="int4_wo", tp_size="8"))
+    assert kimi["model"] == "kimi-k2.5" and kimi["weight_dtype"] is None
+    assert sc.usable(row(model_path="moonshotai/Kimi-K2.5", gemm_quant_mode="nvfp4")) is None
+    assert sc.usable(row(model_path="MiniMaxAI/MiniMax-M2.5", gemm_quant_mode="nvfp4")) is None
     assert sc.usable(row(attention_dp_size="2")) is None                   # dense: DP is replicas
     dp = sc.usable(row(model_path="MiniMaxAI/MiniMax-M2.5", tp_size="4", attention_dp_size="4",
                        moe_ep_size="16", moe_tp_size="1"))
