@@ -151,28 +151,48 @@ PROTOCOLS = {"inferencemax": {"min_ratio": 0.8, "prompts_per_slot": 10, "warmup"
              "gap-analysis": FIXED, "fixed": FIXED}
 
 
-# The server each source ran, where its recipe is public. InferenceMAX's vLLM recipes (its README,
-# "Server Configurations"): `vllm serve ... --max-num-seqs $CONC --max-num-batched-tokens 8192
-# --async-scheduling --no-enable-prefix-caching`, and on B200 also `--kv-cache-dtype fp8` (H200:
-# the bf16 default). Other rows: vLLM's defaults (the scenario's).
-# Per model and GPU, where InferenceMAX's recipe for it departs from the above (its
-# benchmarks/<model>_<precision>_<gpu>.sh): `max_num_seqs` None keeps $CONC,
-# `cudagraph_max_tokens` is its --max-cudagraph-capture-size (vLLM's default: 512).
+# The server each source ran, where its recipe is public. InferenceMAX's generic vLLM recipe (its
+# README, "Server Configurations"): `vllm serve ... --max-num-seqs $CONC --max-num-batched-tokens
+# 8192 --async-scheduling --no-enable-prefix-caching`, and on B200 also `--kv-cache-dtype fp8`.
+# Other rows: vLLM's defaults (the scenario's).
+GENERIC = {"max_num_seqs": None, "max_num_batched_tokens": 8192, "enable_prefix_caching": False,
+           "kv_dtype": {"b200_sxm": "fp8"}}
+# Per model, weights and GPU, where InferenceMAX's own script for it (benchmarks/<model>_<precision>_
+# <gpu>*.sh in the InferenceX repository) departs from the generic recipe. Keys as above, plus
+# `cudagraph_max_tokens` (its --max-cudagraph-capture-size; vLLM's default 512);
+# `max_num_seqs` None is $CONC; a `kv_dtype` of None is the checkpoint's (vLLM's default).
+# gptoss_fp4_{b200,h100,h200}*.sh: capture size 2048 on every GPU; B200 fp8 KV and 512 sequences.
+# Their MoE kernels are not all in the tables at gpt-oss's shape (B200's MXFP8-activation kernel,
+# Hopper's Marlin MXFP4): the tables' MXFP4 kernel with bf16 activations times them instead.
+_GPT_OSS = {"cudagraph_max_tokens": 2048, "kv_dtype": None}
 RECIPES = {
-    ("gpt-oss-120b", "b200_sxm"): {"max_num_seqs": 512, "cudagraph_max_tokens": 2048},
+    ("gpt-oss-120b", None, "b200_sxm"): {"max_num_seqs": 512, "cudagraph_max_tokens": 2048, "kv_dtype": "fp8"},
+    ("gpt-oss-120b", None, "h100_sxm"): _GPT_OSS,
+    ("gpt-oss-120b", None, "h200_sxm"): _GPT_OSS,
+    # 70b_fp8_{h100,h200}_slurm.sh: kv-cache-dtype fp8 on Hopper too.
+    ("llama-3.1-70b", "fp8", "h100_sxm"): {"kv_dtype": "fp8"},
+    ("llama-3.1-70b", "fp8", "h200_sxm"): {"kv_dtype": "fp8"},
+    # Not taken: minimaxm2.5_fp8_{b200,h100,h200}.sh as stored today (B200: vLLM's defaults with
+    # bf16 KV). The B200 rows were measured earlier (vLLM 0.19, 2026-04) with a KV cache that held
+    # 64 requests of 8192/1024 on TP2 with little queueing, which bf16 KV cannot (fp8 KV can): the
+    # script changed since, so MiniMax keeps the generic recipe.
+    # kimik2.5_int4_{b200,h200}.sh: vLLM's defaults (B200: max_num_seqs too).
+    ("kimi-k2.5", None, "b200_sxm"): {"max_num_seqs": 1024, "kv_dtype": None, "enable_prefix_caching": True},
+    ("kimi-k2.5", None, "h200_sxm"): {"kv_dtype": None, "enable_prefix_caching": True},
 }
 
 
 def server(case: dict) -> tuple[dict, dict, dict]:
     """(deployment extras, scheduler settings, cost-model overheads) of the row's server."""
-    if case["source"] == "inferencemax" and case["backend"] == "vllm":
-        dep = {"kv_dtype": "fp8"} if case["system"] == "b200_sxm" else {}
-        r = RECIPES.get((case["model"], case["system"]), {})
-        sched = {"max_num_seqs": r.get("max_num_seqs") or case["concurrency"], "max_num_batched_tokens": 8192,
-                 "enable_prefix_caching": False}
-        ovh = {"cudagraph_max_tokens": r["cudagraph_max_tokens"]} if "cudagraph_max_tokens" in r else {}
-        return dep, sched, ovh
-    return {}, {}, {}
+    if case["source"] != "inferencemax" or case["backend"] != "vllm":
+        return {}, {}, {}
+    r = {**GENERIC, **RECIPES.get((case["model"], case["weight_dtype"], case["system"]), {})}
+    kv = r["kv_dtype"].get(case["system"]) if isinstance(r["kv_dtype"], dict) else r["kv_dtype"]
+    sched = {"max_num_seqs": r["max_num_seqs"] or case["concurrency"],
+             "max_num_batched_tokens": r["max_num_batched_tokens"],
+             "enable_prefix_caching": r["enable_prefix_caching"]}
+    ovh = {"cudagraph_max_tokens": r["cudagraph_max_tokens"]} if "cudagraph_max_tokens" in r else {}
+    return ({"kv_dtype": kv} if kv else {}), sched, ovh
 
 
 def scenario_data(case: dict, prompts_per_slot: int = 4, cost_model: dict | None = None,
@@ -298,6 +318,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-rows", type=int, default=0, help="every k-th usable row to stay under N (0: all)")
     ap.add_argument("--backend", action="append", help="only these backends (repeatable)")
     ap.add_argument("--system", action="append", help="only these systems (repeatable)")
+    ap.add_argument("--model", action="append", help="only these models, by catalog name (repeatable)")
     ap.add_argument("--max-osl", type=int, default=0, help="skip rows with a longer OSL (speed)")
     ap.add_argument("--prompts-per-slot", type=int, default=4)
     ap.add_argument("--out", help="also write the per-row results (JSON)")
@@ -323,6 +344,8 @@ def main(argv=None) -> None:
         cases = [c for c in cases if c["backend"] in a.backend]
     if a.system:
         cases = [c for c in cases if c["system"] in a.system]
+    if a.model:
+        cases = [c for c in cases if c["model"] in a.model]
     if a.max_osl:
         cases = [c for c in cases if c["osl"] <= a.max_osl]
     cases.sort(key=lambda c: (c["backend"], c["system"], c["model"], c["weight_dtype"] or "", c["tp"],

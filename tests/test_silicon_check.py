@@ -109,3 +109,29 @@ def test_a_bf16_gap_analysis_row_runs_fixed_lengths_on_default_settings(tmp_path
     assert "timing" not in w                                              # bf16 weights and KV
     cfg = parse_scenario(data).scheduler_config
     assert w["scheduler"] == {"max_batched_tokens": cfg.max_num_batched_tokens, "max_sequences": cfg.max_num_seqs}
+
+
+def test_a_models_own_inferencemax_script_overrides_the_generic_recipe():
+    def settings(model_path, quant, system, conc=16):
+        case = sc.usable(row(model_path=model_path, gemm_quant_mode=quant, system=system, batch_size=str(conc)))
+        data = sc.scenario_data(case, protocol="auto")
+        return (data["deployment"].get("kv_dtype"), data["scheduler"],
+                data.get("cost_model", {}).get("overheads", {}))
+    # the generic recipe: $CONC sequences, budget 8192, no prefix caching, fp8 KV on B200 only
+    kv, sched, ovh = settings("meta-llama/Llama-3.1-70B", "fp8", "b200_sxm")
+    assert (kv, sched, ovh) == ("fp8", {"max_num_seqs": 16, "max_num_batched_tokens": 8192,
+                                        "enable_prefix_caching": False}, {})
+    # 70b_fp8_h200_slurm.sh asks for fp8 KV on Hopper as well
+    assert settings("meta-llama/Llama-3.1-70B", "fp8", "h200_sxm")[0] == "fp8"
+    # gpt-oss: CUDA graphs up to 2048 tokens on every GPU, in the kernel cost model's overheads
+    kv, sched, ovh = settings("openai/gpt-oss-120b", "nvfp4", "b200_sxm")
+    assert (kv, sched["max_num_seqs"], ovh) == ("fp8", 512, {"cudagraph_max_tokens": 2048})
+    kv, sched, ovh = settings("openai/gpt-oss-120b", "nvfp4", "h100_sxm")
+    assert (kv, sched["max_num_seqs"], ovh) == (None, 16, {"cudagraph_max_tokens": 2048})
+    scenario = parse_scenario(sc.scenario_data(sc.usable(row(model_path="openai/gpt-oss-120b",
+                                                             gemm_quant_mode="nvfp4", tp_size="2")),
+                                               protocol="auto"))
+    assert scenario.cost_model.base.ovh.cudagraph_max_tokens == 2048
+    # Kimi-K2.5 on B200: vLLM's defaults (the checkpoint's KV dtype, prefix caching on)
+    kv, sched, _ = settings("moonshotai/Kimi-K2.5", "int4_wo", "b200_sxm")
+    assert kv is None and sched["enable_prefix_caching"] is True and sched["max_num_seqs"] == 1024
