@@ -807,14 +807,7 @@ class KernelCostModel(CostModel):
             return 0.0
         L = self.model.num_layers
         tk = self._by_tokens(T)
-        att = 0.0
-        if f.num_prefill_reqs:
-            b = f.num_prefill_reqs
-            s = math.sqrt(2.0 * f.prefill_attn_pairs / b)
-            att += L * self._look("context_attention", self.g_ctx, b, max(s, 1.0))
-        if f.num_decode_reqs:
-            b = f.num_decode_reqs
-            att += L * self._look("generation_attention", self.g_gen, b, max(f.decode_context_tokens / b, 1.0))
+        att = self._attention(f)
         S = f.num_decode_reqs + f.num_prefill_reqs
         ar = tk["allreduce"]
         head = sampler = 0.0
@@ -832,15 +825,7 @@ class KernelCostModel(CostModel):
             return {}
         L = self.model.num_layers
         out = dict(self._by_tokens(T))
-        out["attention"] = 0.0
-        if f.num_prefill_reqs:
-            b = f.num_prefill_reqs
-            s = math.sqrt(2.0 * f.prefill_attn_pairs / b)
-            out["attention"] += L * self._look("context_attention", self.g_ctx, b, max(s, 1.0))
-        if f.num_decode_reqs:
-            b = f.num_decode_reqs
-            out["attention"] += L * self._look("generation_attention", self.g_gen, b,
-                                               max(f.decode_context_tokens / b, 1.0))
+        out["attention"] = self._attention(f)
         # Rows that sample: every decode, and (an upper bound) every prefill chunk.
         S = f.num_decode_reqs + f.num_prefill_reqs
         out["lm_head"] = out["sampler"] = 0.0
@@ -880,13 +865,47 @@ class KernelCostModel(CostModel):
         y = ctx / n
         if y < 1.0:
             y = 1.0
+        m = self.model
+        if m.num_sliding_layers and y > m.sliding_window:
+            return pre + self._decode_attention(n, y) + head + sampler
         if row is not None:
             t, exact = self.g_gen.on_row(row, n, y)
             if exact:
                 self.lookups += 1
-                return pre + (0.0 + self.model.num_layers * (t * 1e-6)) + head + sampler
-        att = 0.0 + self.model.num_layers * self._look("generation_attention", self.g_gen, n, y)
+                return pre + (0.0 + m.num_layers * (t * 1e-6)) + head + sampler
+        att = 0.0 + m.num_layers * self._look("generation_attention", self.g_gen, n, y)
         return pre + att + head + sampler
+
+    def _decode_attention(self, n: int, y: float) -> float:
+        """Attention of n decodes reading y KV tokens each, every layer: sliding-window layers read
+        at most their window."""
+        m = self.model
+        full = m.num_layers - m.num_sliding_layers
+        att = full * self._look("generation_attention", self.g_gen, n, y) if full else 0.0
+        if m.num_sliding_layers:
+            att += m.num_sliding_layers * self._look("generation_attention", self.g_gen, n,
+                                                     max(min(y, float(m.sliding_window)), 1.0))
+        return att
+
+    def _attention(self, f: BatchFeatures) -> float:
+        """The step's attention kernels over every layer. Prefill chunks are read from the context
+        table at the causal length with the chunks' query-key pairs (sqrt(2 x pairs / chunks)); in
+        a sliding-window layer a query sees at most the window's keys, so its pairs are at most
+        prefill tokens x window."""
+        m, att = self.model, 0.0
+        if f.num_prefill_reqs:
+            b = f.num_prefill_reqs
+            full = m.num_layers - m.num_sliding_layers
+            if full:
+                s = math.sqrt(2.0 * f.prefill_attn_pairs / b)
+                att += full * self._look("context_attention", self.g_ctx, b, max(s, 1.0))
+            if m.num_sliding_layers:
+                pairs = min(f.prefill_attn_pairs, f.num_prefill_tokens * m.sliding_window)
+                s = math.sqrt(2.0 * pairs / b)
+                att += m.num_sliding_layers * self._look("context_attention", self.g_ctx, b, max(s, 1.0))
+        if f.num_decode_reqs:
+            att += self._decode_attention(f.num_decode_reqs, max(f.decode_context_tokens / f.num_decode_reqs, 1.0))
+        return att
 
     def _decode_terms(self, n: int) -> tuple:
         """decode_gpu_time's memo entry for n decodes: (GEMM, elementwise and all-reduce sum, LM head,

@@ -418,3 +418,34 @@ def test_the_planner_grid_takes_data_parallel_and_prints_its_flags():
     assert [x.split()[0] for x in serve] == ["CUDA_VISIBLE_DEVICES=0,1", "CUDA_VISIBLE_DEVICES=2,3"]
     assert all("--tensor-parallel-size 1" in x and "--data-parallel-size 2" in x
                and "--enable-expert-parallel" in x for x in serve)
+
+
+def test_sliding_window_layers_attend_to_their_window_only():
+    """gpt-oss: half its layers attend to the last 128 tokens. Their attention time at any
+    context equals a full layer's at the window, so a step's attention is the full layers' at
+    the context plus the sliding layers' at the window (the same model with every layer full
+    gives both numbers)."""
+    import dataclasses
+    from engine.core.features import BatchFeatures
+    m = get_model("gpt-oss-120b")
+    assert (m.num_sliding_layers, m.sliding_window) == (18, 128)
+    full = dataclasses.replace(m, num_sliding_layers=0, sliding_window=0)
+    k, kf = KernelCostModel(m, "h200", 2), KernelCostModel(full, "h200", 2)
+
+    def att(model, **kw):
+        return model.breakdown(BatchFeatures(**kw))["attention"]
+    n, ctx = 32, 8000
+    decode = dict(num_reqs=n, num_decode_reqs=n, decode_context_tokens=n * ctx)
+    window = dict(num_reqs=n, num_decode_reqs=n, decode_context_tokens=n * 128)
+    assert att(k, **decode) == pytest.approx(0.5 * att(kf, **decode) + 0.5 * att(kf, **window), rel=1e-9)
+    assert att(k, **decode) < 0.75 * att(kf, **decode)
+    # decode-only steps take the simulator's fast path: the same time as the features' path
+    assert k.decode_gpu_time(n, n * ctx) == pytest.approx(k.gpu_time(BatchFeatures(**decode)), rel=1e-9)
+    # a 2048-token prompt from scratch: a sliding layer sees at most 2048 x 128 query-key pairs
+    pairs = 2048 * 2049 // 2
+    chunk = dict(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=2048, prefill_attn_pairs=pairs)
+    banded = dict(chunk, prefill_attn_pairs=2048 * 128)
+    assert att(k, **chunk) == pytest.approx(0.5 * att(kf, **chunk) + 0.5 * att(kf, **banded), rel=1e-9)
+    # shorter than the window: nothing changes
+    short = dict(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=100, prefill_attn_pairs=100 * 101 // 2)
+    assert att(k, **short) == pytest.approx(att(kf, **short), rel=1e-12)
