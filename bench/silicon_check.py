@@ -54,11 +54,13 @@ MODELS = {"meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b", "meta-llama/Llama-
           "Qwen/Qwen3-32B": "qwen3-32b"}
 DEVICES = {"h100_sxm": "h100-sxm", "h200_sxm": "h200", "b200_sxm": "b200"}
 QUANT = {"": "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block"}
-# Rows that ran a model's own checkpoint in its native 4-bit experts, by the label the sample
-# gives them: OpenAI's gpt-oss checkpoints hold only MXFP4 experts (the sample labels every 4-bit
-# row nvfp4), Kimi-K2.5's its int4 experts (int4_wo). These run as the checkpoint ships
-# (weight_dtype None: the catalog's dtypes); other 4-bit rows (NVFP4 checkpoints) are skipped.
-NATIVE_4BIT = {"gpt-oss-120b": "nvfp4", "gpt-oss-20b": "nvfp4", "kimi-k2.5": "int4_wo"}
+# Rows that ran a model's own checkpoint in its own format, by the label the sample gives it: OpenAI's
+# gpt-oss checkpoints hold only MXFP4 experts (the sample labels every 4-bit row nvfp4), Kimi-K2.5's
+# its int4 experts (int4_wo), MiniMax-M2.5's and DeepSeek-V3/R1's 128x128-block fp8 (labelled fp8).
+# These run as the checkpoint ships (weight_dtype None: the catalog's dtypes); other 4-bit rows
+# (NVFP4 checkpoints) are skipped.
+NATIVE = {"gpt-oss-120b": "nvfp4", "gpt-oss-20b": "nvfp4", "kimi-k2.5": "int4_wo", "minimax-m2": "fp8",
+          "deepseek-v3": "fp8"}
 
 
 def default_csv() -> str | None:
@@ -102,7 +104,7 @@ def usable(r: dict) -> dict | None:
     if r["mode"] != "agg" or model_name(r["model_path"]) is None or r["system"] not in DEVICES:
         return None
     q = r["gemm_quant_mode"].strip()
-    native = NATIVE_4BIT.get(model_name(r["model_path"])) == q
+    native = NATIVE.get(model_name(r["model_path"])) == q
     if q not in QUANT and not native:
         return None
     if float(r["pp_size"] or 1) != 1:

@@ -64,6 +64,12 @@ def test_a_row_becomes_its_case_and_unsupported_rows_are_skipped():
     assert kimi["model"] == "kimi-k2.5" and kimi["weight_dtype"] is None
     assert sc.usable(row(model_path="moonshotai/Kimi-K2.5", gemm_quant_mode="nvfp4")) is None
     assert sc.usable(row(model_path="MiniMaxAI/MiniMax-M2.5", gemm_quant_mode="nvfp4")) is None
+    # block-fp8 checkpoints labelled fp8 (MiniMax-M2.5, DeepSeek-R1) run their 128x128 blocks; a
+    # per-channel fp8 checkpoint labelled fp8 (Llama-3.1-70B above) keeps the label
+    for path in ("MiniMaxAI/MiniMax-M2.5", "deepseek-ai/DeepSeek-R1"):
+        case = sc.usable(row(model_path=path, tp_size="8"))
+        assert case["weight_dtype"] is None
+        assert parse_scenario(sc.scenario_data(case)).deployment["weight_dtype"] == "fp8_block"
     assert sc.usable(row(attention_dp_size="2")) is None                   # dense: DP is replicas
     dp = sc.usable(row(model_path="MiniMaxAI/MiniMax-M2.5", tp_size="4", attention_dp_size="4",
                        moe_ep_size="16", moe_tp_size="1"))
