@@ -18,9 +18,11 @@ downloaded, and the step times of a random-weight model are those of the real on
 same kernels; sampling is greedy over random logits with ignore_eos).
 
 --dry-run: the same pipeline on the CPU with tiny sizes (a 2-layer Llama shape, a few requests),
-so tests can run it in under a minute. GPU sizes are planned for under 8 minutes on one
-H100/H200 (engine tests ~1-2 min; per model: load, ~1,700 calibration steps, 3 validation runs of
-10 s of arrivals plus a capacity burst); not yet timed on a GPU: summary.json records each stage.
+so tests can run it in under a minute. On one H200 (2026-12-04, docs/reports/2026-12-04-h200.md):
+checks 27 s, random:llama-3.1-8b 137 s, random:smollm2-135m 161 s (about 2,400 calibration steps
+and 3 validation runs of 10 s of arrivals each); the engine tests of gpu_calibrate.sh not timed.
+summary.json records each stage. --models / --greedy-model replace the plan's models, e.g.
+random:smollm2-135m where the default model's package cannot be installed.
 """
 from __future__ import annotations
 
@@ -131,7 +133,9 @@ def check_attention(device: str) -> dict:
 def check_greedy(device: str, model: str) -> dict:
     """Greedy tokens of `model` on `device` against the CPU's (float32 both): the first token of
     every prompt must agree (a wide logit margin for a trained model); how many whole 8-token
-    continuations agree is reported (later tokens may flip on near-ties)."""
+    continuations agree is reported (later tokens may flip on near-ties). Random weights (the same
+    on both devices for a small shape, engine.model.loader.build_random_model) have narrow
+    margins: for them the agreement is reported, not required."""
     from engine.core import SamplingParams
     from engine.llm_engine import LLM
 
@@ -145,10 +149,12 @@ def check_greedy(device: str, model: str) -> dict:
         del llm
         _free(dev)
     first_same = [a[0] == b[0] for a, b in zip(out["cpu"], out[device])]
-    if not all(first_same):
+    if not all(first_same) and not model.startswith("random:"):
         raise AssertionError(f"first greedy token differs: cpu {out['cpu']} vs {device} {out[device]}")
-    return {"device": device, "model": model, "tokens": out[device],
-            "whole_continuations_equal": sum(a == b for a, b in zip(out["cpu"], out[device])), "ok": True}
+    return {"device": device, "model": model, "tokens": out[device], "cpu_tokens": out["cpu"],
+            "first_tokens_equal": sum(first_same),
+            "whole_continuations_equal": sum(a == b for a, b in zip(out["cpu"], out[device])),
+            "ok": all(first_same)}
 
 
 def run_checks(plan: Plan, out: Path) -> dict:
@@ -246,10 +252,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes (tests)")
     p.add_argument("--stage", choices=("checks", "models", "all"), default="all")
+    p.add_argument("--models", nargs="+", default=None,
+                   help="instead of the plan's models (e.g. random:smollm2-135m where the default "
+                        "model's package cannot be installed)")
+    p.add_argument("--greedy-model", default=None, help="instead of the plan's model of the greedy check")
     a = p.parse_args(argv)
     import torch
 
     plan = DRY if a.dry_run else GPU
+    if a.models:
+        plan = dataclasses.replace(plan, models=tuple(a.models))
+    if a.greedy_model:
+        plan = dataclasses.replace(plan, greedy_model=a.greedy_model)
     if plan.device == "cuda" and not torch.cuda.is_available():
         print("gpu_calibrate: no CUDA device (use --dry-run on a CPU)", file=sys.stderr)
         return 2

@@ -73,3 +73,18 @@ def test_kernel_comparison_reads_calibrate_steps(tmp_path):
     assert res["steps"] == 2 and res["decode_only_median_rel_error"] is not None
     assert json.loads((tmp_path / "cmp.json").read_text()) == res
     assert "skipped" in compare_kernels(csv, "no-such-gpu", tmp_path / "none.json")
+
+
+def test_random_smollm2_shape_is_the_default_models_config():
+    """random:smollm2-135m (the default model's shape where its package cannot be installed, e.g.
+    on a GPU machine with no registry) has the converted default model's own config."""
+    from engine.model.loader import RANDOM_SHAPES, model_label, resolve_model
+    hf = json.loads((resolve_model("default") / "config.json").read_text())
+    shape = RANDOM_SHAPES["smollm2-135m"]
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim",
+                  "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "eos_token_id"):
+        assert shape[field] == hf[field], field
+    assert shape["rope_theta"] == hf.get("rope_theta", hf.get("rope_parameters", {}).get("rope_theta"))
+    # labels keep a shape's dots (profiles/llama-3.1-8b-random.json), and drop a file's .json
+    assert model_label("random:llama-3.1-8b") == "llama-3.1-8b-random"
+    assert model_label("random:/x/qwen3-0.6b.json") == "qwen3-0.6b-random"

@@ -48,8 +48,17 @@ TINY_LLAMA = {
     "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 1024,
     "tie_word_embeddings": False, "hidden_act": "silu",
 }
-RANDOM_SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "tiny-llama": TINY_LLAMA}
+# SmolLM2-135M-Instruct's published config.json (shape fields only): the default model's shape where
+# its weights cannot travel (a GPU machine with no registry access)
+SMOLLM2_135M = {
+    "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+    "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
+    "tie_word_embeddings": True, "hidden_act": "silu", "eos_token_id": 2,
+}
+RANDOM_SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "smollm2-135m": SMOLLM2_135M, "tiny-llama": TINY_LLAMA}
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SAME_WEIGHTS_MAX = 1_000_000_000  # build_random_model: below this many parameters, the same weights on every device
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -188,7 +197,8 @@ def model_label(model: str) -> str:
     if model == "default":
         return "smollm2-135m"
     if model.startswith(RANDOM_PREFIX):
-        return Path(model[len(RANDOM_PREFIX):]).stem + "-random"
+        name = Path(model[len(RANDOM_PREFIX):]).name  # a shape's name keeps its dots (llama-3.1-8b)
+        return name.removesuffix(".json") + "-random"
     return Path(model).name
 
 
@@ -262,13 +272,20 @@ def build_random_model(
 ) -> LlamaForCausalLM:
     """Any shape with random N(0, 0.02) weights (norms = 1): profiling big models with no download.
 
-    `hf_config` is a transformers config or a dict of its fields (e.g. a `config.json`).
+    `hf_config` is a transformers config or a dict of its fields (e.g. a `config.json`). The
+    weights of a model under SAME_WEIGHTS_MAX parameters are drawn on the CPU, so they are the
+    same on every device (a GPU's tokens can be checked against the CPU's); a bigger model's are
+    drawn on its device (fast; they differ by device).
     """
     net = _empty_model(ModelConfig.from_hf(hf_config), device, dtype, backend)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for name, param in net.named_parameters():
+    params = list(net.named_parameters())
+    on_cpu = sum(p.numel() for _n, p in params) < SAME_WEIGHTS_MAX
+    gen = torch.Generator(device="cpu" if on_cpu else device).manual_seed(seed)
+    for name, param in params:
         if name.endswith("norm.weight"):
             param.fill_(1.0)
+        elif on_cpu and param.device.type != "cpu":
+            param.copy_(torch.empty(param.shape, dtype=param.dtype).normal_(0.0, 0.02, generator=gen))
         else:
             param.normal_(0.0, 0.02, generator=gen)
     return net.eval().requires_grad_(False)
