@@ -245,7 +245,7 @@ def compute_logprobs(logits: torch.Tensor, tokens: Sequence[int], ks: Sequence[i
     tok = torch.tensor(list(tokens), dtype=torch.int64, device=dev)
     chosen = lp.gather(1, tok[:, None])[:, 0]
     rank = (lp > chosen[:, None]).sum(dim=-1) + 1
-    kmax = max(ks, default=0)
+    kmax = min(max(ks, default=0), lp.shape[-1])  # more than the vocabulary: all of it
     top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (None, None)
     chosen_l, rank_l = chosen.tolist(), rank.tolist()
     top_vl = top_v.tolist() if kmax else None

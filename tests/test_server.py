@@ -438,7 +438,9 @@ def test_echo_with_logprobs_scores_a_continuation_as_lm_eval_does(served, client
     chat = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, "prompt_logprobs": 0,
                                                           "messages": [{"role": "user", "content": "Hi"}]},
                       timeout=60).json()
-    assert chat["choices"][0]["prompt_logprobs"][0] is None and len(chat["choices"][0]["prompt_logprobs"]) > 3
+    # chat: on the response, as vLLM's ChatCompletionResponse has it (not on the choice)
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 3
+    assert "prompt_logprobs" not in chat["choices"][0]
     # streamed: the echoed prompt and its logprobs in the first chunk
     with httpx.stream("POST", url + "/v1/completions", json={"model": MODEL, "prompt": ids, "echo": True,
                                                              "logprobs": 1, "max_tokens": 2, "stream": True,
@@ -613,3 +615,152 @@ def test_vllm_serve_command_lines_and_server_options(tmp_path):
         while hget(url + "/load").json()["server_load"] and time.time() < deadline:
             time.sleep(0.05)
         assert hget(url + "/load").json() == {"server_load": 0}
+
+
+def _sse_bodies(url: str, path: str, body: dict, headers: dict | None = None) -> list[dict]:
+    with httpx.stream("POST", url + path, json=body, headers=headers or {}, timeout=120) as s:
+        assert s.status_code == 200, s.read()
+        return [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+
+
+def test_vllm_request_checks_and_response_shapes(served):
+    """What vLLM's entrypoint tests found missing, in this project's words: truncation_side picks
+    the end truncate_prompt_tokens keeps; out-of-vocabulary stop_token_ids and every bad
+    logit_bias key are 400s naming them; an absent prompt gets vLLM's words; a chat answer carries
+    vLLM's response fields (prompt_logprobs on the response, not the choice); a chat stream's first
+    chunk carries the prompt's ids and every delta its content; echoed prompt tokens are written
+    token_id:ID like the generated ones."""
+    url, tok = served["url"], served["engine"].tokenizer
+    vocab = served["engine"].vocab_size
+
+    def post(path, **body):
+        return httpx.post(url + path, json={"model": MODEL, **body}, timeout=120)
+
+    # truncation_side: "right" keeps the first k prompt tokens, "left" (the default) the last k
+    ids = tok("One two three four five six seven eight", add_special_tokens=False).input_ids
+    kw = {"prompt": ids, "max_tokens": 1, "temperature": 0, "return_token_ids": True, "truncate_prompt_tokens": 4}
+    assert post("/v1/completions", **kw, truncation_side="right").json()["choices"][0]["prompt_token_ids"] == ids[:4]
+    assert post("/v1/completions", **kw, truncation_side="left").json()["choices"][0]["prompt_token_ids"] == ids[-4:]
+    assert post("/v1/completions", **kw).json()["choices"][0]["prompt_token_ids"] == ids[-4:]
+    chat = {"messages": [{"role": "user", "content": "Tell me how prompts are truncated."}], "max_tokens": 1,
+            "temperature": 0, "return_token_ids": True}
+    full = post("/v1/chat/completions", **chat).json()["prompt_token_ids"]
+    right = post("/v1/chat/completions", **chat, truncate_prompt_tokens=5, truncation_side="right").json()
+    assert len(full) > 5 and right["prompt_token_ids"] == full[:5]
+    r = post("/v1/completions", **kw, truncation_side="middle")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncation_side"
+
+    # stop_token_ids: in the vocabulary, or a 400 that names the id and the vocabulary's size
+    r = post("/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+             stop_token_ids=[vocab + 1])
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "stop_token_ids"
+    assert str(vocab + 1) in err["message"] and str(vocab) in err["message"]
+    assert post("/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                stop_token_ids=[vocab - 1]).status_code == 200
+    # logit_bias: every key that is not a token id is named at once
+    r = post("/v1/completions", prompt="Hi", max_tokens=1, logit_bias={"first_bad": 1.0, "second_bad": 2.0})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "logit_bias"
+    assert "first_bad" in err["message"] and "second_bad" in err["message"]
+    # no prompt (an empty prompt_embeds is none either): vLLM's message
+    for body in ({"prompt": None, "prompt_embeds": []}, {"prompt": []}, {}):
+        r = post("/v1/completions", max_tokens=1, **body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "Either prompt or prompt_embeds must be provided and non-empty." in r.json()["error"]["message"]
+
+    # a chat answer: OpenAI's service_tier / system_fingerprint, vLLM's prompt_token_ids and
+    # prompt_logprobs on the response (null when not asked)
+    plain = post("/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=2).json()
+    assert {k: plain[k] for k in ("service_tier", "system_fingerprint", "prompt_token_ids", "prompt_logprobs")} == \
+        dict.fromkeys(("service_tier", "system_fingerprint", "prompt_token_ids", "prompt_logprobs"))
+    assert "prompt_logprobs" not in plain["choices"][0]
+    for k in (1, 2):
+        lps = post("/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                   prompt_logprobs=k).json()["prompt_logprobs"]
+        assert lps[0] is None and all(k <= len(e) <= k + 1 for e in lps[1:])
+    comp = post("/v1/completions", prompt="Hi", max_tokens=1).json()
+    assert comp["service_tier"] is None and comp["system_fingerprint"] is None
+
+    # a chat stream with return_token_ids: the prompt's ids on the first chunk only; each delta
+    # has its content ("" when a last chunk brings no text)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4,
+            "temperature": 0, "return_token_ids": True}
+    whole = post("/v1/chat/completions", **{k: v for k, v in body.items() if k != "model"}).json()
+    chunks = _sse_bodies(url, "/v1/chat/completions", {**body, "stream": True})
+    assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert not any("prompt_token_ids" in c for c in chunks[1:])
+    assert all(isinstance(c["choices"][0]["delta"]["content"], str) for c in chunks)
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == whole["choices"][0]["message"]["content"]
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == whole["choices"][0]["token_ids"]
+
+    # echo + logprobs + return_tokens_as_token_ids: the prompt's first token is token_id:ID too
+    r = post("/v1/completions", prompt="Say hello", echo=True, max_tokens=2, temperature=0, logprobs=1,
+             return_tokens_as_token_ids=True, return_token_ids=True).json()["choices"][0]
+    want = r["prompt_token_ids"] + r["token_ids"]
+    assert r["logprobs"]["tokens"] == [f"token_id:{t}" for t in want]
+    # past the server's max_logprobs (vLLM's 20 by default), -1 (the whole vocabulary) included
+    for body in ({"logprobs": True, "top_logprobs": -1}, {"prompt_logprobs": -1}, {"logprobs": True, "top_logprobs": 21}):
+        r = post("/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=1, **body)
+        assert r.status_code == 400 and r.json()["error"]["param"] in body, r.text
+
+
+def test_vllm_serve_root_path_usage_tokenizer_info_hidden_metrics_and_whole_vocab_logprobs():
+    """More of `vllm serve`'s options: --root-path (the routes answer under the proxy's prefix and
+    without it, the API key guarding both), --enable-force-include-usage (usage in every chunk of
+    every stream), --enable-tokenizer-info-endpoint (GET /tokenizer_info),
+    --show-hidden-metrics-for-version (the deprecated metric names too), --enable-chunked-prefill
+    (how prompts always run here) and --max-logprobs -1 (requests may ask for the whole
+    vocabulary with -1)."""
+    import argparse
+
+    from engine.server.cli import add_serve_args, build_app
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser.add_subparsers())
+    a = parser.parse_args(["serve", MODEL, "--served-model-name", "m", "--device", "cpu", "--max-model-len", "512",
+                           "--num-gpu-blocks", "64", "--root-path", "/llm", "--api-key", "k",
+                           "--enable-force-include-usage", "--enable-tokenizer-info-endpoint",
+                           "--show-hidden-metrics-for-version", "0.10", "--enable-chunked-prefill",
+                           "--max-logprobs", "-1"])
+    app = build_app(a)
+    engine = app.state.context.engine
+    tok, vocab = engine.tokenizer, engine.vocab_size
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    key = {"Authorization": "Bearer k"}
+    with _Server(app, port):
+        for prefix in ("", "/llm"):
+            assert httpx.get(url + prefix + "/v1/models", headers=key).json()["data"][0]["id"] == "m"
+            assert httpx.get(url + prefix + "/v1/models").status_code == 401
+            assert httpx.get(url + prefix + "/health").status_code == 200
+        client = openai.OpenAI(base_url=url + "/llm/v1", api_key="k", max_retries=0, timeout=120)
+        assert client.completions.create(model="m", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        # every chunk of a stream that asked for no usage carries it, the counts so far
+        chunks = _sse_bodies(url, "/v1/chat/completions", {"model": "m", "max_tokens": 4, "min_tokens": 4,
+                                                           "stream": True, "temperature": 0,
+                                                           "messages": [{"role": "user", "content": "Hi"}]}, key)
+        done = [c["usage"]["completion_tokens"] for c in chunks]
+        assert done == sorted(done) and done[-1] == 4 and chunks[-1]["choices"] == []
+        assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+                   for c in chunks)
+        info = httpx.get(url + "/tokenizer_info").json()
+        assert info["tokenizer_class"] == type(tok).__name__ and info["chat_template"] == tok.chat_template
+        assert info["eos_token"] == tok.eos_token and isinstance(info["model_max_length"], int)
+        assert all(isinstance(v["content"], str) and isinstance(v["special"], bool)
+                   for v in info["added_tokens_decoder"].values()) and info["added_tokens_decoder"]
+        # the whole vocabulary's logprobs: every token at the first generated position, and at
+        # each prompt position (the prompt token among them)
+        r = httpx.post(url + "/v1/chat/completions", headers=key, timeout=120, json={
+            "model": "m", "max_tokens": 1, "logprobs": True, "top_logprobs": -1,
+            "messages": [{"role": "user", "content": "Hi"}]}).json()
+        top = r["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+        assert len(top) == vocab and [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        ids = tok("The sky is blue", add_special_tokens=False).input_ids
+        r = httpx.post(url + "/v1/completions", headers=key, timeout=120, json={
+            "model": "m", "prompt": ids, "max_tokens": 1, "prompt_logprobs": -1}).json()
+        plp = r["choices"][0]["prompt_logprobs"]
+        assert plp[0] is None and all(len(e) == vocab and str(t) in e for e, t in zip(plp[1:], ids[1:]))
+        metrics = httpx.get(url + "/metrics").text
+        for name in ("vllm:gpu_cache_usage_perc", "vllm:gpu_prefix_cache_queries", "vllm:gpu_prefix_cache_hits",
+                     "vllm:time_per_output_token_seconds_count", "vllm:kv_cache_usage_perc"):
+            assert name in metrics, name

@@ -179,6 +179,19 @@ def test_batch_chat_answers_each_conversation_as_its_own_chat(served):
                                                              "n": 2, "temperature": 0}, timeout=120).json()
     texts = [c["message"]["content"] for c in r["choices"]]
     assert len(texts) == 4 and texts[0] == texts[1] and texts[2] == texts[3]
+    # return_token_ids (as vLLM's batch takes it): each choice its conversation's prompt ids and its
+    # own generated ids; logprob tokens stay text unless return_tokens_as_token_ids
+    r = httpx.post(url + "/v1/chat/completions/batch", json={
+        "model": MODEL, "messages": convs[:2], "max_tokens": 3, "temperature": 0, "return_token_ids": True,
+        "logprobs": True, "top_logprobs": 1}, timeout=120)
+    assert r.status_code == 200, r.text
+    _check(doc, "/v1/chat/completions/batch", 200, r.json())
+    for c in r.json()["choices"]:
+        alone = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": convs[c["index"]],
+                                                               "max_tokens": 3, "temperature": 0,
+                                                               "return_token_ids": True}, timeout=120).json()
+        assert c["prompt_token_ids"] == alone["prompt_token_ids"] and c["token_ids"] == alone["choices"][0]["token_ids"]
+        assert not any(e["token"].startswith("token_id:") for e in c["logprobs"]["content"])
     # refused, naming the field: a stream, an empty conversation, a bad message deep inside
     for body, field in (({"messages": convs, "stream": True}, "stream"),
                         ({"messages": [convs[0], []]}, "messages[1]"),

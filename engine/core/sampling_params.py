@@ -16,7 +16,7 @@ class SamplingParams:
     `stop` strings are matched by the detokenizer (engine); `stop_token_ids` by the scheduler.
     `seed` is any integer in [-2**63, 2**64): all 64 bits select the random stream.
     `logprobs`: None, or how many most likely alternatives to report with each sampled token's
-    log-probability (0 = the sampled token's only), at most MAX_LOGPROBS. Log-probabilities are
+    log-probability (0 = the sampled token's only), at most `max_logprobs`. Log-probabilities are
     those of the model's raw distribution, before penalties, temperature and top-k/top-p (vLLM's
     default "raw_logprobs").
     `min_p` (vLLM): after temperature, tokens less likely than min_p x the most likely token's
@@ -48,6 +48,9 @@ class SamplingParams:
     # such a request reads nothing from the prefix cache: its whole prompt is computed.
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
+    # the most alternatives logprobs / prompt_logprobs may ask for (vLLM's max_logprobs, a server
+    # setting: MAX_LOGPROBS by default; -1: no limit, up to the whole vocabulary)
+    max_logprobs: int = MAX_LOGPROBS
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,11 +90,14 @@ class SamplingParams:
             bad("repetition_penalty", "must be > 0 (1 disables it)")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), or None")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], or None")
-        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
-                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], or None")
+        if not _is_int(self.max_logprobs) or self.max_logprobs < -1:
+            bad("max_logprobs", "must be an integer >= 0, or -1 for no limit")
+        cap = self.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 0 or (cap != -1 and v > cap)):
+                bad(name, f"must be an integer in [0, {cap}], or None" if cap != -1
+                    else "must be an integer >= 0, or None")
         for t, b in (self.logit_bias or {}).items():
             if not _is_int(t) or t < 0:
                 bad("logit_bias", f"every key must be a token id (an integer >= 0), got {t!r}")

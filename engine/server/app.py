@@ -52,6 +52,28 @@ logger = logging.getLogger("servetwin.server")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/invocations")
 
 
+def _route_path(scope) -> str:
+    """The path the routes see: without the --root-path prefix when the request has it (a proxy
+    that forwards the prefix), as Starlette routes."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):] or "/"
+    return path
+
+
+class _RootPath:
+    """ASGI middleware: vLLM's --root-path, the proxy's prefix as the request's root_path (the
+    routes then answer with the prefix and without it, as Starlette routes)."""
+
+    def __init__(self, app, root: str) -> None:
+        self.app, self.root = app, root
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket") and not scope.get("root_path"):
+            scope = {**scope, "root_path": self.root}
+        await self.app(scope, receive, send)
+
+
 class _ApiKey:
     """ASGI middleware (not FastAPI's http middleware, which buffers streams): the /v1/ routes
     need `Authorization: Bearer KEY`, as vLLM's --api-key; health, metrics and the rest do not."""
@@ -60,7 +82,7 @@ class _ApiKey:
         self.app, self.expected = app, ("Bearer " + key).encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and _route_path(scope).startswith("/v1/") and scope["method"] != "OPTIONS":
             auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not hmac.compare_digest(auth, self.expected):
                 err = APIError(401, "Unauthorized: a valid `Authorization: Bearer` API key is required", None,
@@ -78,7 +100,7 @@ class _LoadCounter:
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+        if scope["type"] != "http" or _route_path(scope) not in GENERATION_PATHS:
             await self.app(scope, receive, send)
             return
         self.state.server_load += 1
@@ -116,17 +138,22 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
                served_model_names: list[str] | None = None, max_body_bytes: int = 4 << 20,
                tokenizer_workers: int = 2, api_key: str | None = None, max_logprobs: int | None = None,
                load_tracking: bool = False, request_id_headers: bool = False,
-               prompt_tokens_details: bool = True, return_tokens_as_token_ids: bool = False) -> FastAPI:
+               prompt_tokens_details: bool = True, return_tokens_as_token_ids: bool = False,
+               force_include_usage: bool = False, tokenizer_info: bool = False,
+               hidden_metrics: bool = False, root_path: str = "") -> FastAPI:
     """`engine` is an LLMEngine; the app owns its loop thread (started with the app). The routes
     live in routes_openai.py and routes_misc.py, the state they share in context.py. vLLM's
     server options: `api_key` (the /v1/ routes need it), `max_logprobs` (the most a request may
     ask for), `load_tracking` (GET /load), `request_id_headers` (X-Request-Id on every response),
     `prompt_tokens_details` (usage.prompt_tokens_details.cached_tokens; `servetwin serve` leaves it
     off unless --enable-prompt-tokens-details, as vLLM), `return_tokens_as_token_ids` (the
-    default of the request field)."""
+    default of the request field), `force_include_usage` (usage in every chunk of every stream),
+    `tokenizer_info` (GET /tokenizer_info), `hidden_metrics` (also the metrics vLLM deprecated),
+    `root_path` (a proxy's path prefix: routes answer with it and without it, as vLLM's)."""
     ctx = ServerContext(engine, model_name, max_waiting, request_timeout_s, request_log,
                         served_model_names, max_body_bytes, tokenizer_workers, max_logprobs,
-                        prompt_tokens_details, return_tokens_as_token_ids)
+                        prompt_tokens_details, return_tokens_as_token_ids, force_include_usage,
+                        hidden_metrics)
     metrics = ctx.metrics
 
     @asynccontextmanager
@@ -168,7 +195,7 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
         field = ".".join(str(x) for x in first.get("loc", ())) or "body"
         return _error(APIError(400, f"{field}: {first.get('msg', 'invalid')}", field))
 
-    add_misc_routes(app, ctx)
+    add_misc_routes(app, ctx, tokenizer_info=tokenizer_info)
     add_openai_routes(app, ctx)
     if load_tracking:
         app.state.server_load = 0
@@ -181,5 +208,7 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
         app.add_middleware(_ApiKey, key=api_key)
     if request_id_headers:
         app.add_middleware(_RequestIdHeader)
+    if root_path.rstrip("/"):
+        app.add_middleware(_RootPath, root=root_path.rstrip("/"))  # outermost: the others see it
     install_openapi(app)
     return app

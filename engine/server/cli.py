@@ -39,7 +39,8 @@ def add_serve_args(sub) -> None:
     p.add_argument("--chat-template", default=None, help="a Jinja chat template (a file or the template "
                    "itself) instead of the tokenizer's")
     p.add_argument("--max-logprobs", type=int, default=None,
-                   help="the most logprobs a request may ask for (at most the engine's 20)")
+                   help="the most logprobs a request may ask for (default 20, as vLLM; -1: no limit, "
+                        "up to the whole vocabulary)")
     p.add_argument("--enable-server-load-tracking", action="store_true",
                    help="GET /load answers the number of requests in flight (vLLM's)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
@@ -48,11 +49,24 @@ def add_serve_args(sub) -> None:
                    help="logprob tokens written token_id:ID unless a request says otherwise (vLLM's)")
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="X-Request-Id on every response: the client's own, or a fresh one (vLLM's)")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="usage in every chunk of every stream, as if each asked for stream_options "
+                        "include_usage and continuous_usage_stats (vLLM's)")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="GET /tokenizer_info answers the tokenizer's configuration (vLLM's)")
+    p.add_argument("--root-path", default=None,
+                   help="the path prefix of a proxy in front of the server: routes answer with it "
+                        "and without it (vLLM's)")
+    p.add_argument("--show-hidden-metrics-for-version", default=None,
+                   help="also serve the Prometheus metrics vLLM deprecated in that version (vLLM's)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 only (one device)")
     # vLLM flags that change nothing here: accepted so `vllm serve` command lines run unchanged
     for flag in ("--enforce-eager", "--trust-remote-code", "--disable-log-requests", "--disable-log-stats",
                  "--disable-frontend-multiprocessing", "--disable-uvicorn-access-log"):
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    # prompts are always prefilled in chunks of --max-num-batched-tokens
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help=argparse.SUPPRESS)
     for flag in ("--tokenizer-mode", "--load-format", "--uvicorn-log-level", "--swap-space"):
         p.add_argument(flag, default=None, help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=None,
@@ -66,7 +80,6 @@ def build_app(a):
 
     import torch
 
-    from engine.core.sampling_params import MAX_LOGPROBS
     from engine.llm_engine import LLMEngine
     from engine.server.app import create_app
 
@@ -75,8 +88,8 @@ def build_app(a):
     model = a.model_tag or a.model or "default"
     if a.tensor_parallel_size != 1:
         raise SystemExit(f"serve: --tensor-parallel-size={a.tensor_parallel_size}: this engine runs on one device")
-    if a.max_logprobs is not None and not 0 <= a.max_logprobs <= MAX_LOGPROBS:
-        raise SystemExit(f"serve: --max-logprobs={a.max_logprobs}: must be in [0, {MAX_LOGPROBS}]")
+    if a.max_logprobs is not None and a.max_logprobs < -1:
+        raise SystemExit(f"serve: --max-logprobs={a.max_logprobs}: must be >= 0, or -1 for no limit")
     prefix_caching = not a.no_prefix_caching if a.enable_prefix_caching is None else a.enable_prefix_caching
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -106,7 +119,11 @@ def build_app(a):
                       load_tracking=a.enable_server_load_tracking,
                       request_id_headers=a.enable_request_id_headers,
                       prompt_tokens_details=a.enable_prompt_tokens_details,
-                      return_tokens_as_token_ids=a.return_tokens_as_token_ids)
+                      return_tokens_as_token_ids=a.return_tokens_as_token_ids,
+                      force_include_usage=a.enable_force_include_usage,
+                      tokenizer_info=a.enable_tokenizer_info_endpoint,
+                      hidden_metrics=a.show_hidden_metrics_for_version is not None,
+                      root_path=a.root_path or "")
 
 
 def run_serve(a: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 
 from engine.core.admission import AdmissionError, admit
 from engine.core.records import RequestRecord
+from engine.core.sampling_params import MAX_LOGPROBS
 from engine.server.async_engine import AsyncEngine, Child
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import (APIError, CompletionRequest, check_json_values, check_unsupported, loads,
@@ -122,15 +123,19 @@ class ServerContext:
     def __init__(self, engine, model_name: str, max_waiting: int, request_timeout_s: float,
                  request_log: str | Path | None, served_model_names: list[str] | None,
                  max_body_bytes: int, tokenizer_workers: int, max_logprobs: int | None = None,
-                 prompt_tokens_details: bool = True, return_tokens_as_token_ids: bool = False) -> None:
+                 prompt_tokens_details: bool = True, return_tokens_as_token_ids: bool = False,
+                 force_include_usage: bool = False, hidden_metrics: bool = False) -> None:
         self.engine = engine
         self.prompt_tokens_details = prompt_tokens_details          # usage carries cached_tokens
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # the default of the request field
-        self.max_logprobs = max_logprobs  # None: the engine's own limit (the request models check it)
+        # vLLM's max_logprobs: the most alternatives a request may ask for (None: vLLM's default,
+        # MAX_LOGPROBS; -1: no limit)
+        self.max_logprobs = MAX_LOGPROBS if max_logprobs is None else max_logprobs
         self.model_name = model_name
         self.max_waiting = max_waiting
         self.max_body_bytes = max_body_bytes
-        self.metrics = ServerMetrics(model_name)
+        self.force_include_usage = force_include_usage  # vLLM's: usage in every chunk of every stream
+        self.metrics = ServerMetrics(model_name, hidden=hidden_metrics)
         self.metrics.describe_cache(engine)
         self.log = RequestLog(request_log) if request_log else None
         self.aeng = AsyncEngine(engine, self.metrics, self.log, request_timeout_s)
@@ -198,12 +203,23 @@ class ServerContext:
                                 f"{list(self.names)}", "model", code="model_not_found")
         if req.model is None:
             req.model = self.model_name
-        if self.max_logprobs is not None:
-            for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
-                v = getattr(req, name, None)
-                if not isinstance(v, bool) and isinstance(v, int) and v > self.max_logprobs:
-                    raise APIError(400, f"{name}={v}: more than the server's max_logprobs={self.max_logprobs}", name)
+        self.check_logprobs(req)
         return req
+
+    def check_logprobs(self, req) -> None:
+        """logprobs / top_logprobs / prompt_logprobs within the server's max_logprobs, as vLLM:
+        -1 asks for the whole vocabulary (and becomes its size), more than max_logprobs is a 400."""
+        cap = self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            v = getattr(req, name, None)
+            if isinstance(v, bool) or not isinstance(v, int):
+                continue
+            wanted = self.vocab_size if v == -1 else v
+            if wanted > cap:
+                raise APIError(400, f"{name}={v}: {'the whole vocabulary (' + str(wanted) + ') is ' if v == -1 else ''}"
+                                    f"more than the server's max_logprobs={self.max_logprobs}", name)
+            if v == -1:
+                setattr(req, name, wanted)
 
     def check_chars(self, text: str, field: str) -> None:
         if self.tokenizer is None:

@@ -27,7 +27,9 @@ _ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str = "default") -> None:
+    def __init__(self, model_name: str = "default", hidden: bool = False) -> None:
+        """`hidden`: also the metrics vLLM deprecated and serves only with
+        --show-hidden-metrics-for-version (the same values under their old names)."""
         r = self.registry = CollectorRegistry()
         lab = ["model_name"]
         self.model_name = model_name
@@ -87,6 +89,16 @@ class ServerMetrics:
                                 lab + ["finished_reason"], registry=r)
         self._rejected = Counter("servetwin_rejected_requests", "Requests refused at the HTTP boundary.",
                                  lab + ["reason"], registry=r)
+        self.hidden = None
+        if hidden:
+            self.hidden = (gauge(v + "gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage "
+                                 "(deprecated: vllm:kv_cache_usage_perc)."),
+                           counter(v + "gpu_prefix_cache_queries", "GPU prefix cache queries, in terms of "
+                                   "number of queried tokens (deprecated: vllm:prefix_cache_queries)."),
+                           counter(v + "gpu_prefix_cache_hits", "GPU prefix cache hits, in terms of number "
+                                   "of cached tokens (deprecated: vllm:prefix_cache_hits)."),
+                           hist(v + "time_per_output_token_seconds", "Histogram of time per output token in "
+                                "seconds (deprecated: vllm:inter_token_latency_seconds).", _ITL_BUCKETS))
         self._queried = self._hits = 0
         self._seen: dict[str, int] = {}  # tokens already observed per live request
 
@@ -103,9 +115,14 @@ class ServerMetrics:
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
         self.kv_usage.set(kvm.usage)
+        if self.hidden:
+            self.hidden[0].set(kvm.usage)
         if kvm.num_queried_tokens != self._queried:
             self.prefix_queries.inc(kvm.num_queried_tokens - self._queried)
             self.prefix_hits.inc(kvm.num_hit_tokens - self._hits)
+            if self.hidden:
+                self.hidden[1].inc(kvm.num_queried_tokens - self._queried)
+                self.hidden[2].inc(kvm.num_hit_tokens - self._hits)
             self._queried, self._hits = kvm.num_queried_tokens, kvm.num_hit_tokens
 
     def describe_cache(self, engine) -> None:
@@ -135,6 +152,8 @@ class ServerMetrics:
             seen = self._seen.get(o.request_id, 0)
             for i in range(max(1, seen), len(times)):
                 self.itl.observe(times[i] - times[i - 1])
+                if self.hidden:
+                    self.hidden[3].observe(times[i] - times[i - 1])
             self.generation_tokens.inc(len(times) - seen)
             iteration += len(times) - seen
             if seen == 0 and rec.first_scheduled_s is not None:

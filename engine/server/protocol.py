@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 
@@ -20,6 +20,9 @@ from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
 I64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
 MAX_JSON_DEPTH = 32
 MAX_N = 128
+# logprobs / top_logprobs / prompt_logprobs: how many alternatives, -1 for the whole vocabulary (as
+# vLLM); the server's max_logprobs bounds them (ServerContext.parse), MAX_LOGPROBS by default
+LogprobCount = Annotated[int, Field(ge=-1, le=(1 << 63) - 1)]
 
 # Fields checked by hand (to name the bad element), documented in /openapi.json as they are checked.
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
@@ -129,7 +132,7 @@ UNSUPPORTED = {
     "bad_words": _off(None, []),
     "documents": _off(None, []),
     "chat_template": _off(None),
-    "prompt_embeds": _off(None),
+    "prompt_embeds": _off(None, []),
     "length_penalty": _off(None, 1.0, 1),
 }
 
@@ -172,6 +175,9 @@ class _Common(_Strict):
     # (-1: to max_model_len)
     allowed_token_ids: list[Annotated[int, Field(ge=0, le=(1 << 63) - 1)]] | None = Field(None, min_length=1)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=(1 << 63) - 1)] | None = None
+    # vLLM's: which end truncate_prompt_tokens cuts ("left", the default: keep the last tokens;
+    # "right": keep the first)
+    truncation_side: Literal["left", "right"] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     best_of: I64 | None = None
     stop: StopField = None            # str | list[str] | None, checked in stop_strings()
@@ -190,7 +196,7 @@ class _Common(_Strict):
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})  # token id (as a string, as OpenAI's JSON) -> bias
     # vLLM's extension: each prompt token's logprob and this many alternatives (choice.prompt_logprobs)
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: LogprobCount | None = None
     # vLLM's extensions: the prompt's and the output's token ids in the response; logprob tokens
     # written "token_id:ID" (for tokens that do not decode to text on their own)
     return_token_ids: bool | None = None
@@ -213,28 +219,38 @@ class _Common(_Strict):
         if not self.logit_bias:
             return None
         out = {}
+        bad = []
         for k, v in self.logit_bias.items():
             try:
                 t = int(k)
             except ValueError:
-                raise APIError(400, f"logit_bias: key {_short(k)} is not a token id", "logit_bias") from None
+                bad.append(k)
+                continue
             if not 0 <= t < vocab_size:
                 raise APIError(400, f"logit_bias: token id {t} is out-of-vocab (out of vocabulary: not in "
                                     f"[0, {vocab_size}); vocabulary size: {vocab_size})", "logit_bias")
             out[t] = v
+        if bad:  # every bad key at once, as vLLM
+            keys = ", ".join(_short(k) for k in bad[:20]) + (f" (and {len(bad) - 20} more)" if len(bad) > 20 else "")
+            raise APIError(400, f"logit_bias: key{'s' if len(bad) > 1 else ''} {keys} "
+                                f"{'are not token ids' if len(bad) > 1 else 'is not a token id'}", "logit_bias")
         return out
 
     def check_allowed_ids(self, vocab_size: int) -> None:
-        """allowed_token_ids within the vocabulary, or a 400 naming it."""
+        """allowed_token_ids and stop_token_ids within the vocabulary, or a 400 naming the field."""
         token_ids(self.allowed_token_ids or [], vocab_size, "allowed_token_ids")
+        token_ids(self.stop_token_ids or [], vocab_size, "stop_token_ids")
 
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt's ids cut to their last truncate_prompt_tokens (-1: max_model_len), as vLLM."""
+        """The prompt's ids cut to truncate_prompt_tokens (-1: max_model_len), as vLLM: its last
+        ones, or its first ones with truncation_side "right"."""
         k = self.truncate_prompt_tokens
         if k is None:
             return ids
         k = max_model_len if k == -1 else k
-        return ids[-k:] if k and len(ids) > k else ids
+        if not k or len(ids) <= k:
+            return ids
+        return ids[:k] if self.truncation_side == "right" else ids[-k:]
 
     def wanted_prompt_logprobs(self) -> int | None:
         """How many alternatives each prompt token's logprob comes with, or None (not asked)."""
@@ -255,7 +271,7 @@ class _Common(_Strict):
                 frequency_penalty=d(self.frequency_penalty, 0.0),
                 repetition_penalty=d(self.repetition_penalty, 1.0), logprobs=logprobs, logit_bias=logit_bias,
                 prompt_logprobs=self.wanted_prompt_logprobs(), min_p=d(self.min_p, 0.0),
-                allowed_token_ids=self.allowed_token_ids)
+                allowed_token_ids=self.allowed_token_ids, max_logprobs=-1)  # bounded by the server
         except ValueError as e:
             msg = str(e)
             field = msg.split("SamplingParams.", 1)[-1].split("=", 1)[0] if "SamplingParams." in msg else None
@@ -280,7 +296,7 @@ class CompletionRequest(_Common):
     model_config = ConfigDict(json_schema_extra=lambda js: _required(js, "prompt"))
     prompt: PromptField = None        # str | list[int] | list[str] | list[list[int]], see prompts()
     echo: bool | None = False
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: LogprobCount | None = None
     default_max_tokens: ClassVar[int | None] = 16  # OpenAI's and vLLM's completions (chat has none)
 
     @property
@@ -303,11 +319,12 @@ class CompletionRequest(_Common):
     def prompts(self, vocab_size: int) -> list[str | list[int]]:
         """The prompts of this request: texts, or lists of token ids in [0, vocab_size)."""
         p = self.prompt
-        if p is None:
-            raise APIError(400, "prompt: required", "prompt")
+        if p is None or (isinstance(p, list) and not p):  # vLLM's words (prompt_embeds: not supported)
+            raise APIError(400, "prompt: required. Either prompt or prompt_embeds must be provided and "
+                                "non-empty.", "prompt")
         if isinstance(p, str):
             return [p]
-        if not isinstance(p, list) or not p:
+        if not isinstance(p, list):
             raise APIError(400, f"prompt={_short(p)}: must be a string, a list of token ids, or a "
                                 "non-empty list of either", "prompt")
         if all(_is_int(t) for t in p):
@@ -360,7 +377,7 @@ class ChatMessage(_Strict):
 
 class _ChatFields(_Common):
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: LogprobCount | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     # vLLM's extension: the reply starts with the last message's text when that message has the

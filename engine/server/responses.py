@@ -88,6 +88,8 @@ class Completion(_Body):
     created: int
     model: str
     choices: list[CompletionChoice]
+    service_tier: None = Field(None, description="always null (OpenAI's field, as vLLM sends it)")
+    system_fingerprint: None = Field(None, description="always null (OpenAI's field, as vLLM sends it)")
     usage: Usage
 
 
@@ -130,10 +132,14 @@ class ChatMessageOut(_Body):
 
 
 class ChatChoice(_Extensions):
+    """(prompt_logprobs and prompt_token_ids: on the response, as vLLM; on each choice only for a
+    batch of several conversations, /v1/chat/completions/batch, each choice its conversation's)"""
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason
+    prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids, in a batch of "
+                                                                 "conversations: this choice's conversation's")
 
 
 class ChatCompletion(_Body):
@@ -142,8 +148,12 @@ class ChatCompletion(_Body):
     created: int
     model: str
     choices: list[ChatChoice]
+    service_tier: None = Field(None, description="always null (OpenAI's field, as vLLM sends it)")
+    system_fingerprint: None = Field(None, description="always null (OpenAI's field, as vLLM sends it)")
     usage: Usage
     prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids (vLLM)")
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="with prompt_logprobs (vLLM): the prompt's, "
+                                                                     "as a completion choice's")
 
 
 class ChatDelta(_Body):
@@ -165,6 +175,8 @@ class ChatCompletionChunk(_Body):
     created: int
     model: str
     choices: list[ChatChunkChoice]
+    prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids: on the first chunk "
+                                                                 "only (vLLM)")
     usage: Usage | None = Field(None, description="with stream_options.include_usage: on the last chunk "
                                                    "(and on every chunk with continuous_usage_stats)")
 

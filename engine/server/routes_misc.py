@@ -12,7 +12,35 @@ from engine.server.protocol import (APIError, DetokenizeRequest, TokenizeRequest
 VERSION = "0.1.0"
 
 
-def add_misc_routes(app: FastAPI, ctx: ServerContext) -> None:
+def tokenizer_info_body(tok, max_model_len: int) -> dict:
+    """vLLM's GET /tokenizer_info: the tokenizer's configuration (its init arguments that are
+    JSON, its class, chat template and added tokens)."""
+    def plain(v):
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        return str(getattr(v, "content", v))  # AddedToken and the like: their text
+
+    info = {k: plain(v) for k, v in getattr(tok, "init_kwargs", {}).items()
+            if k not in ("name_or_path", "tokenizer_file", "vocab_file", "merges_file")}
+    added = getattr(tok, "added_tokens_decoder", {}) or {}
+    info.update({
+        "tokenizer_class": type(tok).__name__,
+        "chat_template": getattr(tok, "chat_template", None),
+        "model_max_length": min(int(getattr(tok, "model_max_length", max_model_len) or max_model_len),
+                                1 << 62),
+        "added_tokens_decoder": {str(i): {"content": t.content, "special": bool(t.special),
+                                          "lstrip": bool(t.lstrip), "rstrip": bool(t.rstrip),
+                                          "normalized": bool(t.normalized), "single_word": bool(t.single_word)}
+                                 for i, t in added.items()},
+    })
+    return info
+
+
+def add_misc_routes(app: FastAPI, ctx: ServerContext, tokenizer_info: bool = False) -> None:
     aeng, metrics, names, max_model_len = ctx.aeng, ctx.metrics, ctx.names, ctx.max_model_len
     tokenizer, pool, vocab_size = ctx.tokenizer, ctx.pool, ctx.vocab_size
     read_json, check_chars = ctx.read_json, ctx.check_chars
@@ -86,6 +114,12 @@ def add_misc_routes(app: FastAPI, ctx: ServerContext) -> None:
                 raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
         strs = await pool.run(lambda tok: tok.convert_ids_to_tokens(ids)) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+    if tokenizer_info and tokenizer is not None:
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info():
+            """vLLM's (with --enable-tokenizer-info-endpoint): the tokenizer's configuration."""
+            return await pool.run(lambda tok: tokenizer_info_body(tok, max_model_len))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):

@@ -65,8 +65,6 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
             raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
         if batch and req.stream:
             raise APIError(400, "stream: a batch of conversations is not streamed", "stream")
-        if batch and req.return_token_ids:
-            raise APIError(400, "return_token_ids: not supported for a batch of conversations", "return_token_ids")
         convs = req.chat_turns()
         for k, conv in enumerate(convs):
             check_chars("".join(m["content"] for m in conv), f"messages[{k}]" if batch else "messages")
@@ -118,10 +116,15 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                       if req.return_token_ids else None,
                       tokens_as_ids=bool(ctx.return_tokens_as_token_ids if req.return_tokens_as_token_ids is None
                                          else req.return_tokens_as_token_ids),
-                      cached_details=ctx.prompt_tokens_details)
+                      cached_details=ctx.prompt_tokens_details,
+                      first_ids=[kids[p * req.n].prompt_token_ids[0] if kids[p * req.n].prompt_token_ids else None
+                                 for p in range(n_prompts)])
         if req.stream:
             cont = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-            return StreamingResponse(sse(gen, shape, req.include_usage, cont),
+            include = req.include_usage
+            if ctx.force_include_usage:  # vLLM's --enable-force-include-usage: usage in every chunk
+                include = cont = True
+            return StreamingResponse(sse(gen, shape, include, cont),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                               "X-Request-Id": rid})
@@ -157,10 +160,16 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         if any(o.outputs[0].finish_reason == "error" for o in outs):
             raise APIError(500, "the engine failed while producing this response", None, type="server_error")
         choices = [shape.choice(i, o.outputs[0], o.prompt_logprobs) for i, o in enumerate(outs)]
+        # vLLM's response fields: OpenAI's service_tier and system_fingerprint (null here), and a
+        # chat's prompt_token_ids (return_token_ids) and prompt_logprobs on the response, not on
+        # its choices (null when not asked)
         body = {"id": shape.rid, "object": shape.obj(False), "created": shape.created, "model": shape.model,
-                "choices": choices, "usage": shape.usage(outs)}
-        if shape.chat and shape.prompt_ids is not None:  # vLLM: the chat prompt's ids on the response
-            body["prompt_token_ids"] = shape.prompt_ids[0]
+                "choices": choices, "service_tier": None, "system_fingerprint": None, "usage": shape.usage(outs)}
+        if shape.chat:
+            one = len(shape.prompt_lens) == 1  # several conversations (batch): on each choice instead
+            body["prompt_token_ids"] = shape.prompt_ids[0] if shape.prompt_ids is not None and one else None
+            body["prompt_logprobs"] = (shape.vllm_prompt_logprobs(outs[0].prompt_logprobs)
+                                       if shape.prompt_logprobs is not None and one else None)
         return body
 
     async def sse(gen, shape: "Shape", include_usage: bool, continuous: bool):
@@ -171,9 +180,14 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         prompt_sent: set[int] = set()  # choices whose prompt (echo, prompt logprobs) has been sent
         sent_ids: dict[int, int] = {}  # choice index -> token ids already sent (return_token_ids)
 
+        first_event = [True]
+
         def event(choices: list[dict], usage_body=None) -> str:
             body = {"id": shape.rid, "object": shape.obj(True), "created": shape.created, "model": shape.model,
                     "choices": choices}
+            if first_event[0] and shape.chat and shape.prompt_ids is not None:
+                body["prompt_token_ids"] = shape.prompt_ids[0]  # vLLM: on a chat stream's first chunk
+            first_event[0] = False
             if usage_body is not None:
                 body["usage"] = usage_body
             return f"data: {json.dumps(body)}\n\n"
@@ -241,7 +255,7 @@ class Shape:
                  echo: list[str] | None, prompt_logprobs: int | None = None, echo_logprobs: int | None = None,
                  echo_only: bool = False, first_tokens: list[str] | None = None,
                  prompt_ids: list[list[int]] | None = None, tokens_as_ids: bool = False,
-                 cached_details: bool = True) -> None:
+                 cached_details: bool = True, first_ids: list[int] | None = None) -> None:
         self.rid, self.created, self.model, self.chat, self.n = rid, created, model, chat, n
         self.prompt_lens, self.echo = prompt_lens, echo
         self.num_choices = n * len(prompt_lens)
@@ -253,6 +267,7 @@ class Shape:
         self._prompt_end: dict[int, int] = {}  # choice -> end of its prompt tokens' offsets
         self.echo_only = echo_only              # echo with max_tokens 0: the generated token is dropped
         self.first_tokens = first_tokens        # each prompt's first token's text (echo + logprobs)
+        self.first_ids = first_ids              # and its id (return_tokens_as_token_ids)
         self.prompt_ids = prompt_ids            # return_token_ids: each prompt's token ids
         self.tokens_as_ids = tokens_as_ids      # return_tokens_as_token_ids
         self.cached_details = cached_details    # usage.prompt_tokens_details.cached_tokens
@@ -286,7 +301,8 @@ class Shape:
             offsets.append(off)
             if e is None:
                 t = self.first_tokens[i // self.n] if self.first_tokens else ""
-                tokens.append(t)
+                first_id = self.first_ids[i // self.n] if self.first_ids else None
+                tokens.append(self._tok(first_id, t) if first_id is not None else t)
                 lps.append(None)
                 tops.append(None)
                 off += len(t)
@@ -358,12 +374,15 @@ class Shape:
         # vLLM's extension fields are present, null when unused (its clients and tests read them
         # as attributes); chat leaves out prompt_logprobs unless asked, as vLLM's chat does
         choice = {"index": i, "finish_reason": c.finish_reason, "logprobs": lp, "stop_reason": c.stop_reason}
-        if self.prompt_logprobs is not None or not self.chat:
+        if not self.chat or (self.prompt_logprobs is not None and len(self.prompt_lens) > 1):
+            # a chat's are on the response (vLLM); a batch of conversations has its own per choice
             choice["prompt_logprobs"] = (self.vllm_prompt_logprobs(prompt_lps) if self.prompt_logprobs is not None
                                          else None)
         head = self.echo[i // self.n] if self.echo is not None else ""
         if self.chat:
             choice["message"] = {"role": "assistant", "content": head + c.text, "refusal": None, "tool_calls": []}
+            if self.prompt_ids is not None and len(self.prompt_lens) > 1:  # a batch: each its conversation's
+                choice["prompt_token_ids"] = self.prompt_ids[i // self.n]
         else:
             choice["text"] = head + c.text
             choice["prompt_token_ids"] = self.prompt_ids[i // self.n] if self.prompt_ids is not None else None
@@ -372,7 +391,7 @@ class Shape:
 
     def delta(self, i: int, text: str, c, lp, token_ids: list[int] | None = None, first: bool = False) -> dict:
         if self.chat:
-            d = {"content": text} if text or c.finish_reason is None else {}
+            d = {"content": text}  # "" on a last chunk with no text left, as vLLM
             out = {"index": i, "delta": d, "logprobs": lp, "finish_reason": c.finish_reason}
         else:
             out = {"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
