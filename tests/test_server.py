@@ -764,3 +764,27 @@ def test_vllm_serve_root_path_usage_tokenizer_info_hidden_metrics_and_whole_voca
         for name in ("vllm:gpu_cache_usage_perc", "vllm:gpu_prefix_cache_queries", "vllm:gpu_prefix_cache_hits",
                      "vllm:time_per_output_token_seconds_count", "vllm:kv_cache_usage_perc"):
             assert name in metrics, name
+
+
+def test_boolean_fields_take_json_strings_true_and_false_only(served):
+    """vLLM's parsing takes `"logprobs": "true"` (its tests send it): a boolean field takes the
+    strings "true" and "false" as the booleans; other strings and numbers stay 400s naming it."""
+    url = served["url"]
+    msgs = [{"role": "user", "content": "Which country is Beijing the capital of?"}]
+
+    def chat(**kw):
+        return httpx.post(url + "/v1/chat/completions",
+                          json={"model": MODEL, "messages": msgs, "max_tokens": 2, "temperature": 0, **kw}, timeout=120)
+
+    as_string, as_bool = chat(logprobs="true", top_logprobs=3), chat(logprobs=True, top_logprobs=3)
+    assert as_string.status_code == 200, as_string.text
+    content = as_string.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2 and all(len(e["top_logprobs"]) == 3 for e in content)
+    assert content == as_bool.json()["choices"][0]["logprobs"]["content"]
+    assert chat(logprobs="false").json()["choices"][0]["logprobs"] is None
+    for bad in ("yes", "True", 1):
+        r = chat(logprobs=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", (bad, r.text)
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2,
+                                                  "echo": "true", "temperature": 0}, timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("Hi")

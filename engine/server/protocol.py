@@ -8,12 +8,14 @@ does not implement are refused with a 400 naming them, unless they hold the valu
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
+import types
 import uuid
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
 from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -156,6 +158,26 @@ def _short(v: Any, limit: int = 80) -> str:
 # ------------------------------------------------------------------ models
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_bool_strings(cls, data: Any) -> Any:
+        """A boolean field also takes the strings "true" and "false" (vLLM's lax parsing takes
+        them, and its own tests send `"logprobs": "true"`); any other string or a number stays a
+        type error naming the field."""
+        if isinstance(data, dict):
+            for name in _bool_fields(cls):
+                if data.get(name) in ("true", "false"):
+                    data = {**data, name: data[name] == "true"}
+        return data
+
+
+@functools.cache
+def _bool_fields(model: type[BaseModel]) -> tuple[str, ...]:
+    """The fields of `model` typed bool or bool | None."""
+    return tuple(name for name, f in model.model_fields.items()
+                 if f.annotation is bool or (get_origin(f.annotation) in (Union, types.UnionType)
+                                             and set(get_args(f.annotation)) <= {bool, type(None)}))
 
 
 class StreamOptions(_Strict):
