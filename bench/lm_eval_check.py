@@ -32,7 +32,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.server_clients import free_port  # noqa: E402
+from bench.server_clients import free_port, wait_up  # noqa: E402
 
 # Small multiple-choice documents of our own: a context, 3-4 answers (lm-eval puts its target
 # delimiter, a space, before each), the right one's index.
@@ -68,19 +68,6 @@ doc_to_target: "{{{{label}}}}"
 metric_list:
   - metric: acc
 """
-
-
-def wait_up(url: str, srv: subprocess.Popen, timeout_s: float = 180) -> None:
-    deadline = time.time() + timeout_s
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline or srv.poll() is not None:
-            raise RuntimeError("servetwin serve did not start")
-        time.sleep(0.5)
 
 
 def split_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:

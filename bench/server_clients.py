@@ -46,6 +46,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_up(url: str, srv: subprocess.Popen, timeout_s: float = 180) -> None:
+    """Until the server at `url` answers /health, or a RuntimeError when it died or took too long."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline or srv.poll() is not None:
+            raise RuntimeError("servetwin serve did not start")
+        time.sleep(0.5)
+
+
 def server_ttft_s(log: Path) -> dict[str, float]:
     with open(log) as f:
         return {r["request_id"]: float(r["first_token_s"]) - float(r["arrival_s"])
@@ -140,16 +154,7 @@ def main() -> int:
     results: dict = {"isl": a.isl, "osl": a.osl, "requests": a.requests, "warmup": a.warmup,
                      "aiperf_workers": a.aiperf_workers, "runs": []}
     try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline or srv.poll() is not None:
-                raise RuntimeError("servetwin serve did not start")
-            time.sleep(0.5)
+        wait_up(url, srv)
         for tool, fn in (("guidellm", run_guidellm), ("aiperf", run_aiperf)):
             venv = a.venvs / tool
             if not (venv / "bin" / tool).exists():
