@@ -16,13 +16,16 @@ SCRIPT = REPO / "calibration" / "gpu_calibrate.sh"
 
 def test_dry_run_writes_every_output(tmp_path):
     out = tmp_path / "cal"
-    proc = subprocess.run([str(SCRIPT), str(out), "--dry-run"], cwd=REPO, env={"PYTHON": sys.executable,
-                          "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=600)
+    # (arguments after -- reach gpu_calibrate.py: here the greedy check on the default model)
+    proc = subprocess.run([str(SCRIPT), str(out), "--dry-run", "--", "--greedy-model", "default"], cwd=REPO,
+                          env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["environment"]["dry_run"] is True
     st = s["stages"]
     assert st["checks"]["attention"]["ok"] and st["checks"]["greedy"]["ok"]
+    assert st["checks"]["greedy"]["model"] == "default"
     for name in ("smollm2-135m", "tiny-llama-random"):
         prof = json.loads((out / "profiles" / f"{name}.json").read_text())
         check_profile(prof, name)  # a loadable fitted profile
