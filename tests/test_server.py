@@ -788,3 +788,8 @@ def test_boolean_fields_take_json_strings_true_and_false_only(served):
     r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2,
                                                   "echo": "true", "temperature": 0}, timeout=120)
     assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("Hi")
+    # and /openapi.json says so
+    doc = httpx.get(url + "/openapi.json").json()["components"]["schemas"]
+    for model, field in (("ChatCompletionRequest", "logprobs"), ("CompletionRequest", "echo"),
+                         ("ChatCompletionRequest", "add_generation_prompt")):
+        assert {"type": "string", "enum": ["true", "false"]} in doc[model]["properties"][field]["anyOf"], field

@@ -171,6 +171,26 @@ class _Strict(BaseModel):
                     data = {**data, name: data[name] == "true"}
         return data
 
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        """The schema says what _json_bool_strings takes: a boolean field also "true" or "false"."""
+        js = handler(core_schema)
+        props = handler.resolve_ref_schema(js).get("properties", {})
+        for name in _bool_fields(cls):
+            prop = props.get(name)
+            if prop is None:
+                continue
+            if prop.get("type") == "boolean":
+                del prop["type"]
+                prop["anyOf"] = [{"type": "boolean"}, _BOOL_STRINGS]
+            elif {"type": "boolean"} in prop.get("anyOf", []) and _BOOL_STRINGS not in prop["anyOf"]:
+                i = prop["anyOf"].index({"type": "boolean"})
+                prop["anyOf"].insert(i + 1, dict(_BOOL_STRINGS))
+        return js
+
+
+_BOOL_STRINGS = {"type": "string", "enum": ["true", "false"]}
+
 
 @functools.cache
 def _bool_fields(model: type[BaseModel]) -> tuple[str, ...]:
