@@ -180,14 +180,15 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         prompt_sent: set[int] = set()  # choices whose prompt (echo, prompt logprobs) has been sent
         sent_ids: dict[int, int] = {}  # choice index -> token ids already sent (return_token_ids)
 
-        first_event = [True]
+        first_event = True
 
         def event(choices: list[dict], usage_body=None) -> str:
+            nonlocal first_event
             body = {"id": shape.rid, "object": shape.obj(True), "created": shape.created, "model": shape.model,
                     "choices": choices}
-            if first_event[0] and shape.chat and shape.prompt_ids is not None:
+            if first_event and shape.chat and shape.prompt_ids is not None:
                 body["prompt_token_ids"] = shape.prompt_ids[0]  # vLLM: on a chat stream's first chunk
-            first_event[0] = False
+            first_event = False
             if usage_body is not None:
                 body["usage"] = usage_body
             return f"data: {json.dumps(body)}\n\n"
