@@ -91,3 +91,24 @@ def test_random_smollm2_shape_is_the_default_models_config():
     # labels keep a shape's dots (profiles/llama-3.1-8b-random.json), and drop a file's .json
     assert model_label("random:llama-3.1-8b") == "llama-3.1-8b-random"
     assert model_label("random:/x/qwen3-0.6b.json") == "qwen3-0.6b-random"
+
+
+@pytest.mark.parametrize("script", ["gpu_sustained_check.py", "gpu_moe_check.py"])
+def test_device_bench_dry_runs(tmp_path, script):
+    """The device benches' code paths on the CPU (tiny sizes): each writes its JSON, and the MoE
+    one's Triton grouped GEMM (interpreter) equals the torch loop."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--dry-run", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["dry_run"] is True
+    if script == "gpu_moe_check.py":
+        assert [row["tokens"] for row in r["rows"]] == [1, 8]
+        for row in r["rows"]:
+            assert 1 <= row["experts_touched"] <= r["shape"]["experts"]
+            assert row["triton_bm16_rel_max_diff"] < 1e-5 and row["triton_bm64_rel_max_diff"] < 1e-5
+    else:
+        bf16 = r["dtypes"]["bf16"]
+        assert len(bf16["burst_step_ms"]) == 3 and bf16["sustained_steps"] >= 1
+        assert bf16["sustained_over_burst"] > 0 and bf16["table_step_ms"] > 0
