@@ -58,6 +58,7 @@ class IncrementalDetokenizer:
         self.stop = list(params.stop)
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
+        self.min_characters = params.min_characters
         # Characters held back while they could still become a stop string.
         self.stop_buffer = max((len(s) for s in self.stop), default=1) - 1 if not self.include_stop else 0
         self.output_text = ""
@@ -106,8 +107,10 @@ class IncrementalDetokenizer:
             if not piece:
                 continue
             self.output_text += piece
-            # Stop strings count only once min_tokens outputs exist (vLLM).
-            if self.stop and stop_checked_from + k + 1 > self.min_tokens:
+            # Stop strings count only once min_tokens outputs exist (vLLM), and min_characters
+            # characters of text.
+            if (self.stop and stop_checked_from + k + 1 > self.min_tokens
+                    and len(self.output_text) >= self.min_characters):
                 hit = find_stop_string(self.output_text, len(self.output_text) - before,
                                        self.stop, self.include_stop)
                 if hit is not None:

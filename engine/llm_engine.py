@@ -510,6 +510,8 @@ class LLMEngine:
                 if co.request_id in prompt_failed:
                     raise RuntimeError("its prompt logprobs failed")
                 stop_str = live.detok.update(toks, stop_terminated=finish == "stop")
+                if live.params.min_characters and len(live.detok.output_text) >= live.params.min_characters:
+                    self.runner.text_reached(co.request_id)
                 if live.logprobs is not None and toks:
                     live.logprobs.append(self._logprob_entry(step_logprobs[co.request_id]))
                 text = live.detok.get_text(finish is not None or stop_str is not None)

@@ -3,8 +3,8 @@
 The order follows vLLM V1's sampler:
 
 1. allowed_token_ids: every other token gets -inf; min_tokens: EOS and stop token ids get -inf
-   while a request has fewer than min_tokens outputs; then logit_bias: each request's per-token
-   biases added;
+   while a request has fewer than min_tokens outputs (or, with min_characters, while its text is
+   shorter: `text_short`); then logit_bias: each request's per-token biases added;
 2. penalties (OpenAI / vLLM semantics):
      repetition  r over prompt + output tokens: logit / r if logit > 0 else logit * r
      frequency   f over output tokens:          logit - f * count(token in output)
@@ -42,6 +42,7 @@ class SamplingRow(Protocol):
     output_token_ids: Sequence[int]
     min_tokens_stop_ids: Sequence[int]  # EOS + stop_token_ids: masked while outputs < min_tokens
     generator: torch.Generator | None
+    text_short: bool  # the output text is still shorter than min_characters: stop ids masked too
 
 
 @dataclass(slots=True)
@@ -53,6 +54,7 @@ class Row:
     output_token_ids: Sequence[int] = ()
     min_tokens_stop_ids: Sequence[int] = ()
     generator: torch.Generator | None = field(default=None)
+    text_short: bool = False
 
 
 _MASK64 = (1 << 64) - 1
@@ -118,12 +120,13 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """In place: -inf on the stop ids of rows that have not yet produced min_tokens outputs."""
+    """In place: -inf on the stop ids of rows that have not yet produced min_tokens outputs, or
+    whose text is still shorter than min_characters."""
     r_idx: list[int] = []
     c_idx: list[int] = []
     for i, row in enumerate(rows):
         mt = row.sampling_params.min_tokens
-        if mt and len(row.output_token_ids) < mt and row.min_tokens_stop_ids:
+        if ((mt and len(row.output_token_ids) < mt) or row.text_short) and row.min_tokens_stop_ids:
             ids = row.min_tokens_stop_ids
             r_idx.extend([i] * len(ids))
             c_idx.extend(ids)

@@ -9,7 +9,7 @@ import random
 MODEL = "default"
 
 _FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
-           "stream", "stream_options", "logprobs", "top_logprobs", "echo", "presence_penalty", "min_tokens",
+           "stream", "stream_options", "logprobs", "top_logprobs", "echo", "presence_penalty", "min_tokens", "min_characters",
            "stop_token_ids", "ignore_eos", "priority", "tools", "logit_bias", "best_of", "whatever"]
 
 

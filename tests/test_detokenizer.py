@@ -102,6 +102,14 @@ def test_stop_strings_respect_min_tokens(tok):
     assert hit == "stop" and d.output_text == " stop here and then "
 
 
+def test_stop_strings_respect_min_characters(tok):
+    text = " stop here and then stop again"
+    d, _, hit = feed(tok, "x", text, SamplingParams(stop=["stop"], min_characters=len(" stop h"), max_tokens=50))
+    assert hit == "stop" and d.output_text == " stop here and then "
+    d, _, hit = feed(tok, "x", text, SamplingParams(stop=["stop"], max_tokens=50))
+    assert hit == "stop" and d.output_text == " "
+
+
 def test_find_stop_string():
     assert find_stop_string("abcXYZ", 2, ["XYZ"], False) == ("XYZ", 3)
     assert find_stop_string("abcXYZ", 2, ["XYZ"], True) == ("XYZ", -1)

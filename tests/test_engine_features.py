@@ -62,6 +62,25 @@ def test_min_tokens_and_ignore_eos(llm):
     assert forced.token_ids[:n] == short.token_ids  # ran past EOS
 
 
+def test_min_characters_holds_eos_until_the_text_is_long_enough(llm):
+    chat = [{"role": "user", "content": "Say hi."}]
+    short = llm.chat(chat, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert short.finish_reason == "stop" and short.token_ids[-1] == 2
+    want = len(short.text) + 10
+    longer = llm.chat(chat, SamplingParams(temperature=0, min_characters=want, max_tokens=40))[0].outputs[0]
+    # EOS was masked until the text reached `want` characters, then it may end as usual
+    assert len(longer.text) >= want or longer.finish_reason == "length"
+    assert longer.token_ids[:len(short.token_ids) - 1] == short.token_ids[:-1]  # same text up to the EOS
+    assert 2 not in longer.token_ids[:-1]
+    # a stop string inside the first `want` characters does not count; min_characters 0 is as before
+    first_word = short.text.split()[0]
+    cut = llm.chat(chat, SamplingParams(temperature=0, max_tokens=40, stop=[first_word]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.text == short.text[:short.text.index(first_word)]
+    held = llm.chat(chat, SamplingParams(temperature=0, max_tokens=40, stop=[first_word],
+                                         min_characters=len(short.text)))[0].outputs[0]
+    assert held.text.startswith(first_word) and len(held.text) > len(cut.text)
+
+
 def test_stop_token_ids(llm):
     base = llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
     stop_id = base.token_ids[3]

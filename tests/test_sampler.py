@@ -130,6 +130,16 @@ def test_min_tokens_masks_stop_ids_until_reached():
     assert 2 not in draws and len(set(draws)) > 1
 
 
+def test_text_short_masks_stop_ids_like_min_tokens():
+    logits = torch.tensor([[0.0, 1.0, 9.0, 8.0, 7.0]] * 2)
+    sp = SamplingParams(temperature=0, min_characters=10, stop_token_ids=[3])
+    rows = [Row(sp, [0], [4], min_tokens_stop_ids=(2, 3), text_short=True),   # text still short
+            Row(sp, [0], [4], min_tokens_stop_ids=(2, 3), text_short=False)]  # reached: no mask
+    assert Sampler()(logits.clone(), rows) == [4, 2]
+    with pytest.raises(ValueError, match="min_characters=-1"):
+        SamplingParams(min_characters=-1)
+
+
 def test_seeded_sampling_independent_of_batch_mates():
     g = torch.Generator().manual_seed(3)
     target = torch.randn(1, 100, generator=g)

@@ -743,6 +743,14 @@ def test_vllm_serve_root_path_usage_tokenizer_info_hidden_metrics_and_whole_voca
         assert done == sorted(done) and done[-1] == 4 and chunks[-1]["choices"] == []
         assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
                    for c in chunks)
+        # vLLM's min_characters: EOS held back until the answer has that many characters
+        hi = [{"role": "user", "content": "Say hi."}]
+        short = client.chat.completions.create(model="m", messages=hi, max_tokens=40, temperature=0).choices[0]
+        want = len(short.message.content) + 10
+        longer = client.chat.completions.create(model="m", messages=hi, max_tokens=40, temperature=0,
+                                                extra_body={"min_characters": want}).choices[0]
+        assert short.finish_reason == "stop" and longer.message.content.startswith(short.message.content)
+        assert len(longer.message.content) >= want or longer.finish_reason == "length"
         info = httpx.get(url + "/tokenizer_info").json()
         assert info["tokenizer_class"] == type(tok).__name__ and info["chat_template"] == tok.chat_template
         assert info["eos_token"] == tok.eos_token and isinstance(info["model_max_length"], int)

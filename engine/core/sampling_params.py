@@ -13,6 +13,8 @@ class SamplingParams:
 
     `temperature == 0` is greedy. `top_k <= 0` (or -1) and `top_p == 1` disable those filters.
     `min_tokens` masks EOS and stop tokens until that many tokens were generated.
+    `min_characters` (vLLM): the same until the output text has that many characters; stop
+    strings count only from then on (the engine's detokenizer measures the text).
     `stop` strings are matched by the detokenizer (engine); `stop_token_ids` by the scheduler.
     `seed` is any integer in [-2**63, 2**64): all 64 bits select the random stream.
     `logprobs`: None, or how many most likely alternatives to report with each sampled token's
@@ -29,6 +31,7 @@ class SamplingParams:
 
     max_tokens: int | None = 16
     min_tokens: int = 0
+    min_characters: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
@@ -71,6 +74,8 @@ class SamplingParams:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
+        if not _is_int(self.min_characters) or self.min_characters < 0:
+            bad("min_characters", "must be an integer >= 0")
         if not _is_num(self.temperature) or self.temperature < 0:
             bad("temperature", "must be a number >= 0 (0 means greedy)")
         if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:

@@ -44,6 +44,8 @@ class RequestState:
     min_tokens_stop_ids: tuple[int, ...]
     generator: torch.Generator | None = None
     token_ids: list[int] = field(default_factory=list)  # prompt + outputs
+    # min_characters not yet reached by the output text (the engine clears it: `text_reached`)
+    text_short: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -100,7 +102,14 @@ class ModelRunner:
         self.requests[d.req_id] = RequestState(
             req_id=d.req_id, prompt_token_ids=list(d.prompt_token_ids), output_token_ids=out_ids,
             sampling_params=sp, block_ids=list(d.block_ids), num_computed_tokens=d.num_computed_tokens,
-            min_tokens_stop_ids=stop_ids, generator=gen, token_ids=list(d.prompt_token_ids) + out_ids)
+            min_tokens_stop_ids=stop_ids, generator=gen, token_ids=list(d.prompt_token_ids) + out_ids,
+            text_short=old.text_short if old is not None else sp.min_characters > 0)
+
+    def text_reached(self, req_id: str) -> None:
+        """The request's output text has min_characters characters: EOS and stop ids unmasked."""
+        st = self.requests.get(req_id)
+        if st is not None:
+            st.text_short = False
 
     def update_states(self, out: SchedulerOutput) -> None:
         reqs = self.requests

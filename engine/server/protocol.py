@@ -229,6 +229,8 @@ class _Common(_Strict):
     frequency_penalty: float | None = Field(None, json_schema_extra={"minimum": -2, "maximum": 2})
     repetition_penalty: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0})
     min_tokens: Annotated[int, Field(ge=0, le=(1 << 63) - 1)] = 0
+    # vLLM's: EOS and stop ids masked, stop strings ignored, until the text has this many characters
+    min_characters: Annotated[int, Field(ge=0, le=(1 << 63) - 1)] = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     stream: bool | None = False
@@ -305,7 +307,8 @@ class _Common(_Strict):
             return default if v is None else v
         try:
             return SamplingParams(
-                max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                max_tokens=max_tokens, min_tokens=self.min_tokens, min_characters=self.min_characters,
+                ignore_eos=self.ignore_eos,
                 stop_token_ids=list(self.stop_token_ids or []), stop=self.stop_strings(),
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 temperature=d(self.temperature, 1.0), top_p=d(self.top_p, 1.0), top_k=d(self.top_k, 0),
