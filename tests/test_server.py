@@ -152,6 +152,9 @@ def test_unknown_model_is_404_like_openai(served):
     r = httpx.post(served["url"] + "/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=30)
     assert r.status_code == 404
     assert r.json()["error"]["param"] == "model" and r.json()["error"]["code"] == "model_not_found"
+    assert "The model `nope` does not exist" in r.json()["error"]["message"]  # vLLM's words, which its clients match
+    r = httpx.get(served["url"] + "/v1/models/nope", timeout=30)
+    assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
 
 
 def test_bad_json_and_openai_client_error(served, client):
@@ -518,6 +521,9 @@ def test_vllm_sampling_extensions_reach_the_sampler(served):
     # truncate_prompt_tokens: the prompt is its last k tokens (the usage counts them)
     full = comp(temperature=0, max_tokens=1)["usage"]["prompt_tokens"]
     assert full > 3 and comp(temperature=0, max_tokens=1, truncate_prompt_tokens=3)["usage"]["prompt_tokens"] == 3
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "truncate_prompt_tokens": 10 ** 6})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+    assert "greater than max_model_len" in r.json()["error"]["message"]
     # chat_template_kwargs reach the template (an unused variable is harmless); the server's own
     # template arguments cannot be overridden; bad_words is refused, not ignored
     chat = {"model": MODEL, "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}
@@ -801,3 +807,69 @@ def test_boolean_fields_take_json_strings_true_and_false_only(served):
     for model, field in (("ChatCompletionRequest", "logprobs"), ("CompletionRequest", "echo"),
                          ("ChatCompletionRequest", "add_generation_prompt")):
         assert {"type": "string", "enum": ["true", "false"]} in doc[model]["properties"][field]["anyOf"], field
+
+
+def test_vllm_serve_shutdown_timeout_zero_and_skip_tokenizer_init(tmp_path):
+    """`servetwin serve` as a process, with two more `vllm serve` flags: --skip-tokenizer-init
+    (token ids in: a text prompt is a 400 naming it, a token-id prompt is served) and
+    --shutdown-timeout 0 (SIGTERM aborts the stream in flight and the process exits at once,
+    where the default waits for it)."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "scenarios.cli", "serve", MODEL, "--device", "cpu", "--port",
+                             str(port), "--max-model-len", "512", "--num-gpu-blocks", "64", "--threads", "1",
+                             "--shutdown-timeout", "0", "--skip-tokenizer-init"], stdout=log, stderr=log)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert "--skip-tokenizer-init" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
+                                                          "messages": [{"role": "user", "content": "Hi"}]}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [1, 504, 28], "max_tokens": 3,
+                                                     "temperature": 0, "return_token_ids": True}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
+        assert r.json()["choices"][0]["prompt_token_ids"] == [1, 504, 28]
+        # a long stream in flight when SIGTERM comes
+        got, ended = [], threading.Event()
+
+        def stream():
+            try:
+                with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+                        "model": MODEL, "prompt": [1, 504, 28], "max_tokens": 500, "ignore_eos": True,
+                        "stream": True}) as resp:
+                    for line in resp.iter_lines():
+                        got.append(line)
+            except httpx.HTTPError:
+                got.append("<cut>")
+            ended.set()
+
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        while not any(x.startswith("data: {") for x in got):
+            assert time.time() < deadline and not ended.is_set()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)  # (a guard against a hang: the default would wait for the stream)
+        assert proc.returncode in (0, -15)
+        assert ended.wait(30)
+        # cut, not finished: no [DONE], and far fewer than the 500 tokens asked for
+        assert "data: [DONE]" not in got and sum(x.startswith("data: {") for x in got) < 500
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()

@@ -207,6 +207,13 @@ def test_logprobs_match_transformers(srv, client, hf_model):
         assert list(lp.top_logprobs[k]) == [tok.decode([t]) for t in top_i.tolist()]
         assert list(lp.top_logprobs[k].values()) == pytest.approx(top_v.tolist(), abs=2e-3)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(4)]
+    # streamed, with a stop string holding text back: the same offsets (counted from the tokens)
+    kw = dict(model=MODEL, prompt="Hi", max_tokens=8, temperature=0, logprobs=0, stop=["\n\n"])
+    whole = client.completions.create(**kw).choices[0].logprobs
+    streamed = [o for ch in client.completions.create(stream=True, **kw) for c in ch.choices if c.logprobs
+                for o in c.logprobs.text_offset]
+    assert whole.text_offset == [sum(len(t) for t in whole.tokens[:k]) for k in range(len(whole.tokens))]
+    assert streamed == whole.text_offset
     c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                        max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
     content = c.choices[0].logprobs.content

@@ -59,6 +59,12 @@ def add_serve_args(sub) -> None:
                         "and without it (vLLM's)")
     p.add_argument("--show-hidden-metrics-for-version", default=None,
                    help="also serve the Prometheus metrics vLLM deprecated in that version (vLLM's)")
+    p.add_argument("--shutdown-timeout", type=float, default=None,
+                   help="on SIGTERM, stop accepting requests and wait this many seconds for the ones in "
+                        "flight, then abort them (vLLM's; 0: abort at once; default: wait for them all)")
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="token ids in (vLLM's): text prompts, chat messages and /tokenize are refused "
+                        "with a 400; the tokenizer still writes the output text")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 only (one device)")
     # vLLM flags that change nothing here: accepted so `vllm serve` command lines run unchanged
     for flag in ("--enforce-eager", "--trust-remote-code", "--disable-log-requests", "--disable-log-stats",
@@ -123,7 +129,7 @@ def build_app(a):
                       force_include_usage=a.enable_force_include_usage,
                       tokenizer_info=a.enable_tokenizer_info_endpoint,
                       hidden_metrics=a.show_hidden_metrics_for_version is not None,
-                      root_path=a.root_path or "")
+                      root_path=a.root_path or "", token_ids_only=a.skip_tokenizer_init)
 
 
 def run_serve(a: argparse.Namespace) -> int:
@@ -141,5 +147,8 @@ def run_serve(a: argparse.Namespace) -> int:
     from engine.server.receipt import http_protocol
 
     # Arrival is stamped when the parser meets a request's first bytes, not when its handler runs.
-    uvicorn.run(app, host=a.host, port=a.port, log_level="info", http=http_protocol())
+    if a.shutdown_timeout is not None and a.shutdown_timeout < 0:
+        raise SystemExit(f"serve: --shutdown-timeout={a.shutdown_timeout}: must be >= 0")
+    uvicorn.run(app, host=a.host, port=a.port, log_level="info", http=http_protocol(),
+                timeout_graceful_shutdown=a.shutdown_timeout)
     return 0

@@ -143,6 +143,7 @@ class ServerContext:
         # for membership; the default model name joins them if it is not one of them
         self.names = dict.fromkeys([model_name, *(served_model_names or [])])
         self.tokenizer = tok = engine.tokenizer
+        self.token_ids_only = False  # vLLM's --skip-tokenizer-init: text inputs refused (check_chars)
         self.pool = TokenizerPool(tok, tokenizer_workers) if tok is not None else None
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
@@ -199,7 +200,7 @@ class ServerContext:
         check_unsupported(body)
         req = validate_model(cls, body)
         if req.model is not None and req.model not in self.names:
-            raise APIError(404, f"model={req.model!r}: no such model; this server serves "
+            raise APIError(404, f"The model `{req.model}` does not exist (model={req.model!r}); this server serves "
                                 f"{list(self.names)}", "model", code="model_not_found")
         if req.model is None:
             req.model = self.model_name
@@ -224,6 +225,9 @@ class ServerContext:
     def check_chars(self, text: str, field: str) -> None:
         if self.tokenizer is None:
             raise APIError(400, f"{field}: this model has no tokenizer; send token ids", field)
+        if self.token_ids_only:
+            raise APIError(400, f"{field}: the server runs with --skip-tokenizer-init (token ids in): "
+                                "send the prompt as token ids", field)
         if len(text) > self.max_chars:
             raise APIError(400, f"{field}: {len(text)} characters cannot fit in max_model_len="
                                 f"{self.max_model_len} tokens", field)

@@ -291,6 +291,10 @@ class _Common(_Strict):
         k = self.truncate_prompt_tokens
         if k is None:
             return ids
+        if k > max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
+                                f"({max_model_len}). Please, select a smaller truncation size.",
+                           "truncate_prompt_tokens")
         k = max_model_len if k == -1 else k
         if not k or len(ids) <= k:
             return ids

@@ -176,6 +176,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         latest: dict[int, object] = {}
         sent = {}          # choice index -> text already sent
         sent_lp = {}       # choice index -> logprob entries already sent
+        sent_off = {}      # choice index -> length of the texts of the logprob tokens already sent
         first_sent: set[int] = set()  # choices whose first token has been sent
         prompt_sent: set[int] = set()  # choices whose prompt (echo, prompt logprobs) has been sent
         sent_ids: dict[int, int] = {}  # choice index -> token ids already sent (return_token_ids)
@@ -223,8 +224,12 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                     sent[i] = c.text
                 lp = None
                 if c.logprobs is not None and len(c.logprobs) > sent_lp.get(i, 0):
-                    lp = shape.logprobs(c.logprobs[sent_lp.get(i, 0):], len(prev) + shape.echo_len(i))
+                    # text_offset counts the tokens' texts (as without a stream), not the text sent
+                    # so far, which lags them while a stop string may be forming
+                    lp = shape.logprobs(c.logprobs[sent_lp.get(i, 0):], sent_off.get(i, 0) + shape.echo_len(i))
                     sent_lp[i] = len(c.logprobs)
+                    if not shape.chat:
+                        sent_off[i] = sent_off.get(i, 0) + sum(len(t) for t in lp["tokens"])
                 new_ids = None
                 if shape.prompt_ids is not None:
                     new_ids = list(c.token_ids[sent_ids.get(i, 0):])
@@ -381,7 +386,8 @@ class Shape:
                                          else None)
         head = self.echo[i // self.n] if self.echo is not None else ""
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": head + c.text, "refusal": None, "tool_calls": []}
+            choice["message"] = {"role": "assistant", "content": head + c.text, "refusal": None, "annotations": None,
+                                 "audio": None, "function_call": None, "tool_calls": []}
             if self.prompt_ids is not None and len(self.prompt_lens) > 1:  # a batch: each its conversation's
                 choice["prompt_token_ids"] = self.prompt_ids[i // self.n]
         else:
