@@ -240,9 +240,12 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
 
 
-def compute_logprobs(logits: torch.Tensor, tokens: Sequence[int], ks: Sequence[int]) -> list[TokenLogprobs]:
+def compute_logprobs(logits: torch.Tensor, tokens: Sequence[int], ks: Sequence[int],
+                     pinned: Sequence[Sequence[int] | None] | None = None) -> list[TokenLogprobs]:
     """Log-probabilities of `tokens` (one per row of the raw `logits` [N, V]) and each row's top
-    `ks[i]` alternatives. Call before the sampler, which edits logits in place."""
+    `ks[i]` alternatives, or, where `pinned[i]` is given, the sampled token's and then those token
+    ids' (in that order; vLLM's logprob_token_ids). Call before the sampler, which edits logits in
+    place."""
     lp = logits.float().log_softmax(dim=-1)
     dev = lp.device
     tok = torch.tensor(list(tokens), dtype=torch.int64, device=dev)
@@ -255,7 +258,12 @@ def compute_logprobs(logits: torch.Tensor, tokens: Sequence[int], ks: Sequence[i
     top_il = top_i.tolist() if kmax else None
     out = []
     for r, (t, k) in enumerate(zip(tokens, ks)):
-        top = list(zip(top_il[r][:k], top_vl[r][:k])) if k else []
+        ids = pinned[r] if pinned is not None else None
+        if ids:
+            ids = ([int(t)] if int(t) not in ids else []) + list(ids)
+            top = list(zip(ids, lp[r, torch.tensor(ids, dtype=torch.int64, device=dev)].tolist()))
+        else:
+            top = list(zip(top_il[r][:k], top_vl[r][:k])) if k else []
         out.append(TokenLogprobs(int(t), chosen_l[r], int(rank_l[r]), top))
     return out
 

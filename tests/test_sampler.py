@@ -9,7 +9,7 @@ import pytest
 import torch  # noqa: E402  (make test installs it)
 
 from engine.core.sampling_params import SamplingParams  # noqa: E402
-from engine.sampler import Row, Sampler, apply_top_k_top_p, make_generator  # noqa: E402
+from engine.sampler import Row, Sampler, apply_top_k_top_p, compute_logprobs, make_generator  # noqa: E402
 
 NEG_INF = float("-inf")
 
@@ -246,3 +246,16 @@ def test_allowed_token_ids_restrict_every_draw():
     assert greedy == [allowed[int(r[allowed].argmax())] for r in logits[:5]]
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[])
+
+
+def test_pinned_logprob_ids_replace_the_top_k():
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0], [2.0, 0.0, 0.0, 1.0]])
+    ref = logits.log_softmax(-1)
+    out = compute_logprobs(logits, [2, 0], [2, 2], [[0, 1], None])
+    # pinned row: the sampled token first (not among the pinned), then the pinned ids in order
+    assert [t for t, _ in out[0].top] == [2, 0, 1]
+    assert [v for _, v in out[0].top] == pytest.approx([ref[0, 2].item(), ref[0, 0].item(), ref[0, 1].item()])
+    assert [t for t, _ in out[1].top] == [0, 3]  # the natural top 2
+    assert [t for t, _ in compute_logprobs(logits, [1], [1], [[1, 3]])[0].top] == [1, 3]  # sampled among them
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        SamplingParams(logprob_token_ids=[1])  # needs logprobs

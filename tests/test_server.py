@@ -873,3 +873,58 @@ def test_vllm_serve_shutdown_timeout_zero_and_skip_tokenizer_init(tmp_path):
         if proc.poll() is None:
             proc.kill()
         log.close()
+
+
+def test_chat_token_in_equals_the_templated_conversation(served):
+    """vLLM's token-in chat: messages [] and the conversation's templated ids (from /tokenize)
+    generate what the messages do; a template option with them, or neither, is a 400 naming it."""
+    url = served["url"]
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    ids = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": msgs}, timeout=60).json()["tokens"]
+    base = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": msgs, "max_tokens": 8, "temperature": 0, "return_token_ids": True}).json()
+    tin = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [], "prompt_token_ids": ids, "max_tokens": 8, "temperature": 0,
+        "return_token_ids": True}).json()
+    assert tin["prompt_token_ids"] == ids == base["prompt_token_ids"]
+    assert tin["choices"][0]["message"]["content"] == base["choices"][0]["message"]["content"]
+    assert tin["usage"]["prompt_tokens"] == len(ids)
+    for extra, field in (({"add_generation_prompt": True}, "add_generation_prompt"),
+                         ({"messages": msgs}, "prompt_token_ids"), ({"prompt_token_ids": None}, "messages"),
+                         ({"prompt_token_ids": [10 ** 7]}, "prompt_token_ids")):
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [], "prompt_token_ids": ids, "max_tokens": 2, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (extra, r.text)
+
+
+def test_logprob_token_ids_pin_the_reported_alternatives(served):
+    """vLLM's logprob_token_ids: each sampled token's alternatives are the sampled token and the
+    requested ids, with their raw log-probabilities; without logprobs, or out of the vocabulary, a
+    400 naming the field."""
+    url = served["url"]
+    want = [100, 1000, 5000]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2, "temperature": 0,
+            "logprobs": True, "top_logprobs": 3, "logprob_token_ids": want, "return_tokens_as_token_ids": True}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+    plain = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        **{k: v for k, v in body.items() if k != "logprob_token_ids"}, "top_logprobs": 20}).json()
+    for e, p in zip(r["choices"][0]["logprobs"]["content"], plain["choices"][0]["logprobs"]["content"]):
+        got = [int(t["token"].removeprefix("token_id:")) for t in e["top_logprobs"]]
+        sampled = int(e["token"].removeprefix("token_id:"))
+        assert got == ([sampled] if sampled not in want else []) + want
+        assert e["top_logprobs"][0]["logprob"] == pytest.approx(e["logprob"]) or sampled in want
+        # the same raw distribution as the natural top-k where they overlap
+        natural = {t["token"]: t["logprob"] for t in p["top_logprobs"]}
+        for t in e["top_logprobs"]:
+            if t["token"] in natural:
+                assert t["logprob"] == pytest.approx(natural[t["token"]], abs=1e-4)
+            assert t["logprob"] <= 0
+    comp = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": "Hi", "max_tokens": 1, "logprobs": 1, "logprob_token_ids": [7, 8],
+        "return_tokens_as_token_ids": True}).json()
+    assert {"token_id:7", "token_id:8"} <= set(comp["choices"][0]["logprobs"]["top_logprobs"][0])
+    for extra, field in (({"logprobs": False, "top_logprobs": None}, "logprob_token_ids"),
+                         ({"logprob_token_ids": [10 ** 7]}, "logprob_token_ids"),
+                         ({"logprob_token_ids": []}, "logprob_token_ids")):
+        bad = httpx.post(url + "/v1/chat/completions", json={**body, **extra}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == field, (extra, bad.text)

@@ -230,6 +230,7 @@ def test_cached_tokens_and_reset_prefix_cache(srv):
     again = complete(srv, prompt=p, max_tokens=2)["usage"]
     bs = srv["engine"].block_size
     assert again["prompt_tokens_details"]["cached_tokens"] == (n_prompt - 1) // bs * bs
+    assert again["cache_read_input_tokens"] == again["prompt_tokens_details"]["cached_tokens"]  # vLLM's name
     deadline = time.time() + 30
     while True:  # refused (409) only while a request holds blocks
         r = post(srv, "/reset_prefix_cache")
@@ -237,7 +238,8 @@ def test_cached_tokens_and_reset_prefix_cache(srv):
             break
         time.sleep(0.1)
     assert r.status_code == 200
-    assert complete(srv, prompt=p, max_tokens=2)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cold = complete(srv, prompt=p, max_tokens=2)["usage"]
+    assert cold["prompt_tokens_details"]["cached_tokens"] == 0 and cold["cache_read_input_tokens"] == 0
 
 
 def test_vllm_endpoints(srv, client):

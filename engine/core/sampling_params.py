@@ -51,6 +51,9 @@ class SamplingParams:
     # such a request reads nothing from the prefix cache: its whole prompt is computed.
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
+    # vLLM's: these token ids' log-probabilities are the reported alternatives (in this order),
+    # instead of the top `logprobs` (needs logprobs)
+    logprob_token_ids: list[int] | None = None
     # the most alternatives logprobs / prompt_logprobs may ask for (vLLM's max_logprobs, a server
     # setting: MAX_LOGPROBS by default; -1: no limit, up to the whole vocabulary)
     max_logprobs: int = MAX_LOGPROBS
@@ -95,6 +98,11 @@ class SamplingParams:
             bad("repetition_penalty", "must be > 0 (1 disables it)")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), or None")
+        if self.logprob_token_ids is not None:
+            if not self.logprob_token_ids or not all(_is_int(t) and t >= 0 for t in self.logprob_token_ids):
+                bad("logprob_token_ids", "must be a non-empty list of token ids (integers >= 0), or None")
+            if self.logprobs is None:
+                bad("logprob_token_ids", "needs logprobs (their log-probabilities are its alternatives)")
         if not _is_int(self.max_logprobs) or self.max_logprobs < -1:
             bad("max_logprobs", "must be an integer >= 0, or -1 for no limit")
         cap = self.max_logprobs

@@ -207,7 +207,8 @@ class ModelRunner:
             toks = self.sampler(logits, sampling)
             if lp_rows:
                 lps = compute_logprobs(raw, [toks[i] for i in lp_rows],
-                                       [sampling[i].sampling_params.logprobs for i in lp_rows])
+                                       [sampling[i].sampling_params.logprobs for i in lp_rows],
+                                       [sampling[i].sampling_params.logprob_token_ids for i in lp_rows])
                 self.logprobs = {sampling[i].req_id: lp for i, lp in zip(lp_rows, lps)}
             for st, tok in zip(sampling, toks):
                 st.token_ids.append(tok)

@@ -65,6 +65,14 @@ def add_serve_args(sub) -> None:
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="token ids in (vLLM's): text prompts, chat messages and /tokenize are refused "
                         "with a 400; the tokenizer still writes the output text")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted so vLLM command lines run; tools are not supported: a request with "
+                        "`tools` is a 400")
+    p.add_argument("--tool-call-parser", default=None, help="accepted with --enable-auto-tool-choice (see there)")
+    p.add_argument("--chat-template-content-format", choices=("auto", "string"), default="auto",
+                   help="vLLM's: how message content reaches the chat template; here always as one string "
+                        "(text parts joined), which is vLLM's 'string' and what 'auto' picks for a "
+                        "template that renders content as text ('openai' is not supported)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 only (one device)")
     # vLLM flags that change nothing here: accepted so `vllm serve` command lines run unchanged
     for flag in ("--enforce-eager", "--trust-remote-code", "--disable-log-requests", "--disable-log-stats",

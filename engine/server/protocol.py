@@ -216,6 +216,8 @@ class _Common(_Strict):
     # vLLM's extensions: only these tokens may be sampled; the prompt cut to its last k tokens
     # (-1: to max_model_len)
     allowed_token_ids: list[Annotated[int, Field(ge=0, le=(1 << 63) - 1)]] | None = Field(None, min_length=1)
+    # vLLM's: the alternatives reported with each sampled token are these ids' logprobs (needs logprobs)
+    logprob_token_ids: list[Annotated[int, Field(ge=0, le=(1 << 63) - 1)]] | None = Field(None, min_length=1)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=(1 << 63) - 1)] | None = None
     # vLLM's: which end truncate_prompt_tokens cuts ("left", the default: keep the last tokens;
     # "right": keep the first)
@@ -284,6 +286,7 @@ class _Common(_Strict):
         """allowed_token_ids and stop_token_ids within the vocabulary, or a 400 naming the field."""
         token_ids(self.allowed_token_ids or [], vocab_size, "allowed_token_ids")
         token_ids(self.stop_token_ids or [], vocab_size, "stop_token_ids")
+        token_ids(self.logprob_token_ids or [], vocab_size, "logprob_token_ids")
 
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
         """The prompt's ids cut to truncate_prompt_tokens (-1: max_model_len), as vLLM: its last
@@ -320,7 +323,8 @@ class _Common(_Strict):
                 frequency_penalty=d(self.frequency_penalty, 0.0),
                 repetition_penalty=d(self.repetition_penalty, 1.0), logprobs=logprobs, logit_bias=logit_bias,
                 prompt_logprobs=self.wanted_prompt_logprobs(), min_p=d(self.min_p, 0.0),
-                allowed_token_ids=self.allowed_token_ids, max_logprobs=-1)  # bounded by the server
+                allowed_token_ids=self.allowed_token_ids, logprob_token_ids=self.logprob_token_ids,
+                max_logprobs=-1)  # bounded by the server
         except ValueError as e:
             msg = str(e)
             field = msg.split("SamplingParams.", 1)[-1].split("=", 1)[0] if "SamplingParams." in msg else None
@@ -468,7 +472,30 @@ class _ChatFields(_Common):
 
 
 class ChatCompletionRequest(_ChatFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    # at least one message, unless prompt_token_ids are given (then none)
+    messages: list[ChatMessage]
+    # vLLM's token-in chat: the templated conversation's token ids (e.g. from POST /tokenize with
+    # the messages), generated from as they are; the reply is text as usual
+    prompt_token_ids: list[Annotated[int, Field(ge=0, le=(1 << 63) - 1)]] | None = Field(None, min_length=1)
+
+    # the template's options: none of them applies to prompt_token_ids
+    TEMPLATE_OPTIONS: ClassVar[tuple[str, ...]] = ("add_generation_prompt", "continue_final_message",
+                                                   "chat_template_kwargs", "add_special_tokens", "echo")
+
+    def token_in(self, vocab_size: int) -> list[int] | None:
+        """prompt_token_ids checked (or None), or a 400 naming what conflicts with them."""
+        if self.prompt_token_ids is None:
+            if not self.messages:
+                raise APIError(400, "messages: at least one message is needed (or prompt_token_ids)", "messages")
+            return None
+        if self.messages:
+            raise APIError(400, "prompt_token_ids: give either messages or prompt_token_ids (with messages [])",
+                           "prompt_token_ids")
+        for name in self.TEMPLATE_OPTIONS:
+            if name in self.model_fields_set:
+                raise APIError(400, f"{name}: a chat template option, but prompt_token_ids are already "
+                                    "templated", name)
+        return token_ids(self.prompt_token_ids, vocab_size, "prompt_token_ids")
 
     def conversations(self) -> list[list[ChatMessage]]:
         return [self.messages]
@@ -558,9 +585,14 @@ def now_s() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+          cache_read_tokens: int | None = None) -> dict:
+    """OpenAI's usage; cached_tokens: prompt_tokens_details (vLLM: --enable-prompt-tokens-details);
+    cache_read_tokens: vLLM's cache_read_input_tokens, the prompt tokens read from the prefix cache."""
     u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
          "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens is not None:
         u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if cache_read_tokens is not None:
+        u["cache_read_input_tokens"] = cache_read_tokens
     return u

@@ -44,6 +44,8 @@ class Usage(_Body):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    cache_read_input_tokens: int | None = Field(None, description="vLLM's: the prompt tokens read from the "
+                                                "prefix cache (each prompt once)")
 
 
 class PromptLogprob(_Body):

@@ -65,17 +65,21 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
             raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
         if batch and req.stream:
             raise APIError(400, "stream: a batch of conversations is not streamed", "stream")
-        convs = req.chat_turns()
-        for k, conv in enumerate(convs):
-            check_chars("".join(m["content"] for m in conv), f"messages[{k}]" if batch else "messages")
-        kw = template_kwargs(req)
-        try:
-            templated = await pool.run(lambda tok: [_apply_template(tok, conv, req.add_generation_prompt,
-                                                                     req.continue_final_message, kw,
-                                                                     req.add_special_tokens)
-                                                    for conv in convs])
-        except Exception as e:  # the template refused a conversation (e.g. role order)
-            raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
+        ids_in = None if batch else req.token_in(ctx.vocab_size)
+        if ids_in is not None:  # token-in: the conversation arrives templated
+            templated = [(None, ids_in)]
+        else:
+            convs = req.chat_turns()
+            for k, conv in enumerate(convs):
+                check_chars("".join(m["content"] for m in conv), f"messages[{k}]" if batch else "messages")
+            kw = template_kwargs(req)
+            try:
+                templated = await pool.run(lambda tok: [_apply_template(tok, conv, req.add_generation_prompt,
+                                                                         req.continue_final_message, kw,
+                                                                         req.add_special_tokens)
+                                                        for conv in convs])
+            except Exception as e:  # the template refused a conversation (e.g. role order)
+                raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
         rid = request_id(request, "chatcmpl")
         kids = children(req, rid, templated, (req.top_logprobs or 0) if req.logprobs else None)
         return await respond(request, req, rid, kids, arrival, chat=True, echo=req.echo_texts())
@@ -198,7 +202,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
             # vLLM: usage in a chunk only with include_usage; with continuous_usage_stats too, in
             # every chunk (the counts so far)
             continuous = continuous and include_usage
-            first_usage = usage(sum(shape.prompt_lens), 0) if continuous else None
+            first_usage = usage(sum(shape.prompt_lens), 0, None, 0) if continuous else None
             for i in range(shape.num_choices):
                 if shape.chat:
                     content = shape.echo[i // shape.n] if shape.echo is not None else ""
@@ -419,7 +423,7 @@ class Shape:
             k = o.request_id
             firsts.setdefault(self._prompt_of(k), o)
         cached = sum((o.num_cached_tokens or 0) for o in firsts.values())
-        return usage(sum(self.prompt_lens), completion, cached if self.cached_details else None)
+        return usage(sum(self.prompt_lens), completion, cached if self.cached_details else None, cached)
 
     def _prompt_of(self, request_id: str) -> int:
         if self.num_choices == 1:
