@@ -33,6 +33,20 @@ MS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 SYSTEMS = {"H200": "h200_sxm", "H100": "h100_sxm", "B200": "b200_sxm", "A100": "a100_sxm", "L40S": "l40s"}
 
 
+def device_and_system(dry_run: bool, system: str | None, script: str) -> tuple[str, str, str] | None:
+    """(torch device, its name, the kernel tables' system) for a device bench: the CPU for a dry
+    run, else the CUDA device (None, with a message, where there is none); the system from the
+    GPU's name unless given."""
+    import torch
+
+    device = "cpu" if dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print(f"{script}: no CUDA device (use --dry-run on a CPU)", file=sys.stderr)
+        return None
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
+    return device, name, system or next((v for k, v in SYSTEMS.items() if k in name), "h200_sxm")
+
+
 def _time_us(fns, iters: int, device: str) -> float:
     """Median time of one launch: each sample times len(fns) launches back to back (the CPU's
     launch cost hidden behind the GPU's work, as in a real step) and divides by their number."""
@@ -69,12 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    device = "cpu" if a.dry_run else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("gpu_kernel_check: no CUDA device (use --dry-run on a CPU)", file=sys.stderr)
+    found = device_and_system(a.dry_run, a.system, "gpu_kernel_check")
+    if found is None:
         return 2
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
-    system = a.system or next((v for k, v in SYSTEMS.items() if k in name), "h200_sxm")
+    device, name, system = found
     tables = load_tables(system)["gemm"]
     shapes = {"tiny": {"x": (64, 32)}} if a.dry_run else SHAPES
     ms = (1, 8, 64) if a.dry_run else MS

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu_kernel_check import SYSTEMS  # noqa: E402
+from bench.gpu_kernel_check import device_and_system  # noqa: E402
 from sim.kernel_model import load_tables  # noqa: E402
 
 SHAPE = {"experts": 128, "top_k": 8, "hidden": 2048, "inter": 768}
@@ -47,12 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     from engine.model.moe import fused_experts_torch, route
     from engine.model.moe_triton import fused_experts
 
-    device = "cpu" if a.dry_run else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("gpu_moe_check: no CUDA device (use --dry-run on a CPU)", file=sys.stderr)
+    found = device_and_system(a.dry_run, a.system, "gpu_moe_check")
+    if found is None:
         return 2
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
-    system = a.system or next((v for k, v in SYSTEMS.items() if k in name), "h200_sxm")
+    device, name, system = found
     tab = load_tables(system)["moe"]["tables"].get(TABLE_KEY)
     table = dict(zip(tab["values"][0], tab["us"])) if tab and not a.dry_run else {}
     shape = {"experts": 8, "top_k": 2, "hidden": 32, "inter": 16} if a.dry_run else SHAPE

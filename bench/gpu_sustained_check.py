@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu_kernel_check import SHAPES, SYSTEMS  # noqa: E402
+from bench.gpu_kernel_check import SHAPES, device_and_system  # noqa: E402
 from sim.kernel_model import Grid, load_tables  # noqa: E402
 
 LAYERS = 80
@@ -97,12 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    device = "cpu" if a.dry_run else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("gpu_sustained_check: no CUDA device (use --dry-run on a CPU)", file=sys.stderr)
+    found = device_and_system(a.dry_run, a.system, "gpu_sustained_check")
+    if found is None:
         return 2
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
-    system = a.system or next((v for k, v in SYSTEMS.items() if k in name), "h200_sxm")
+    device, name, system = found
     tables = load_tables(system)["gemm"]
     gemms = {"x": (64, 32)} if a.dry_run else SHAPES["llama-3.1-70b-tp8"]
     m = 16 if a.dry_run else a.tokens
