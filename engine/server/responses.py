@@ -130,9 +130,6 @@ class ChatMessageOut(_Body):
     role: Literal["assistant"]
     content: str | None
     refusal: None = Field(description="always null: this server never refuses by policy")
-    annotations: None = Field(description="always null: no web search or citations")
-    audio: None = Field(description="always null: text only")
-    function_call: None = Field(description="always null: tools are not supported")
     tool_calls: list[dict] = Field(description="always empty: tools are not supported")
 
 

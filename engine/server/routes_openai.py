@@ -390,8 +390,9 @@ class Shape:
                                          else None)
         head = self.echo[i // self.n] if self.echo is not None else ""
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": head + c.text, "refusal": None, "annotations": None,
-                                 "audio": None, "function_call": None, "tool_calls": []}
+            # (no annotations / audio / function_call: OpenAI's schema has no null for the first
+            # and the last, and a client's SDK fills in what is absent)
+            choice["message"] = {"role": "assistant", "content": head + c.text, "refusal": None, "tool_calls": []}
             if self.prompt_ids is not None and len(self.prompt_lens) > 1:  # a batch: each its conversation's
                 choice["prompt_token_ids"] = self.prompt_ids[i // self.n]
         else:
