@@ -11,7 +11,7 @@ memory (copies used in turn: not from the L2 cache). Beside each, the table's ti
 median and 10-90% range of table / measured by regime (M <= 64: weight-streaming; M >= 1024:
 compute-bound).
 
-    python bench/gpu_kernel_check.py [--system h200_sxm] [--out FILE]
+    python bench/gpu_kernel_check.py [--system h200_sxm] [--out FILE] [--graph]
     python bench/gpu_kernel_check.py --dry-run      # on a CPU: tiny sizes, the code path only
 """
 from __future__ import annotations
@@ -47,15 +47,39 @@ def device_and_system(dry_run: bool, system: str | None, script: str) -> tuple[s
     return device, name, system or next((v for k, v in SYSTEMS.items() if k in name), "h200_sxm")
 
 
-def _time_us(fns, iters: int, device: str) -> float:
+def _time_us(fns, iters: int, device: str, graph: bool = False) -> float:
     """Median time of one launch: each sample times len(fns) launches back to back (the CPU's
-    launch cost hidden behind the GPU's work, as in a real step) and divides by their number."""
+    launch cost hidden behind the GPU's work, as in a real step) and divides by their number.
+    `graph` (CUDA): the launches captured once in a CUDA graph and each sample one replay, so
+    that no host launch latency is left in small kernels (as vLLM's decode steps run)."""
     import time
 
     import torch
     for fn in fns[:3]:
         fn()
     ts = []
+    if graph and device == "cuda":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+            for fn in fns[:3]:
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for fn in fns:
+                fn()
+        g.replay()
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3 / len(fns))
+        del g
+        return statistics.median(ts)
     for _ in range(iters):
         if device != "cuda":
             t = time.perf_counter()
@@ -80,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: the code path only")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (no host launch cost)")
     a = ap.parse_args(argv)
     import torch
 
@@ -120,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                     fns = fns * max(1, 32 // len(fns))
                     row = {"dtype": dtype, "model": model, "gemm": gname, "M": m, "N": n, "K": k}
                     try:
-                        us = _time_us(fns, iters, device)
+                        us = _time_us(fns, iters, device, a.graph)
                     except RuntimeError as e:  # e.g. a shape this torch's fp8 GEMM refuses
                         rows.append({**row, "error": str(e).splitlines()[0][:200]})
                         continue
@@ -138,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                    "p10": round(float(np.percentile(v, 10)), 3), "p90": round(float(np.percentile(v, 90)), 3)}
                for k, v in sorted(ratios.items())}
     res = {"device": name, "system_tables": system, "torch": torch.__version__, "dry_run": a.dry_run,
+           "cuda_graph": a.graph,
            "note": "table_over_measured < 1: the tables are faster than this card's cuBLAS at that shape",
            "table_over_measured_by_regime": summary, "rows": rows}
     text = json.dumps(res, indent=1)
