@@ -154,8 +154,7 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
     ctx = ServerContext(engine, model_name, max_waiting, request_timeout_s, request_log,
                         served_model_names, max_body_bytes, tokenizer_workers, max_logprobs,
                         prompt_tokens_details, return_tokens_as_token_ids, force_include_usage,
-                        hidden_metrics)
-    ctx.token_ids_only = token_ids_only
+                        hidden_metrics, token_ids_only)
     metrics = ctx.metrics
 
     @asynccontextmanager

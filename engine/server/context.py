@@ -124,7 +124,8 @@ class ServerContext:
                  request_log: str | Path | None, served_model_names: list[str] | None,
                  max_body_bytes: int, tokenizer_workers: int, max_logprobs: int | None = None,
                  prompt_tokens_details: bool = True, return_tokens_as_token_ids: bool = False,
-                 force_include_usage: bool = False, hidden_metrics: bool = False) -> None:
+                 force_include_usage: bool = False, hidden_metrics: bool = False,
+                 token_ids_only: bool = False) -> None:
         self.engine = engine
         self.prompt_tokens_details = prompt_tokens_details          # usage carries cached_tokens
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # the default of the request field
@@ -143,7 +144,7 @@ class ServerContext:
         # for membership; the default model name joins them if it is not one of them
         self.names = dict.fromkeys([model_name, *(served_model_names or [])])
         self.tokenizer = tok = engine.tokenizer
-        self.token_ids_only = False  # vLLM's --skip-tokenizer-init: text inputs refused (check_chars)
+        self.token_ids_only = token_ids_only  # vLLM's --skip-tokenizer-init: text inputs refused (check_chars)
         self.pool = TokenizerPool(tok, tokenizer_workers) if tok is not None else None
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
@@ -199,13 +200,17 @@ class ServerContext:
             body = await self.read_json(request)
         check_unsupported(body)
         req = validate_model(cls, body)
-        if req.model is not None and req.model not in self.names:
-            raise APIError(404, f"The model `{req.model}` does not exist (model={req.model!r}); this server serves "
-                                f"{list(self.names)}", "model", code="model_not_found")
+        self.check_model(req.model)
         if req.model is None:
             req.model = self.model_name
         self.check_logprobs(req)
         return req
+
+    def check_model(self, name: str | None) -> None:
+        """A 404 in vLLM's words unless `name` is None (the default model) or a served name."""
+        if name is not None and name not in self.names:
+            raise APIError(404, f"The model `{name}` does not exist (model={name!r}); this server serves "
+                                f"{list(self.names)}", "model", code="model_not_found")
 
     def check_logprobs(self, req) -> None:
         """logprobs / top_logprobs / prompt_logprobs within the server's max_logprobs, as vLLM:

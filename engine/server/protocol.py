@@ -283,7 +283,8 @@ class _Common(_Strict):
         return out
 
     def check_allowed_ids(self, vocab_size: int) -> None:
-        """allowed_token_ids and stop_token_ids within the vocabulary, or a 400 naming the field."""
+        """allowed_token_ids, stop_token_ids and logprob_token_ids within the vocabulary, or a 400
+        naming the field."""
         token_ids(self.allowed_token_ids or [], vocab_size, "allowed_token_ids")
         token_ids(self.stop_token_ids or [], vocab_size, "stop_token_ids")
         token_ids(self.logprob_token_ids or [], vocab_size, "logprob_token_ids")

@@ -78,9 +78,7 @@ def add_misc_routes(app: FastAPI, ctx: ServerContext, tokenizer_info: bool = Fal
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id not in names:
-            raise APIError(404, f"The model `{model_id}` does not exist (model={model_id!r}); this server serves {list(names)}",
-                           "model", code="model_not_found")
+        ctx.check_model(model_id)
         return model_card(model_id)
 
     @app.post("/reset_prefix_cache")
@@ -95,8 +93,7 @@ def add_misc_routes(app: FastAPI, ctx: ServerContext, tokenizer_info: bool = Fal
     @app.post("/tokenize")
     async def tokenize(request: Request):
         req = validate_model(TokenizeRequest, await read_json(request))
-        if req.model is not None and req.model not in names:
-            raise APIError(404, f"The model `{req.model}` does not exist (model={req.model!r})", "model", code="model_not_found")
+        ctx.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "prompt: give exactly one of prompt and messages", "prompt")
         if req.prompt is not None:
@@ -124,8 +121,7 @@ def add_misc_routes(app: FastAPI, ctx: ServerContext, tokenizer_info: bool = Fal
     @app.post("/detokenize")
     async def detokenize(request: Request):
         req = validate_model(DetokenizeRequest, await read_json(request))
-        if req.model is not None and req.model not in names:
-            raise APIError(404, f"The model `{req.model}` does not exist (model={req.model!r})", "model", code="model_not_found")
+        ctx.check_model(req.model)
         if tokenizer is None:
             raise APIError(400, "tokens: this model has no tokenizer", "tokens")
         token_ids(req.tokens, vocab_size, "tokens")
