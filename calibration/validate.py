@@ -49,33 +49,52 @@ of gaps are of the second kind, p90 sits on the plateau between the two (on this
 90% load with the former 20 s windows), where one point of probability moves the value by 30-100%. rank_error stays small
 there; rel_error, which the bounds of the acceptance check use, does not.
 
-Machine drift: the reference of calibration.probe is timed before the first engine run and after
-every run, and a run's simulations use the profile scaled by the geometric mean of the probes
-around it over the profile's median probe, as calibrate scales its groups. The factor applied to
-a run is L x (f / L) ** b: L, the geometric mean of all runs' factors f, is where the machine stood
-during this validation against the calibration's median, and is applied in full; a run's
-deviation from it is raised to the exponent b the profile's fit chose for deviations between its
-sweep groups around their median (metadata.speed_probe.exponent, calibration.calibrate.
-fit_probe_exponent; 1 for a profile without one, which makes the factor f). The engine runs
-first, then the simulations, so L is known. validation.json speed_probe lists L (level_*), each
-run's probes, raw and applied factors; --no-speed-probe turns it off. With a profile
-that also recorded the compute probe, the prefill part of each step is scaled by the compute
-probe's factor and the rest by the decode probe's (calibration.probe.SplitSpeedModel).
+Machine speed. The machine's speed is a condition of a run, not something the simulator
+predicts: on a shared VM the same step runs 10-20% slower from one minute to the next, and at 90%
+load queueing turns a few percent of step time into tens of percent of latency. The simulator's
+side of each run is timed by the profile at the speed the machine ran at, measured two ways; both
+tables are reported, `--speed` chooses the main one.
 
-Drift within a run: the probes only see the machine before and after a run, and on a shared VM
-its speed moves by 10-20% within one. validation.json `in_situ` is a second, diagnostic table
-from the same engine runs: each simulation's step times are scaled, at each simulated moment, by
-the machine's speed then, read from the engine's own decode-only steps of that run (the median of
-measured / predicted period over the decode-only steps within IN_SITU_WINDOW_S of that moment;
-decode-only steps are the probe's own kind of step). No prefill step and no request latency enter
-that speed. The difference between the two tables is what drift the probes missed; what `in_situ`
-still shows is the cost model's error on prefills and the scheduling, with drift taken out. The
-main table (the prediction a user gets) is the probe-scaled one.
+- `in_situ` (the default): at each simulated moment, the speed the run's own decode-only steps
+  show then (InSituSpeed: their measured periods over their predicted ones, each predicted for
+  the shape it ran with the noise's mean, summed within IN_SITU_WINDOW_S of that moment), scaling the decode
+  part of every step; the prefill part of a step (what its chunks add, calibration.probe.
+  split_time) is scaled by the compute probes around the run, as below. A decode-only step is the
+  speed probe's own kind of step, so this is the probe read during the run instead of around it.
+  No step with a prefill chunk and no request latency enters the speed, so an error in what a
+  prefill costs, in how the steps were scheduled or in queueing stays in the table
+  (`prefill_step_bias_in_situ` per load: the steps that carry a prefill chunk, predicted at that
+  speed, over their measured period). What it does absorb is a bias of the cost model on the
+  setting's own decode-only steps (a slope over batch size that the calibration got wrong shows as
+  the machine running at another speed); `step_time_bias` and the probes' table keep that visible.
+- `probes`: the reference of calibration.probe is timed before the first engine run and after
+  every run, and a run's simulations use the profile scaled by the geometric mean of the probes
+  around it over the profile's median probe, as calibrate scales its groups. The factor applied
+  to a run is L x (f / L) ** b: L, the geometric mean of all runs' factors f, is where the machine
+  stood during this validation against the calibration's median, and is applied in full; a run's
+  deviation from it is raised to the exponent b the profile's fit chose for deviations between
+  its sweep groups around their median (metadata.speed_probe.exponent, calibration.calibrate.
+  fit_probe_exponent; 1 for a profile without one, which makes the factor f). The engine runs
+  first, then the simulations, so L is known. validation.json speed_probe lists L (level_*), each
+  run's probes, raw and applied factors; --no-speed-probe turns the probes off (the in-situ
+  speed then scales the profile as measured). With a profile that also recorded the compute
+  probe, the prefill part of each step is scaled by the compute probe's factor and the rest by
+  the decode probe's (calibration.probe.SplitSpeedModel). The probes see the machine only before
+  and after a run: in one validation on this project's VM (docs/reports/2026-12-03.md, base at
+  60% load) one seed's TPOT p50 read +17% and the other's -26% with the probes, and the pooled
+  TPOT p50 / p90 -2% / -8% at the in-situ speed.
+
+validation.json per setting: `speed_model` (the main table's), the other one's table under its
+name (`probes` or `in_situ`: p50/p90/p99 rows, throughput, summaries), and
+`in_situ_speed_runs` (per run: the probe factor and the in-situ speed's min, median and max).
+DIR/engine-runs.pkl keeps every engine run (workloads, request records, steps, probes), so that
+`--resimulate` redoes the simulator's side and the report without the engine.
 """
 from __future__ import annotations
 
 import copy
 import json
+import pickle
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -116,28 +135,38 @@ IN_SITU_MIN_STEPS = 5     # fewer in the window: the nearest this many decode-on
 
 
 class InSituSpeed:
-    """The machine's speed during one engine run, as a function of time since the run's start:
-    measured / predicted period of the run's decode-only steps (their median around that time)."""
+    """The machine's speed during one engine run, as a function of time since the run's start,
+    read from the run's decode-only steps around that time: their measured periods summed over
+    what the simulator's noisy steps would take for them on average (the profile's prediction
+    times the mean ratio its noise draws for such a step, NoisyCostModel.mean_ratio), so the
+    simulated decode steps add up to the engine's in each window, slow outliers included (the
+    median ratio, used before, left the simulated sum 0.2-1.9% short per run on a jittery VM)."""
 
     def __init__(self, steps, periods, model, fallback: float, grid_s: float = 0.5) -> None:
-        pts = sorted((s.start_s, p / model.step_time(_features(s))) for s, p in zip(steps, periods)
-                     if p is not None and s.num_prefill_tokens == 0 and s.num_decode_reqs > 0)
+        noisy = NoisyCostModel(model, 0)
+        pts = []
+        for s, p in zip(steps, periods):
+            if p is not None and s.num_prefill_tokens == 0 and s.num_decode_reqs > 0:
+                f = _features(s)
+                pts.append((s.start_s, p, model.step_time(f) * noisy.mean_ratio(f)))
+        pts.sort()
         self.num_steps = len(pts)
         if not pts:
             self.grid_s, self.values = grid_s, np.array([fallback])
             return
-        t = np.array([x for x, _ in pts])
-        r = np.array([y for _, y in pts])
+        t = np.array([x[0] for x in pts])
+        meas = np.array([x[1] for x in pts])
+        pred = np.array([x[2] for x in pts])
         n = int(t[-1] / grid_s) + 2
         vals = np.empty(n)
         half = IN_SITU_WINDOW_S / 2
         k = min(IN_SITU_MIN_STEPS, len(t))
         for i in range(n):
             c = i * grid_s
-            sel = r[(t >= c - half) & (t <= c + half)]
-            if len(sel) < k:
-                sel = r[np.argsort(np.abs(t - c))[:k]]
-            vals[i] = np.median(sel)
+            sel = (t >= c - half) & (t <= c + half)
+            if sel.sum() < k:
+                sel = np.argsort(np.abs(t - c))[:k]
+            vals[i] = meas[sel].sum() / pred[sel].sum()
         self.grid_s, self.values = grid_s, vals
 
     def __call__(self, t: float) -> float:
@@ -147,7 +176,6 @@ class InSituSpeed:
     def summary(self) -> dict:
         return {"decode_steps": self.num_steps, "min": float(self.values.min()),
                 "median": float(np.median(self.values)), "max": float(self.values.max())}
-
 
 
 def engine_token_ids(spec, vocab: int) -> list[int]:
@@ -304,16 +332,15 @@ class EngineRun:
 
 @dataclass
 class LoadRuns:
-    """One setting at one load, every seed: the engine's and the simulator's results side by side."""
+    """One setting at one load, every seed: the engine's and the simulator's results side by side.
+    The simulator's side is run with each of SPEEDS (sim_reps[name]: each seed's noise replicates)."""
     engine: list = field(default_factory=list)        # each seed's engine request records
-    sim_reps: list = field(default_factory=list)      # each seed's simulated noise replicates (records)
-    insitu_reps: list = field(default_factory=list)   # the same with the in-situ speed model
-    steps: list = field(default_factory=list)         # (engine StepRecord, measured period, model)
+    sim_reps: dict = field(default_factory=dict)      # speed model -> each seed's noise replicates (records)
+    steps: list = field(default_factory=list)         # (engine StepRecord, measured period, probe model, in-situ speed)
     engine_tput: list = field(default_factory=list)   # output tokens/s per seed
-    sim_tput: list = field(default_factory=list)
-    insitu_tput: list = field(default_factory=list)
+    sim_tput: dict = field(default_factory=dict)      # speed model -> output tokens/s per seed
     engine_rps: list = field(default_factory=list)    # requests/s per seed
-    sim_rps: list = field(default_factory=list)
+    sim_rps: list = field(default_factory=list)       # the main speed model's
     engine_growth: list = field(default_factory=list)  # queue growth (requests/s) per seed
     sim_growth: list = field(default_factory=list)
     engine_config: SchedulerConfig | None = None
@@ -322,7 +349,8 @@ class LoadRuns:
 
 def validate(engine, profile: dict, settings: list[Setting] | dict, out_dir: str | Path,
              loads=(0.3, 0.6, 0.9, 1.2), seeds: int = 3, duration_s: float = DURATION_S,
-             min_requests: int = MIN_REQUESTS, progress: bool = True, speed_probe: bool = True) -> dict:
+             min_requests: int = MIN_REQUESTS, progress: bool = True, speed_probe: bool = True,
+             speed: str = "in_situ") -> dict:
     """Every setting through the engine and the simulator at the same absolute rates: `loads`
     x the capacity the engine measures at the first setting (the base). `settings`: parsed
     settings, the base first (or a mapping with a `workload`: one run at the engine's own
@@ -336,16 +364,55 @@ def validate(engine, profile: dict, settings: list[Setting] | dict, out_dir: str
 
     Three jobs: the engine runs (run_engine), the simulator on the same workloads
     (simulate_runs), and the report, plots and files (write_report)."""
+    if speed not in SPEEDS:
+        raise ValidateError(f"speed={speed!r}: must be one of {', '.join(SPEEDS)}")
     if isinstance(settings, dict):  # a workload alone: the engine's own setting
         settings = [Setting("base", {}, {}, dict(settings["workload"]))]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ref = profile["metadata"].get("speed_probe") if speed_probe else None
     capacities, done, factors = run_engine(engine, settings, loads, seeds, duration_s, min_requests, ref, progress)
+    save_engine_runs(out_dir, settings, loads, seeds, capacities, done, factors, ref)
+    return simulate_and_report(profile, settings, out_dir, loads, seeds, capacities, done, factors, ref, progress,
+                               speed)
+
+
+ENGINE_RUNS = "engine-runs.pkl"
+
+
+def save_engine_runs(out_dir: Path, settings: list[Setting], loads, seeds: int, capacities: list[float],
+                     done: list["EngineRun"], factors: list[dict], ref: dict | None) -> None:
+    """DIR/engine-runs.pkl: what the engine side measured (every run's workload, request records,
+    steps and probes), so that `servetwin validate --resimulate DIR` can redo the simulator's side
+    and the report without running the engine again."""
+    with open(out_dir / ENGINE_RUNS, "wb") as f:
+        pickle.dump({"labels": [st.label for st in settings], "loads": list(loads), "seeds": seeds,
+                     "capacities": capacities, "done": done, "factors": factors, "speed_probe": ref}, f)
+
+
+def resimulate(profile: dict, settings: list[Setting], out_dir: str | Path, progress: bool = True,
+               speed: str = "in_situ") -> dict:
+    """The simulator's side and the report again, from the engine runs a validation saved in
+    out_dir (save_engine_runs) and `profile`; `settings` must be the ones those runs served."""
+    out_dir = Path(out_dir)
+    with open(out_dir / ENGINE_RUNS, "rb") as f:
+        saved = pickle.load(f)
+    labels = [st.label for st in settings]
+    if labels != saved["labels"]:
+        raise ValidateError(f"--resimulate {out_dir}: its engine runs served the settings {saved['labels']}, "
+                            f"not {labels}")
+    return simulate_and_report(profile, settings, out_dir, saved["loads"], saved["seeds"], saved["capacities"],
+                               saved["done"], saved["factors"], saved["speed_probe"], progress, speed)
+
+
+def simulate_and_report(profile: dict, settings: list[Setting], out_dir: Path, loads, seeds: int,
+                        capacities: list[float], done: list["EngineRun"], factors: list[dict], ref: dict | None,
+                        progress: bool, speed: str = "in_situ") -> dict:
+    factors = copy.deepcopy(factors)  # simulate_runs adds the applied factors to each run's record
     per, step_rows, insitu_runs, levels = simulate_runs(FittedCostModel.from_profile(profile), settings, loads,
-                                                        done, factors, ref, progress)
+                                                        done, factors, ref, progress, speed)
     return write_report(out_dir, profile, settings, loads, seeds, capacities, per, step_rows, insitu_runs,
-                        factors, levels, ref)
+                        factors, levels, ref, speed)
 
 
 def run_engine(engine, settings: list[Setting], loads, seeds: int, duration_s: float, min_requests: int,
@@ -405,19 +472,23 @@ def run_engine(engine, settings: list[Setting], loads, seeds: int, duration_s: f
     return capacities, done, factors
 
 
+SPEEDS = ("in_situ", "probes")
+
+
 def simulate_runs(base: FittedCostModel, settings: list[Setting], loads, done: list[EngineRun],
-                  factors: list[dict], ref: dict | None, progress: bool):
-    """The simulator side: every engine run's workload through the simulator (noise replicates
-    with the probes' speed factors, and with the in-situ speed model), gathered per setting and
-    load. Returns (per[setting][load]: LoadRuns, engine step rows, in-situ speed runs, the speed
-    and compute levels)."""
+                  factors: list[dict], ref: dict | None, progress: bool, main_speed: str = "in_situ"):
+    """The simulator side: every engine run's workload through the simulator, as noise replicates
+    with each speed model of SPEEDS (the in-situ speed and the probes' factors: module doc,
+    "Machine speed"), gathered per setting and load; `main_speed` is the one the error table,
+    throughput and queue growth use. Returns (per[setting][load]: LoadRuns, engine step rows,
+    in-situ speed runs, the probes' speed and compute levels)."""
     exponent = float((ref or {}).get("exponent", 1.0))  # calibration.calibrate.fit_probe_exponent
-    # The applied factors (module doc, "Machine drift"): the validation's level in full, each run's
+    # The applied factors (module doc, "Machine speed"): the validation's level in full, each run's
     # deviation from it to the profile's exponent.
     level, applied = applied_factors([x.speed for x in done], exponent)
     level_c, applied_c = applied_factors([x.compute for x in done], exponent)
     per = [{load: LoadRuns() for load in loads} for _ in settings]
-    step_rows: list = []  # (setting, load, seed, StepRecord, period, model): DIR/engine-steps.csv
+    step_rows: list = []  # (setting, load, seed, StepRecord, period, model, in-situ): DIR/engine-steps.csv
     insitu_runs: list[dict] = []
     sims = zip(done, factors if ref else [{}] * len(done), applied, applied_c)
     if progress:
@@ -428,43 +499,43 @@ def simulate_runs(base: FittedCostModel, settings: list[Setting], loads, done: l
         if ref:
             run.update(applied_speed_factor=round(scale, 4), applied_compute_factor=round(cscale, 4))
         model = SplitSpeedModel(base, scale, cscale)  # = base x scale without a compute probe
+        speed = InSituSpeed(res.steps, res.periods_s, base, fallback=scale)
+        insitu_runs.append({"setting": settings[k].label, "load": load, "seed": seed, "probe_factor": round(scale, 4),
+                            **{k2: round(v, 4) if isinstance(v, float) else v for k2, v in speed.summary().items()}})
         d = per[k][load]
         d.engine_config = cfg
         d.engine.append(res.records)
         d.engine_tput.append(_summary(res.records)["throughput"]["output_tokens_per_s"])
         d.engine_rps.append(_summary(res.records)["throughput"]["requests_per_s"])
         d.engine_growth.append(queue_growth_rps(res.records))
-        d.steps.extend((s, p, model) for s, p in zip(res.steps, res.periods_s) if p is not None)
-        step_rows.extend((settings[k].label, load, seed, s, p, model)
-                         for s, p in zip(res.steps, res.periods_s) if p is not None)
-        reps = []
-        for r in range(NOISE_REPLICAS):
-            sim = Simulation(wl, cfg, NoisyCostModel(model, seed=seed * 100 + r), keep_token_times=True)
-            d.sim_config = sim.replicas[0].scheduler.config
-            reps.append(sim.run().records)
-        d.sim_reps.append(reps)
-        d.sim_tput.append(float(np.median([_summary(x)["throughput"]["output_tokens_per_s"] for x in reps])))
-        d.sim_rps.append(float(np.median([_summary(x)["throughput"]["requests_per_s"] for x in reps])))
-        d.sim_growth.append(float(np.median([queue_growth_rps(x) for x in reps])))
-        speed = InSituSpeed(res.steps, res.periods_s, base, fallback=scale)
-        insitu_runs.append({"setting": settings[k].label, "load": load, "seed": seed, "probe_factor": round(scale, 4),
-                            **{k2: round(v, 4) if isinstance(v, float) else v for k2, v in speed.summary().items()}})
-        reps = []
-        for r in range(NOISE_REPLICAS):
-            clock = [lambda: 0.0]
-            moving = SplitSpeedModel(base, lambda: speed(clock[0]()), cscale)
-            sim = Simulation(wl, cfg, NoisyCostModel(moving, seed * 100 + r), keep_token_times=True,
-                             use_steady=False)
-            clock[0] = lambda env=sim.env: env.now
-            reps.append(sim.run().records)
-        d.insitu_reps.append(reps)
-        d.insitu_tput.append(float(np.median([_summary(x)["throughput"]["output_tokens_per_s"] for x in reps])))
+        timed = [(s, p) for s, p in zip(res.steps, res.periods_s) if p is not None]
+        d.steps.extend((s, p, model, speed(s.start_s)) for s, p in timed)
+        step_rows.extend((settings[k].label, load, seed, s, p, model, speed(s.start_s)) for s, p in timed)
+        for name in SPEEDS:
+            reps = []
+            for r in range(NOISE_REPLICAS):
+                if name == "probes":
+                    sim = Simulation(wl, cfg, NoisyCostModel(model, seed=seed * 100 + r), keep_token_times=True)
+                else:  # the speed at each simulated moment: the engine's at that moment of its run
+                    clock = [lambda: 0.0]
+                    moving = SplitSpeedModel(base, lambda: speed(clock[0]()), cscale)
+                    sim = Simulation(wl, cfg, NoisyCostModel(moving, seed * 100 + r), keep_token_times=True,
+                                     use_steady=False)
+                    clock[0] = lambda env=sim.env: env.now
+                d.sim_config = sim.replicas[0].scheduler.config
+                reps.append(sim.run().records)
+            d.sim_reps.setdefault(name, []).append(reps)
+            d.sim_tput.setdefault(name, []).append(
+                float(np.median([_summary(x)["throughput"]["output_tokens_per_s"] for x in reps])))
+            if name == main_speed:
+                d.sim_rps.append(float(np.median([_summary(x)["throughput"]["requests_per_s"] for x in reps])))
+                d.sim_growth.append(float(np.median([queue_growth_rps(x) for x in reps])))
     return per, step_rows, insitu_runs, (level, level_c)
 
 
 def write_report(out_dir: Path, profile: dict, settings: list[Setting], loads, seeds: int, capacities: list[float],
                  per: list[dict], step_rows: list, insitu_runs: list[dict], factors: list[dict],
-                 levels: tuple[float, float], ref: dict | None) -> dict:
+                 levels: tuple[float, float], ref: dict | None, main_speed: str = "in_situ") -> dict:
     """validation.json (each setting's error table, the what-if deltas), the CDF and delta plots
     and engine-steps.csv, from the runs of both sides. Returns the report."""
     capacity = capacities[0]
@@ -478,7 +549,7 @@ def write_report(out_dir: Path, profile: dict, settings: list[Setting], loads, s
     bounds = (*bounds, *((ref["drift_range"]) if ref else (1.0, 1.0)))
     reports = []
     for k, st in enumerate(settings):
-        rep = _setting_report(per[k], loads, capacity, capacities[k], bounds, profile, insitu_runs, st)
+        rep = _setting_report(per[k], loads, capacity, capacities[k], bounds, profile, insitu_runs, st, main_speed)
         reports.append(rep)
         eng, sim = rep.pop("_eng"), rep.pop("_sim")
         for load in loads:
@@ -496,7 +567,8 @@ def write_report(out_dir: Path, profile: dict, settings: list[Setting], loads, s
                      f"({capacity:.3f} req/s), so the settings are compared at the same absolute rates",
             "settings": [{"label": st.label, "values": st.values, **rep} for st, rep in zip(settings, reports)],
             "deltas": what_if_deltas(settings, per, loads, [
-                {str(load) for load in loads if load * capacity > SATURATED * c} for c in capacities])}
+                {str(load) for load in loads if load * capacity > SATURATED * c} for c in capacities],
+                main_speed)}
         report["what_if"]["summary"] = delta_summary(report["what_if"]["deltas"])
         _plot_deltas(out_dir / "whatif-deltas.png", report["what_if"]["deltas"])
     with open(out_dir / "validation.json", "w") as f:
@@ -524,38 +596,65 @@ def queue_growth_rps(records) -> float:
     return (pop(t1) - pop(t0)) / (t1 - t0)
 
 
+SPEED_DEFINITIONS = {
+    "in_situ": "step times scaled at each simulated moment by the machine's speed then, read from the "
+               "run's own decode-only steps (measured / predicted period); prefill chunks by the compute "
+               "probes around the run (module doc, \"Machine speed\")",
+    "probes": "step times scaled by the speed and compute probes timed before and after the run "
+              "(module doc, \"Machine speed\")",
+}
+
+
+def _step_errors(steps) -> dict:
+    """The cost model against the engine's own steps of one load (module doc): each step's
+    prediction at the probes' speed and at the in-situ speed, over its measured period."""
+    if not steps:
+        return {}
+    meas = np.array([p for _, p, _, _ in steps])
+    feats = [(_features(s), m) for s, _, m, _ in steps]
+    pred = np.array([m.step_time(f) for f, m in feats])
+    # What the simulator's noisy steps add up to on average, on the engine's own steps:
+    # each prediction times the mean of the ratio its kind of step draws.
+    noise = {id(m): NoisyCostModel(m, 0) for _, m in feats}
+    noisy = pred * np.array([noise[id(m)].mean_ratio(f) for f, m in feats])
+    # At the in-situ speed: the decode part by the speed read at the step's start, the prefill
+    # part by the compute probes (as the in-situ simulation prices it).
+    insitu = np.array([SplitSpeedModel(m.base, v, m.compute_factor).step_time(f)
+                       for (f, m), (_, _, _, v) in zip(feats, steps)])
+    prefill = np.array([s.num_prefill_tokens > 0 for s, _, _, _ in steps])
+    out = {"step_time_mape": float(np.mean(np.abs(pred / meas - 1))),
+           "step_time_bias": float(np.mean(pred / meas - 1)),
+           "step_time_total_rel_error": float(noisy.sum() / meas.sum() - 1),
+           # in situ the decode-only steps are their own speed reference: what is left to test is
+           # the steps that carry a prefill chunk
+           "prefill_step_bias_in_situ": float(np.mean(insitu[prefill] / meas[prefill] - 1)) if prefill.any() else None}
+    return out
+
+
 def _setting_report(per_load: dict, loads, capacity: float, own_capacity: float, bounds, profile: dict,
-                    insitu_runs, st: Setting) -> dict:
-    """One setting's error table (the report's layout of a single validation). A load above
+                    insitu_runs, st: Setting, main_speed: str = "in_situ") -> dict:
+    """One setting's error table (the report's layout of a single validation) with the main speed
+    model, and a shorter table with the other one (a key named after it). A load above
     SATURATED x the setting's own capacity is saturated: reported by throughput and queue growth,
     left out of the summary's latency rows."""
-    rep: dict = {"capacity_requests_per_s": own_capacity, "loads": {}, "_eng": {}, "_sim": {}}
-    all_rows, insitu_rows = [], []
-    insitu_report: dict = {"definition": "step times scaled at each simulated moment by the machine's speed "
-                                         "then, read from the run's own decode-only steps (see module doc)",
-                           "window_s": IN_SITU_WINDOW_S,
-                           "runs": [r for r in insitu_runs if r["setting"] == st.label], "loads": {}}
+    other = next(x for x in SPEEDS if x != main_speed)
+    rep: dict = {"capacity_requests_per_s": own_capacity, "speed_model": main_speed,
+                 "speed_definition": SPEED_DEFINITIONS[main_speed], "loads": {}, "_eng": {}, "_sim": {}}
+    all_rows, other_rows = [], []
+    other_report: dict = {"definition": SPEED_DEFINITIONS[other], "loads": {}}
     sim_cfg = None
     for load in loads:
         d = per_load[load]
         sim_cfg = sim_cfg or d.sim_config
         eng = {k: _pool([_latencies(r)[k] for r in d.engine]) for k in METRICS}
-        rows, rep_pools = _rows(d, eng, "sim_reps", bounds)
-        irows, _ = _rows(d, eng, "insitu_reps", None)
-        insitu_rows.extend(irows.values())
-        steps = d.steps
-        meas = np.array([p for _, p, _ in steps])
-        feats = [(_features(s), m) for s, _, m in steps]
-        pred = np.array([m.step_time(f) for f, m in feats])
-        # What the simulator's noisy steps add up to on average, on the engine's own steps:
-        # each prediction times the mean of the ratio its kind of step draws.
-        noise = {id(m): NoisyCostModel(m, 0) for _, m in feats}
-        noisy = pred * np.array([noise[id(m)].mean_ratio(f) for f, m in feats])
-        et, stp = float(np.mean(d.engine_tput)), float(np.mean(d.sim_tput))
+        rows, rep_pools = _rows(d, eng, main_speed, bounds)
+        orows, _ = _rows(d, eng, other, None)
+        et, stp = float(np.mean(d.engine_tput)), float(np.mean(d.sim_tput[main_speed]))
         offered = load * capacity
         saturated = offered > SATURATED * own_capacity
         if not saturated:
             all_rows.extend(rows.values())
+            other_rows.extend(orows.values())
         rep["loads"][str(load)] = {
             "rate_requests_per_s": offered, "metrics": rows, "saturated": saturated,
             "throughput_output_tokens_per_s": {"engine": et, "sim": stp},
@@ -563,14 +662,15 @@ def _setting_report(per_load: dict, loads, capacity: float, own_capacity: float,
             "requests_per_s": {"engine": float(np.mean(d.engine_rps)), "sim": float(np.mean(d.sim_rps))},
             "queue_growth_requests_per_s": {"engine": float(np.mean(d.engine_growth)),
                                             "sim": float(np.mean(d.sim_growth))},
-            "step_time_mape": float(np.mean(np.abs(pred / meas - 1))) if len(meas) else None,
-            "step_time_bias": float(np.mean(pred / meas - 1)) if len(meas) else None,
-            "step_time_total_rel_error": float(noisy.sum() / meas.sum() - 1) if len(meas) else None,
+            **{k: None for k in ("step_time_mape", "step_time_bias", "step_time_total_rel_error",
+                                 "prefill_step_bias_in_situ")},
+            **_step_errors(d.steps),
             "signed_mean_error": _mean_err(rows.values()),
         }
-        et_i = float(np.mean(d.insitu_tput))
-        insitu_report["loads"][str(load)] = {
-            "metrics": irows, "throughput_rel_error": et_i / et - 1, "signed_mean_error": _mean_err(irows.values())}
+        other_report["loads"][str(load)] = {
+            "metrics": orows, "saturated": saturated,
+            "throughput_rel_error": float(np.mean(d.sim_tput[other])) / et - 1,
+            "signed_mean_error": _mean_err(orows.values())}
         rep["_eng"][load], rep["_sim"][load] = eng, rep_pools[0]
     errs = [r["rel_error"] for r in all_rows if r["rel_error"] is not None]
     ranks = [abs(r["rank_error"]) for r in all_rows if r.get("rank_error") is not None]
@@ -584,21 +684,44 @@ def _setting_report(per_load: dict, loads, capacity: float, own_capacity: float,
         "max_abs_rank_error": float(np.max(ranks)) if ranks else None,
         "step_time_mape": float(np.mean(mapes)) if mapes else None,
         "saturated_loads": [load for load, v in rep["loads"].items() if v["saturated"]],
-        "profile_cv_mape": profile["metadata"].get("cv_mape"), "profile_cv": profile["metadata"].get("cv")}
-    ierrs = [r["rel_error"] for r in insitu_rows if r["rel_error"] is not None]
-    insitu_report["summary"] = {"signed_mean_error": _mean_err(insitu_rows),
-                                "median_abs_error": float(np.median(np.abs(ierrs))) if ierrs else None,
-                                "rows": len(insitu_rows)}
-    rep["in_situ"] = insitu_report
+        "profile_cv_mape": profile["metadata"].get("cv_mape"), "profile_cv": profile["metadata"].get("cv"),
+        **bound_summary(rep["loads"])}
+    oerrs = [r["rel_error"] for r in other_rows if r["rel_error"] is not None]
+    other_report["summary"] = {"signed_mean_error": _mean_err(other_rows),
+                               "median_abs_error": float(np.median(np.abs(oerrs))) if oerrs else None,
+                               "rows": len(other_rows), **bound_summary(other_report["loads"])}
+    rep[other] = other_report
+    rep["in_situ_speed_runs"] = [r for r in insitu_runs if r["setting"] == st.label]
     rep["settings"] = {"engine": scheduler_fields(d.engine_config), "sim": scheduler_fields(sim_cfg),
                        "fields_set": st.values}
     return rep
 
 
+def bound_summary(loads: dict) -> dict:
+    """How many latency rows of the unsaturated loads meet issue 39's bounds: p50/p90 of TTFT,
+    TPOT, ITL and E2E within 10% of the engine, p99 within 20%."""
+    p5090 = p99 = n5090 = n99 = 0
+    for v in loads.values():
+        if v.get("saturated"):
+            continue
+        for name, r in v["metrics"].items():
+            metric, stat = name.split(".")
+            if metric not in DELTA_METRICS or r["rel_error"] is None:
+                continue
+            if stat == "p99":
+                n99 += 1
+                p99 += abs(r["rel_error"]) <= 0.20
+            else:
+                n5090 += 1
+                p5090 += abs(r["rel_error"]) <= 0.10
+    return {"p50_p90_within_10pct": p5090, "p50_p90_rows": n5090, "p99_within_20pct": p99, "p99_rows": n99}
+
+
 DELTA_METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
 
 
-def what_if_deltas(settings: list[Setting], per: list[dict], loads, saturated: list[set] | None = None) -> list[dict]:
+def what_if_deltas(settings: list[Setting], per: list[dict], loads, saturated: list[set] | None = None,
+                   speed: str = "in_situ") -> list[dict]:
     """Per setting (but the base), load, metric and percentile: the engine's change from the base
     (pooled over seeds, with each seed's own change) beside the simulator's (the median noise
     replicate, with every replicate's change as its interval). `saturated[k]`: the loads (as
@@ -622,8 +745,8 @@ def what_if_deltas(settings: list[Setting], per: list[dict], loads, saturated: l
                             seeds.append(vs / vb - 1)
                     reps = []
                     for i in range(NOISE_REPLICAS):
-                        sb = _pct(_pool([_latencies(x[i])[metric] for x in b.sim_reps]), st)
-                        ss = _pct(_pool([_latencies(x[i])[metric] for x in s.sim_reps]), st)
+                        sb = _pct(_pool([_latencies(x[i])[metric] for x in b.sim_reps[speed]]), st)
+                        ss = _pct(_pool([_latencies(x[i])[metric] for x in s.sim_reps[speed]]), st)
                         if sb and ss is not None:
                             reps.append(ss / sb - 1)
                     if not reps:
@@ -732,11 +855,11 @@ def _mean_err(rows) -> float | None:
     return float(np.mean(e)) if e else None
 
 
-def _rows(d: "LoadRuns", eng: dict, reps_key: str, bounds) -> tuple[dict, list]:
+def _rows(d: "LoadRuns", eng: dict, speed: str, bounds) -> tuple[dict, list]:
     """Per metric and percentile: engine, simulator (median over noise replicates) and relative
     error of one load's runs (all seeds pooled), with the 90% interval when `bounds` (the
     profile's group bias and probe drift ranges) is given; and the replicates' pooled values."""
-    rep_pools = [{k: _pool([_latencies(rs[i])[k] for rs in getattr(d, reps_key)]) for k in METRICS}
+    rep_pools = [{k: _pool([_latencies(rs[i])[k] for rs in d.sim_reps[speed]]) for k in METRICS}
                  for i in range(NOISE_REPLICAS)]
     rows = {}
     for k in METRICS:
@@ -749,7 +872,7 @@ def _rows(d: "LoadRuns", eng: dict, reps_key: str, bounds) -> tuple[dict, list]:
             seed_err = []
             for i, er in enumerate(d.engine):
                 ev = _pct(_latencies(er)[k], st)
-                sv = [_pct(_latencies(x)[k], st) for x in getattr(d, reps_key)[i]]
+                sv = [_pct(_latencies(x)[k], st) for x in d.sim_reps[speed][i]]
                 sv = [v for v in sv if v is not None]
                 if ev and sv:
                     seed_err.append(round(float(np.median(sv)) / ev - 1, 4))
@@ -767,19 +890,19 @@ def _rows(d: "LoadRuns", eng: dict, reps_key: str, bounds) -> tuple[dict, list]:
 
 def _write_steps(path: Path, step_rows: list) -> None:
     """The engine's steps of every run with the profile's prediction (scaled by the run's applied
-    speed factors) beside the measured period, so the cost model's error can be studied by batch shape
-    (what the sweep missed)."""
+    probe factors) beside the measured period, and the in-situ speed at the step's start, so the
+    cost model's error can be studied by batch shape (what the sweep missed) and over time."""
     import csv
-    cols = ("num_reqs", "num_prefill_reqs", "num_prefill_tokens", "prefill_context_tokens",
+    cols = ("start_s", "num_reqs", "num_prefill_reqs", "num_prefill_tokens", "prefill_context_tokens",
             "prefill_attn_pairs", "num_decode_reqs", "decode_context_tokens", "num_running",
             "num_waiting", "kv_usage", "schedule_s", "prepare_s", "forward_s", "sample_s")
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(("setting", "load", "seed", *cols, "period_s", "predicted_s", "applied_speed_factor",
-                    "applied_compute_factor"))
-        for label, load, seed, s, p, m in step_rows:
+                    "applied_compute_factor", "in_situ_speed_factor"))
+        for label, load, seed, s, p, m, v in step_rows:
             w.writerow((label, load, seed, *(getattr(s, c) for c in cols), p, m.step_time(_features(s)),
-                        m.decode_factor(), m.compute_factor))
+                        m.decode_factor(), m.compute_factor, v))
 
 
 def _features(s):
@@ -864,15 +987,29 @@ def _print_setting(report: dict) -> None:
     if s.get("max_abs_rank_error") is not None:
         print(f"the simulator's value as a percentile of the engine's sample: off by {100 * s['median_abs_rank_error']:.1f} "
               f"points in the median row, {100 * s['max_abs_rank_error']:.1f} at most")
-    ins = report.get("in_situ")
-    if ins and ins["summary"]["signed_mean_error"] is not None:
-        print("in situ (drift within each run taken out, from its decode-only steps; diagnostic):")
+    if s.get("p50_p90_rows"):
+        print(f"within the bounds: p50/p90 {s['p50_p90_within_10pct']} of {s['p50_p90_rows']} within 10%, "
+              f"p99 {s['p99_within_20pct']} of {s['p99_rows']} within 20%")
+    pf = [(load, d["prefill_step_bias_in_situ"]) for load, d in report["loads"].items()
+          if d.get("prefill_step_bias_in_situ") is not None]
+    if pf:
+        print("steps with a prefill chunk, predicted at the in-situ speed over measured: "
+              + ", ".join(f"{float(load):.0%} {b:+.1%}" for load, b in pf))
+    for other in SPEEDS:
+        ins = report.get(other)
+        if other == report.get("speed_model") or not ins or ins["summary"]["signed_mean_error"] is None:
+            continue
+        print(f"with the {other.replace('_', '-')} speed instead ({ins['definition'].split(' (')[0]}):")
         for load, d in ins["loads"].items():
+            if d.get("saturated"):
+                continue
             print(f"{float(load):>5.0%} " + " ".join(f"{n}{r['rel_error']:+.0%}" for n, r in d["metrics"].items()
                                                    if n.endswith(("p50", "p90")) and r["rel_error"] is not None)
                   + f"  throughput {d['throughput_rel_error']:+.1%}, signed mean {d['signed_mean_error']:+.1%}")
-        print(f"in situ signed mean error {ins['summary']['signed_mean_error']:+.1%}, "
-              f"median |error| {ins['summary']['median_abs_error']:.1%}")
+        o = ins["summary"]
+        print(f"  signed mean error {o['signed_mean_error']:+.1%}, median |error| {o['median_abs_error']:.1%}, "
+              f"p50/p90 {o['p50_p90_within_10pct']} of {o['p50_p90_rows']} within 10%, "
+              f"p99 {o['p99_within_20pct']} of {o['p99_rows']} within 20%")
 
 
 def other_host(meta: dict, here: str | None = None) -> str | None:
@@ -933,6 +1070,15 @@ def main(a) -> int:
     other = other_host(meta) if device_is_cpu(a.device) else None
     if other:
         print(f"warning: {a.profile} {other}")
+    if getattr(a, "resimulate", False):
+        try:
+            report = resimulate(profile, found, a.out, speed=getattr(a, "speed", "in_situ"))
+        except (ValidateError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print_table(report)
+        print(f"wrote {Path(a.out) / 'validation.json'}")
+        return 0
     base = found[0]
     cfg = base.scenario.scheduler_config
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -941,7 +1087,7 @@ def main(a) -> int:
                        block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks)
     report = validate(engine, profile, found, a.out, loads=tuple(a.loads), seeds=a.seeds,
                       duration_s=a.duration_s or DURATION_S, min_requests=a.min_requests or MIN_REQUESTS,
-                      speed_probe=not a.no_speed_probe)
+                      speed_probe=not a.no_speed_probe, speed=getattr(a, "speed", "in_situ"))
     print_table(report)
     print(f"wrote {Path(a.out) / 'validation.json'}")
     return 0

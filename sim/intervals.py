@@ -69,7 +69,9 @@ class NoisyCostModel(CostModel):
     def mean_ratio(self, f) -> float:
         """The mean of the ratio a step with features f is multiplied by (times scale)."""
         u, ratio = self.ratio_table(f)
-        return self.scale * float(np.sum((ratio[1:] + ratio[:-1]) * np.diff(u)) / 2)  # step_time's interp
+        # step_time's interp: linear between the levels, flat beyond the first and the last
+        inner = float(np.sum((ratio[1:] + ratio[:-1]) * np.diff(u)) / 2)
+        return self.scale * (inner + u[0] * ratio[0] + (1.0 - u[-1]) * ratio[-1])
 
     def describe(self) -> dict:
         return {"kind": self.kind, **self.metadata}

@@ -234,7 +234,7 @@ def test_calibrate_and_validate_end_to_end(tmp_path, monkeypatch):
     assert saved["loads"]["0.5"]["step_time_mape"] >= 0 and "throughput_rel_error" in saved["loads"]["0.5"]
     assert (tmp_path / "val" / "cdf-load0.5.png").stat().st_size > 1000
     logged = (tmp_path / "val" / "engine-steps.csv").read_text().splitlines()
-    assert logged[0].startswith("setting,load,seed,num_reqs") and len(logged) > 1
+    assert logged[0].startswith("setting,load,seed,start_s,num_reqs") and len(logged) > 1
     # The simulator's side of the run was scaled by the probe measured before it.
     (run,) = saved["speed_probe"]["runs"]
     assert run["speed_factor"] == pytest.approx(np.sqrt(run["probe_before_s"] * run["probe_after_s"]) / m["speed_probe"]["median_s"], rel=1e-3)
@@ -254,10 +254,39 @@ def test_calibrate_and_validate_end_to_end(tmp_path, monkeypatch):
         np.sqrt(run["compute_before_s"] * run["compute_after_s"]) / m["speed_probe"]["compute"]["median_s"], rel=1e-3)
     assert run["applied_compute_factor"] == pytest.approx(run["compute_factor"], rel=1e-3)
     assert float(first["applied_compute_factor"]) == pytest.approx(run["applied_compute_factor"], rel=1e-3)
-    # The in-situ diagnostic ran the same workload with the run's own decode-step speed.
-    ins = saved["in_situ"]
-    assert len(ins["runs"]) == 1 and ins["summary"]["rows"] == 15
-    assert set(ins["loads"]["0.5"]["metrics"]) == set(saved["loads"]["0.5"]["metrics"])
+    # The main table ran at the in-situ speed (the run's own decode-only steps); the same
+    # workload at the probes' speed is reported beside it.
+    assert saved["speed_model"] == "in_situ" and len(saved["in_situ_speed_runs"]) == 1
+    other = saved["probes"]
+    assert other["summary"]["rows"] == 15
+    assert set(other["loads"]["0.5"]["metrics"]) == set(saved["loads"]["0.5"]["metrics"])
+    assert float(first["in_situ_speed_factor"]) > 0
+    # --resimulate: the simulator's side again from the saved engine runs gives the same report.
+    from calibration.validate import Setting, resimulate
+    base = [Setting("base", {}, {}, dict(scen["workload"]))]
+    again = resimulate(prof, base, tmp_path / "val", progress=False)
+    assert again["loads"]["0.5"]["metrics"] == saved["loads"]["0.5"]["metrics"]
+    with pytest.raises(ValueError, match="served the settings"):
+        resimulate(prof, [Setting("other", {}, {}, {})], tmp_path / "val", progress=False)
+    # The in-situ speed is read from decode-only steps, so it cannot absorb an error in what a
+    # prefill chunk costs: a profile whose prefills cost twice as much reads TTFT far too slow.
+    from sim.cost_model import FittedCostModel
+    real = FittedCostModel.from_profile
+
+    def prefill_twice(profile):
+        model = real(profile)
+        orig = model.step_time
+
+        def step_time(f):
+            rest = model._time(f.num_decode_reqs, f.num_decode_reqs, 0, 0, 0, f.decode_context_tokens)
+            return orig(f) + (orig(f) - rest if f.num_prefill_tokens else 0.0)
+        model.step_time = step_time
+        return model
+    monkeypatch.setattr(FittedCostModel, "from_profile", staticmethod(prefill_twice))
+    wrong = resimulate(prof, base, tmp_path / "val", progress=False)
+    assert wrong["loads"]["0.5"]["metrics"]["ttft_s.p50"]["rel_error"] > \
+        saved["loads"]["0.5"]["metrics"]["ttft_s.p50"]["rel_error"] + 0.3
+    assert wrong["loads"]["0.5"]["prefill_step_bias_in_situ"] > saved["loads"]["0.5"]["prefill_step_bias_in_situ"] + 0.3
     # Both sides ran on one scheduler configuration: the engine's, with its KV pool.
     assert eng.scheduler_config.uncache_unscheduled_victims
 
@@ -282,8 +311,9 @@ def test_cold_prefix_cache_undoes_the_hits_a_rerun_would_get():
 
 
 def test_in_situ_speed_by_hand():
-    """The machine's speed at a moment: the median measured / predicted period of the decode-only
-    steps within 5 s of it (prefill steps never count); the nearest 5 where fewer."""
+    """The machine's speed at a moment: the decode-only steps within 5 s of it, their measured
+    periods summed over their predicted ones (prefill steps never count); the nearest 5 where
+    fewer."""
     from types import SimpleNamespace
     from calibration.validate import InSituSpeed
 
@@ -312,6 +342,11 @@ def test_in_situ_speed_by_hand():
     assert sp(17.0) == pytest.approx(1.5)         # window [12, 22] has 3: the nearest 5 are 20..24
     assert sp(1000.0) == pytest.approx(1.5)       # past the end: the last value
     assert InSituSpeed([step(0.0, prefill=8)], [0.5], Const(), fallback=7.0)(3.0) == 7.0  # no decode step
+    # A ratio of sums, not a median: one decode step 10x slow among ten counts in full (the
+    # simulated steps then add up to the engine's time in the window).
+    slow = [step(float(t)) for t in range(10)]
+    sp = InSituSpeed(slow, [0.1] * 9 + [1.0], Const(), fallback=7.0)
+    assert sp(5.0) == pytest.approx((0.9 + 1.0) / 1.0)     # window [0, 10]: all ten steps
 
 
 def loaded_ok(path) -> bool:
