@@ -331,11 +331,13 @@ class LLMEngine:
 
     def add_tokenized_request(self, request_id: str, prompt_token_ids: list[int],
                               sampling_params: SamplingParams, prompt_text: str | None = None,
-                              arrival_time: float | None = None, priority: int = 0) -> None:
-        """add_request for a prompt tokenized elsewhere (the server), keeping its text."""
+                              arrival_time: float | None = None, priority: int = 0,
+                              cache_salt: str | None = None) -> None:
+        """add_request for a prompt tokenized elsewhere (the server), keeping its text.
+        `cache_salt` (vLLM's): its prefix-cache blocks match only requests with the same salt."""
         ids = list(prompt_token_ids)
         self.validate(ids, sampling_params)
-        self._add(str(request_id), prompt_text, ids, sampling_params, arrival_time, priority)
+        self._add(str(request_id), prompt_text, ids, sampling_params, arrival_time, priority, cache_salt)
 
     def partial_output(self, request_id: str) -> RequestOutput | None:
         """What an unfinished request produced so far (None if it is not live), as if it had
@@ -349,7 +351,7 @@ class LLMEngine:
                              True, live.record, live.record.num_cached_tokens, live.prompt_logprobs)
 
     def _add(self, request_id: str, text: str | None, ids: list[int], sp: SamplingParams,
-             arrival_time: float | None = None, priority: int = 0) -> None:
+             arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
         """Queue an already validated request."""
         if request_id in self._live:
             raise ValueError(f"request_id={request_id!r} is already in use")
@@ -359,7 +361,7 @@ class LLMEngine:
                 sp = dataclasses.replace(sp, stop_token_ids=list(sp.stop_token_ids) + extra)
         arrival = self.now() if arrival_time is None else float(arrival_time)
         req = Request(request_id, ids, sp, arrival_time=arrival, priority=priority,
-                      eos_token_id=self.eos_token_id)
+                      eos_token_id=self.eos_token_id, cache_salt=cache_salt)
         self.scheduler.add_request(req)  # may raise (e.g. pool too small): nothing is kept then
         record = self.book.open(RequestRecord(request_id, arrival, len(ids)), sp.max_tokens)
         self.request_records[request_id] = record

@@ -242,6 +242,24 @@ def test_cached_tokens_and_reset_prefix_cache(srv):
     assert cold["prompt_tokens_details"]["cached_tokens"] == 0 and cold["cache_read_input_tokens"] == 0
 
 
+def test_cache_salt_keeps_tenants_apart(srv):
+    """vLLM's cache_salt: a prompt cached under one salt is a hit for the same salt only (nor
+    for requests without one); an empty salt is a 400 naming the field."""
+    p = "Salted preamble: the tenants of this server must not see each other's cached prompts. " * 4
+    n_prompt = len(srv["engine"].tokenizer(p).input_ids)
+    full = (n_prompt - 1) // srv["engine"].block_size * srv["engine"].block_size
+
+    def cached(**kw):
+        return complete(srv, prompt=p, max_tokens=2, **kw)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-b") == 0     # another salt: nothing shared
+    assert cached() == 0                           # no salt: nothing shared either
+    assert cached(cache_salt="tenant-a") == full  # its own salt: every full block hits
+    assert cached() == full                        # the unsalted copy cached by the third request
+    r = post(srv, "/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 1, "cache_salt": ""})
+    assert r.status_code == 400 and "cache_salt" in r.text
+
+
 def test_vllm_endpoints(srv, client):
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):

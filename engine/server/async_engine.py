@@ -62,6 +62,7 @@ class Child:
     params: SamplingParams
     prompt_text: str | None = None
     priority: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -256,7 +257,8 @@ class AsyncEngine:
             try:
                 for c in group.children:
                     eng.add_tokenized_request(c.request_id, c.prompt_token_ids, c.params, c.prompt_text,
-                                              arrival_time=arrival, priority=c.priority)
+                                              arrival_time=arrival, priority=c.priority,
+                                              cache_salt=c.cache_salt)
                     added.append(c.request_id)
             except Exception as e:  # refused (ValueError) or broken: none of the group stays queued
                 eng.abort_request(added)

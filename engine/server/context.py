@@ -264,7 +264,7 @@ class ServerContext:
             for i in range(req.n):
                 params = req.sampling_params(mt, _child_seed(req.seed, i), logprobs, biases)
                 cid = f"{rid}-{p * req.n + i}" if many else rid
-                out.append(Child(cid, ids, params, text, req.priority))
+                out.append(Child(cid, ids, params, text, req.priority, req.cache_salt))
         return out
 
     def request_id(self, request: Request, prefix: str) -> str:

@@ -239,6 +239,9 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: I64 = 0
+    # vLLM's: prefix-cache blocks are shared only between requests with the same salt (one per
+    # tenant, so one cannot time another's cached prompts)
+    cache_salt: str | None = Field(None, min_length=1)
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})  # token id (as a string, as OpenAI's JSON) -> bias
     # vLLM's extension: each prompt token's logprob and this many alternatives (choice.prompt_logprobs)
