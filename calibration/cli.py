@@ -55,7 +55,9 @@ def add_calibration_args(sub) -> None:
                         "reference workload timed before and after each run")
     p.add_argument("--resimulate", action="store_true",
                    help="no engine run: redo the simulator's side and the report from the engine runs a "
-                        "validation saved in OUT (engine-runs.pkl), with the same --workload and --set")
+                        "validation saved in OUT (engine-runs.pkl), with the same --workload and --set and "
+                        "the profile they ran with (or a refit of it); their loads, seeds and probes are "
+                        "the saved runs'")
     p.set_defaults(func=_validate)
 
 

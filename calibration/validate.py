@@ -63,8 +63,8 @@ tables are reported, `--speed` chooses the main one.
   speed probe's own kind of step, so this is the probe read during the run instead of around it.
   No step with a prefill chunk and no request latency enters the speed, so an error in what a
   prefill costs, in how the steps were scheduled or in queueing stays in the table
-  (`prefill_step_bias_in_situ` per load: the steps that carry a prefill chunk, predicted at that
-  speed, over their measured period). What it does absorb is a bias of the cost model on the
+  (`prefill_step_bias_in_situ` per load: the simulator's expected time for the steps that carry
+  a prefill chunk, at that speed, over their measured time, minus 1). What it does absorb is a bias of the cost model on the
   setting's own decode-only steps (a slope over batch size that the calibration got wrong shows as
   the machine running at another speed); `step_time_bias` and the probes' table keep that visible.
 - `probes`: the reference of calibration.probe is timed before the first engine run and after
@@ -138,8 +138,9 @@ class InSituSpeed:
     """The machine's speed during one engine run, as a function of time since the run's start,
     read from the run's decode-only steps around that time: their measured periods summed over
     what the simulator's noisy steps would take for them on average (the profile's prediction
-    times the mean ratio its noise draws for such a step, NoisyCostModel.mean_ratio), so the
-    simulated decode steps add up to the engine's in each window, slow outliers included (the
+    times the mean ratio its noise draws for such a step, NoisyCostModel.mean_ratio), so that on
+    average the simulated decode steps of the engine's shapes add up to the engine's over each
+    window, slow outliers included (the
     median ratio, used before, left the simulated sum 0.2-1.9% short per run on a jittery VM)."""
 
     def __init__(self, steps, periods, model, fallback: float, grid_s: float = 0.5) -> None:
@@ -401,6 +402,14 @@ def resimulate(profile: dict, settings: list[Setting], out_dir: str | Path, prog
     if labels != saved["labels"]:
         raise ValidateError(f"--resimulate {out_dir}: its engine runs served the settings {saved['labels']}, "
                             f"not {labels}")
+    # The runs' probe factors are over the probes of the profile they were run with: another
+    # calibration (its own probes) would be scaled by ratios that are not its own. A refit of the
+    # same calibration (servetwin calibrate --refit) keeps its probes and is accepted.
+    ran, now = saved["speed_probe"], profile["metadata"].get("speed_probe")
+    if ran is not None and (now or {}).get("median_s") != ran.get("median_s"):
+        raise ValidateError(f"--resimulate {out_dir}: its engine runs were measured against a profile whose "
+                            f"speed probe's median was {ran.get('median_s')} s, not this profile's "
+                            f"{(now or {}).get('median_s')}: resimulate with that calibration (or a refit of it)")
     return simulate_and_report(profile, settings, out_dir, saved["loads"], saved["seeds"], saved["capacities"],
                                saved["done"], saved["factors"], saved["speed_probe"], progress, speed)
 
@@ -559,7 +568,9 @@ def write_report(out_dir: Path, profile: dict, settings: list[Setting], loads, s
                     "profile_host_cpu": profile["metadata"].get("host_cpu"), "capacity_requests_per_s": capacity,
                     "seeds": seeds, "noise_replicas": NOISE_REPLICAS,
                     "interval": "90%: noise replicates x the profile's 5-95% held-out group bias"
-                                + (" x the 5-95% ratio of consecutive speed probes" if ref else ""),
+                                + (" x the 5-95% ratio of consecutive speed probes (kept for the in-situ "
+                                   "speed too, which measures that drift: wider than it needs to be)"
+                                   if ref else ""),
                     "speed_probe": speed_report, **reports[0]}
     if len(settings) > 1:
         report["what_if"] = {
@@ -599,7 +610,8 @@ def queue_growth_rps(records) -> float:
 SPEED_DEFINITIONS = {
     "in_situ": "step times scaled at each simulated moment by the machine's speed then, read from the "
                "run's own decode-only steps (measured / predicted period); prefill chunks by the compute "
-               "probes around the run (module doc, \"Machine speed\")",
+               "probes around the run (by the decode probe's factor for a profile without a compute probe, "
+               "as measured with --no-speed-probe; module doc, \"Machine speed\")",
     "probes": "step times scaled by the speed and compute probes timed before and after the run "
               "(module doc, \"Machine speed\")",
 }
@@ -619,15 +631,16 @@ def _step_errors(steps) -> dict:
     noisy = pred * np.array([noise[id(m)].mean_ratio(f) for f, m in feats])
     # At the in-situ speed: the decode part by the speed read at the step's start, the prefill
     # part by the compute probes (as the in-situ simulation prices it).
-    insitu = np.array([SplitSpeedModel(m.base, v, m.compute_factor).step_time(f)
+    insitu = np.array([SplitSpeedModel(m.base, v, m.compute_factor).step_time(f) * noise[id(m)].mean_ratio(f)
                        for (f, m), (_, _, _, v) in zip(feats, steps)])
     prefill = np.array([s.num_prefill_tokens > 0 for s, _, _, _ in steps])
     out = {"step_time_mape": float(np.mean(np.abs(pred / meas - 1))),
            "step_time_bias": float(np.mean(pred / meas - 1)),
            "step_time_total_rel_error": float(noisy.sum() / meas.sum() - 1),
            # in situ the decode-only steps are their own speed reference: what is left to test is
-           # the steps that carry a prefill chunk
-           "prefill_step_bias_in_situ": float(np.mean(insitu[prefill] / meas[prefill] - 1)) if prefill.any() else None}
+           # the steps that carry a prefill chunk (the simulator's expected time for them, at the
+           # in-situ speed with the noise's mean, over their measured time, minus 1)
+           "prefill_step_bias_in_situ": float(insitu[prefill].sum() / meas[prefill].sum() - 1) if prefill.any() else None}
     return out
 
 
@@ -993,7 +1006,7 @@ def _print_setting(report: dict) -> None:
     pf = [(load, d["prefill_step_bias_in_situ"]) for load, d in report["loads"].items()
           if d.get("prefill_step_bias_in_situ") is not None]
     if pf:
-        print("steps with a prefill chunk, predicted at the in-situ speed over measured: "
+        print("steps with a prefill chunk, simulated time at the in-situ speed over measured: "
               + ", ".join(f"{float(load):.0%} {b:+.1%}" for load, b in pf))
     for other in SPEEDS:
         ins = report.get(other)

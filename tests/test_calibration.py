@@ -268,6 +268,10 @@ def test_calibrate_and_validate_end_to_end(tmp_path, monkeypatch):
     assert again["loads"]["0.5"]["metrics"] == saved["loads"]["0.5"]["metrics"]
     with pytest.raises(ValueError, match="served the settings"):
         resimulate(prof, [Setting("other", {}, {}, {})], tmp_path / "val", progress=False)
+    other_cal = json.loads(json.dumps(prof))  # another calibration: its own probes
+    other_cal["metadata"]["speed_probe"]["median_s"] *= 2
+    with pytest.raises(ValueError, match="speed probe's median"):
+        resimulate(other_cal, base, tmp_path / "val", progress=False)
     # The in-situ speed is read from decode-only steps, so it cannot absorb an error in what a
     # prefill chunk costs: a profile whose prefills cost twice as much reads TTFT far too slow.
     from sim.cost_model import FittedCostModel
