@@ -273,20 +273,21 @@ def test_calibrate_and_validate_end_to_end(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="speed probe's median"):
         resimulate(other_cal, base, tmp_path / "val", progress=False)
     # The in-situ speed is read from decode-only steps, so it cannot absorb an error in what a
-    # prefill chunk costs: a profile whose prefills cost twice as much reads TTFT far too slow.
+    # prefill chunk costs: a profile whose prefill chunks cost five times as much reads TTFT far
+    # too slow (five times: the prompts here are short, so a chunk is a small part of its step).
     from sim.cost_model import FittedCostModel
     real = FittedCostModel.from_profile
 
-    def prefill_twice(profile):
+    def prefill_five_times(profile):
         model = real(profile)
         orig = model.step_time
 
         def step_time(f):
             rest = model._time(f.num_decode_reqs, f.num_decode_reqs, 0, 0, 0, f.decode_context_tokens)
-            return orig(f) + (orig(f) - rest if f.num_prefill_tokens else 0.0)
+            return orig(f) + (4 * (orig(f) - rest) if f.num_prefill_tokens else 0.0)
         model.step_time = step_time
         return model
-    monkeypatch.setattr(FittedCostModel, "from_profile", staticmethod(prefill_twice))
+    monkeypatch.setattr(FittedCostModel, "from_profile", staticmethod(prefill_five_times))
     wrong = resimulate(prof, base, tmp_path / "val", progress=False)
     assert wrong["loads"]["0.5"]["metrics"]["ttft_s.p50"]["rel_error"] > \
         saved["loads"]["0.5"]["metrics"]["ttft_s.p50"]["rel_error"] + 0.3
