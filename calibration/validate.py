@@ -514,8 +514,9 @@ def simulate_runs(base: FittedCostModel, settings: list[Setting], loads, done: l
         d = per[k][load]
         d.engine_config = cfg
         d.engine.append(res.records)
-        d.engine_tput.append(_summary(res.records)["throughput"]["output_tokens_per_s"])
-        d.engine_rps.append(_summary(res.records)["throughput"]["requests_per_s"])
+        tput = _summary(res.records)["throughput"]
+        d.engine_tput.append(tput["output_tokens_per_s"])
+        d.engine_rps.append(tput["requests_per_s"])
         d.engine_growth.append(queue_growth_rps(res.records))
         timed = [(s, p) for s, p in zip(res.steps, res.periods_s) if p is not None]
         d.steps.extend((s, p, model, speed(s.start_s)) for s, p in timed)
@@ -534,10 +535,10 @@ def simulate_runs(base: FittedCostModel, settings: list[Setting], loads, done: l
                 d.sim_config = sim.replicas[0].scheduler.config
                 reps.append(sim.run().records)
             d.sim_reps.setdefault(name, []).append(reps)
-            d.sim_tput.setdefault(name, []).append(
-                float(np.median([_summary(x)["throughput"]["output_tokens_per_s"] for x in reps])))
+            tputs = [_summary(x)["throughput"] for x in reps]
+            d.sim_tput.setdefault(name, []).append(float(np.median([t["output_tokens_per_s"] for t in tputs])))
             if name == main_speed:
-                d.sim_rps.append(float(np.median([_summary(x)["throughput"]["requests_per_s"] for x in reps])))
+                d.sim_rps.append(float(np.median([t["requests_per_s"] for t in tputs])))
                 d.sim_growth.append(float(np.median([queue_growth_rps(x) for x in reps])))
     return per, step_rows, insitu_runs, (level, level_c)
 
