@@ -928,3 +928,51 @@ def test_logprob_token_ids_pin_the_reported_alternatives(served):
                          ({"logprob_token_ids": []}, "logprob_token_ids")):
         bad = httpx.post(url + "/v1/chat/completions", json={**body, **extra}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == field, (extra, bad.text)
+
+
+PARTS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                  "{% for part in m['content'] %}{{ part['text'] }}{% endfor %}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_template_content_format_reaches_the_template_as_vllm_reads_it(tmp_path):
+    """--chat-template-content-format: 'auto' reads from the template whether it loops over a
+    message's content (then content goes as OpenAI content parts, else as one string, as vLLM's
+    detection); a template that loops over parts renders a conversation with 'auto' and 'openai'
+    exactly as transformers renders it given parts, and given strings when forced to 'string'."""
+    import argparse
+
+    from engine.server.cli import add_serve_args, build_app
+    from engine.server.context import content_format
+    assert content_format(PARTS_TEMPLATE) == "openai"
+    assert content_format("{% for m in messages %}{% for p in m.content | selectattr('type') %}"
+                          "{{ p.text }}{% endfor %}{% endfor %}") == "openai"
+    assert content_format("{% for m in messages %}{{ m['content'] }}{% endfor %}") == "string"
+    assert content_format(None) == "string"
+    path = tmp_path / "parts.jinja"
+    path.write_text(PARTS_TEMPLATE)
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser.add_subparsers())
+    conv = [{"role": "user", "content": "Hi there"},
+            {"role": "user", "content": [{"type": "text", "text": "two "}, {"type": "text", "text": "parts"}]}]
+    as_parts = [{"role": "user", "content": [{"type": "text", "text": "Hi there"}]},
+                {"role": "user", "content": [{"type": "text", "text": "two parts"}]}]
+    rendered = []
+    as_strings = [{"role": "user", "content": "Hi there"}, {"role": "user", "content": "two parts"}]
+    for fmt, template, given in (("auto", str(path), as_parts), ("openai", str(path), as_parts),
+                                 ("string", str(path), as_strings), ("auto", None, as_strings)):
+        argv = ["serve", MODEL, "--device", "cpu", "--max-model-len", "256", "--num-gpu-blocks", "32",
+                "--chat-template-content-format", fmt] + (["--chat-template", template] if template else [])
+        app = build_app(parser.parse_args(argv))
+        tok = app.state.context.engine.tokenizer
+        port = _free_port()
+        with _Server(app, port):
+            r = httpx.post(f"http://127.0.0.1:{port}/tokenize", json={"model": MODEL, "messages": conv}, timeout=60)
+        assert r.status_code == 200, (fmt, template, r.text)
+        want = tok(tok.apply_chat_template(given, add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False).input_ids
+        assert r.json()["tokens"] == want, (fmt, template)
+        rendered.append(want)
+    # the parts template renders the text only when given parts (as a string, it loops over
+    # characters and finds no 'text' in them); the model's own template renders the strings
+    assert rendered[0] == rendered[1] != rendered[2] and len(rendered[0]) > len(rendered[2])

@@ -140,7 +140,8 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
                load_tracking: bool = False, request_id_headers: bool = False,
                prompt_tokens_details: bool = True, return_tokens_as_token_ids: bool = False,
                force_include_usage: bool = False, tokenizer_info: bool = False,
-               hidden_metrics: bool = False, root_path: str = "", token_ids_only: bool = False) -> FastAPI:
+               hidden_metrics: bool = False, root_path: str = "", token_ids_only: bool = False,
+               chat_template_content_format: str = "auto") -> FastAPI:
     """`engine` is an LLMEngine; the app owns its loop thread (started with the app). The routes
     live in routes_openai.py and routes_misc.py, the state they share in context.py. vLLM's
     server options: `api_key` (the /v1/ routes need it), `max_logprobs` (the most a request may
@@ -150,11 +151,13 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
     default of the request field), `force_include_usage` (usage in every chunk of every stream),
     `tokenizer_info` (GET /tokenizer_info), `hidden_metrics` (also the metrics vLLM deprecated),
     `root_path` (a proxy's path prefix: routes answer with it and without it, as vLLM's),
-    `token_ids_only` (--skip-tokenizer-init: text prompts and messages get a 400)."""
+    `token_ids_only` (--skip-tokenizer-init: text prompts and messages get a 400),
+    `chat_template_content_format` (how message content reaches the chat template: "string", one
+    string; "openai", a list of content parts; "auto", read from the template as vLLM does)."""
     ctx = ServerContext(engine, model_name, max_waiting, request_timeout_s, request_log,
                         served_model_names, max_body_bytes, tokenizer_workers, max_logprobs,
                         prompt_tokens_details, return_tokens_as_token_ids, force_include_usage,
-                        hidden_metrics, token_ids_only)
+                        hidden_metrics, token_ids_only, chat_template_content_format)
     metrics = ctx.metrics
 
     @asynccontextmanager

@@ -69,10 +69,11 @@ def add_serve_args(sub) -> None:
                    help="accepted so vLLM command lines run; tools are not supported: a request with "
                         "`tools` is a 400")
     p.add_argument("--tool-call-parser", default=None, help="accepted with --enable-auto-tool-choice (see there)")
-    p.add_argument("--chat-template-content-format", choices=("auto", "string"), default="auto",
-                   help="vLLM's: how message content reaches the chat template; here always as one string "
-                        "(text parts joined), which is vLLM's 'string' and what 'auto' picks for a "
-                        "template that renders content as text ('openai' is not supported)")
+    p.add_argument("--chat-template-content-format", choices=("auto", "string", "openai"), default="auto",
+                   help="vLLM's: how message content reaches the chat template: 'string', one string (text "
+                        "parts joined); 'openai', a list of content parts ({type: text, text}: the text "
+                        "parts joined into one); 'auto' (default), 'openai' for a template that loops over "
+                        "a message's content, else 'string'")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 only (one device)")
     # vLLM flags that change nothing here: accepted so `vllm serve` command lines run unchanged
     for flag in ("--enforce-eager", "--trust-remote-code", "--disable-log-requests", "--disable-log-stats",
@@ -137,7 +138,8 @@ def build_app(a):
                       force_include_usage=a.enable_force_include_usage,
                       tokenizer_info=a.enable_tokenizer_info_endpoint,
                       hidden_metrics=a.show_hidden_metrics_for_version is not None,
-                      root_path=a.root_path or "", token_ids_only=a.skip_tokenizer_init)
+                      root_path=a.root_path or "", token_ids_only=a.skip_tokenizer_init,
+                      chat_template_content_format=a.chat_template_content_format)
 
 
 def run_serve(a: argparse.Namespace) -> int:

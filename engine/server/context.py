@@ -109,8 +109,43 @@ def _encode(tok, text: str, special: bool) -> list[int]:
     return list(tok(text, add_special_tokens=special).input_ids)
 
 
+def content_format(template: str | None) -> str:
+    """vLLM's --chat-template-content-format auto: "openai" for a chat template that loops over a
+    message's content (it takes a list of content parts), else "string" (it renders content as
+    text). Read from the template's syntax tree, not by running it."""
+    if not isinstance(template, str) or not template:
+        return "string"
+    import jinja2
+    from jinja2 import nodes
+    try:
+        tree = jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return "string"  # the template's own error surfaces when a request applies it
+    for loop in tree.find_all(nodes.For):
+        it = loop.iter
+        if isinstance(it, nodes.Filter):  # e.g. message['content'] | selectattr(...)
+            it = it.node
+        if ((isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content")
+                or (isinstance(it, nodes.Getattr) and it.attr == "content")):
+            return "openai"
+    return "string"
+
+
+def _as_parts(conv: list[dict]) -> list[dict]:
+    """A conversation with string contents as OpenAI content parts (one text part per message;
+    a null content stays null)."""
+    return [{**m, "content": None if m["content"] is None else [{"type": "text", "text": m["content"]}]}
+            for m in conv]
+
+
 def _apply_template(tok, conv: list[dict], add_generation_prompt: bool, continue_final: bool,
-                    template_kwargs: dict | None = None, add_special_tokens: bool = False) -> tuple[str, list[int]]:
+                    template_kwargs: dict | None = None, add_special_tokens: bool = False,
+                    content_format: str = "string") -> tuple[str, list[int]]:
+    """The conversation templated and tokenized; `content_format` "openai" hands the template each
+    message's content as a list of content parts (its text parts joined into one), "string" as
+    one string."""
+    if content_format == "openai":
+        conv = _as_parts(conv)
     kw = {"continue_final_message": True} if continue_final else {}
     text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt and not continue_final,
                                    tokenize=False, **kw, **(template_kwargs or {}))
@@ -125,7 +160,7 @@ class ServerContext:
                  max_body_bytes: int, tokenizer_workers: int, max_logprobs: int | None = None,
                  prompt_tokens_details: bool = True, return_tokens_as_token_ids: bool = False,
                  force_include_usage: bool = False, hidden_metrics: bool = False,
-                 token_ids_only: bool = False) -> None:
+                 token_ids_only: bool = False, chat_template_content_format: str = "auto") -> None:
         self.engine = engine
         self.prompt_tokens_details = prompt_tokens_details          # usage carries cached_tokens
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # the default of the request field
@@ -146,6 +181,12 @@ class ServerContext:
         self.tokenizer = tok = engine.tokenizer
         self.token_ids_only = token_ids_only  # vLLM's --skip-tokenizer-init: text inputs refused (check_chars)
         self.pool = TokenizerPool(tok, tokenizer_workers) if tok is not None else None
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r}: must be "
+                             "auto, string or openai")
+        # how message content reaches the chat template (vLLM's --chat-template-content-format)
+        self.content_format = (content_format(getattr(tok, "chat_template", None))
+                               if chat_template_content_format == "auto" else chat_template_content_format)
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         # A token covers at most this many characters of text (byte-level BPE and SentencePiece

@@ -106,7 +106,7 @@ def add_misc_routes(app: FastAPI, ctx: ServerContext, tokenizer_info: bool = Fal
             kw = template_kwargs(req)
             try:
                 _, ids = await pool.run(_apply_template, conv, req.add_generation_prompt, req.continue_final_message,
-                                        kw, bool(req.add_special_tokens))
+                                        kw, bool(req.add_special_tokens), ctx.content_format)
             except Exception as e:  # the template refused the conversation
                 raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
         strs = await pool.run(lambda tok: tok.convert_ids_to_tokens(ids)) if req.return_token_strs else None

@@ -76,7 +76,8 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
             try:
                 templated = await pool.run(lambda tok: [_apply_template(tok, conv, req.add_generation_prompt,
                                                                          req.continue_final_message, kw,
-                                                                         req.add_special_tokens)
+                                                                         req.add_special_tokens,
+                                                                         ctx.content_format)
                                                         for conv in convs])
             except Exception as e:  # the template refused a conversation (e.g. role order)
                 raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
