@@ -5,7 +5,7 @@ runs, no engine and no simulation:
 
 DIR is a `servetwin validate --out` directory (its engine-runs.pkl); P.json the profile those runs
 were validated with. For every run, the steps that carry a prefill chunk are priced the way
-`validate` prices them: the decode part (calibration.probe.split_time) at the run's in-situ
+`validate` prices them (calibration.probe.SplitSpeedModel): the decode part at the run's in-situ
 speed (calibration.validate.InSituSpeed), the prefill part at each candidate speed, times the
 noise mean the simulator draws for the step (NoisyCostModel.mean_ratio). Each run's bias is the
 sum of those expected times over the sum of the measured periods, minus 1.
@@ -29,22 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-from calibration.probe import split_time
-from calibration.validate import ENGINE_RUNS, InSituSpeed, applied_factors
-from engine.core.features import BatchFeatures
+from calibration.probe import SplitSpeedModel
+from calibration.validate import ENGINE_RUNS, InSituSpeed, applied_factors, step_features
 from sim.cost_model import FittedCostModel, load_profile
 from sim.intervals import NoisyCostModel
 
-FEATURES = ("num_reqs", "num_prefill_reqs", "num_prefill_tokens", "prefill_context_tokens",
-            "prefill_attn_pairs", "num_decode_reqs", "decode_context_tokens")
 CANDIDATES = ("probes", "in_situ", "one", "in_situ_x_ratio", "geomean")
-
-
-def features(step) -> BatchFeatures:
-    f = BatchFeatures()
-    for k in FEATURES:
-        setattr(f, k, getattr(step, k))
-    return f
 
 
 def run_biases(base: FittedCostModel, saved: dict) -> list[dict]:
@@ -62,12 +52,11 @@ def run_biases(base: FittedCostModel, saved: dict) -> list[dict]:
         for s, p in zip(res.steps, res.periods_s):
             if p is None or s.num_prefill_tokens == 0:
                 continue
-            f = features(s)
-            rest, pf = split_time(base, f)
+            f = step_features(s)
             m, d = noisy.mean_ratio(f), speed(s.start_s)
             for name, x in (("probes", cscale), ("in_situ", d), ("one", 1.0),
                             ("in_situ_x_ratio", d * level_c / level), ("geomean", (cscale * d) ** 0.5)):
-                expected[name] += (rest * d + pf * x) * m
+                expected[name] += SplitSpeedModel(base, d, x).step_time(f) * m
             measured += p
         if measured > 0:
             out.append({"setting": saved["labels"][er.setting], "load": er.load, "seed": er.seed,

@@ -148,7 +148,7 @@ class InSituSpeed:
         pts = []
         for s, p in zip(steps, periods):
             if p is not None and s.num_prefill_tokens == 0 and s.num_decode_reqs > 0:
-                f = _features(s)
+                f = step_features(s)
                 pts.append((s.start_s, p, model.step_time(f) * noisy.mean_ratio(f)))
         pts.sort()
         self.num_steps = len(pts)
@@ -624,7 +624,7 @@ def _step_errors(steps) -> dict:
     if not steps:
         return {}
     meas = np.array([p for _, p, _, _ in steps])
-    feats = [(_features(s), m) for s, _, m, _ in steps]
+    feats = [(step_features(s), m) for s, _, m, _ in steps]
     pred = np.array([m.step_time(f) for f, m in feats])
     # What the simulator's noisy steps add up to on average, on the engine's own steps:
     # each prediction times the mean of the ratio its kind of step draws.
@@ -915,11 +915,12 @@ def _write_steps(path: Path, step_rows: list) -> None:
         w.writerow(("setting", "load", "seed", *cols, "period_s", "predicted_s", "applied_speed_factor",
                     "applied_compute_factor", "in_situ_speed_factor"))
         for label, load, seed, s, p, m, v in step_rows:
-            w.writerow((label, load, seed, *(getattr(s, c) for c in cols), p, m.step_time(_features(s)),
+            w.writerow((label, load, seed, *(getattr(s, c) for c in cols), p, m.step_time(step_features(s)),
                         m.decode_factor(), m.compute_factor, v))
 
 
-def _features(s):
+def step_features(s):
+    """An engine step record's batch features, as the cost model takes them."""
     from engine.core.features import BatchFeatures
     f = BatchFeatures()
     for k in ("num_reqs", "num_prefill_reqs", "num_prefill_tokens", "prefill_context_tokens",
