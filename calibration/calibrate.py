@@ -444,7 +444,7 @@ def refit(profile_path: str | Path, out: str | Path) -> dict:
             labels.append(r["group"])
     meta = dict(old["metadata"])
     for k in ("num_samples", "fit_mape", "cv", "cv_mape", "cv_p95_abs_rel_error", "cv_group_bias",
-              "residual_quantiles_are"):
+              "residual_quantiles_are", "noise_quantiles_are", "sum_scale", "noise_sum_scale", "fit_is"):
         meta.pop(k, None)
     meta["source"] = f"{meta.get('source', src.name)}; refit {today()} (servetwin calibrate --refit)"
     meta.pop("cv_by_setting", None)

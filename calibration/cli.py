@@ -49,10 +49,11 @@ def add_calibration_args(sub) -> None:
     p.add_argument("--no-speed-probe", action="store_true",
                    help="do not scale the profile by the machine's speed measured before each run "
                         "(calibration.probe; only profiles that recorded a probe are scaled)")
-    p.add_argument("--speed", choices=("in_situ", "probes"), default="in_situ",
-                   help="the machine-speed model of the main error table (the other is reported beside it): "
-                        "in_situ, the run's own decode-only steps at each moment (default), or probes, the "
-                        "reference workload timed before and after each run")
+    p.add_argument("--speed", choices=("in_situ", "probes", "in_situ_all"), default="in_situ",
+                   help="the machine-speed model of the main error table (the others are reported beside it): "
+                        "in_situ, the run's own decode-only steps at each moment, prefill chunks by the "
+                        "compute probes (default); probes, the reference workload timed before and after "
+                        "each run; in_situ_all, the run's own decode-only steps for the whole step")
     p.add_argument("--resimulate", action="store_true",
                    help="no engine run: redo the simulator's side and the report from the engine runs a "
                         "validation saved in OUT (engine-runs.pkl), with the same --workload and --set and "

@@ -143,13 +143,13 @@ def split_time(model, f) -> tuple[float, float]:
 
 class SplitSpeedModel(CostModel):
     """A fitted model at a machine speed measured by both probes: the prefill part of each step
-    scaled by `compute_factor`, the rest by `decode_factor` (a callable of nothing, for a speed
-    that moves with the simulated time)."""
+    scaled by `compute_factor`, the rest by `decode_factor` (either may be a callable of nothing,
+    for a speed that moves with the simulated time)."""
 
-    def __init__(self, base, decode_factor, compute_factor: float) -> None:
+    def __init__(self, base, decode_factor, compute_factor) -> None:
         self.base = base
         self.decode_factor = decode_factor if callable(decode_factor) else (lambda v=float(decode_factor): v)
-        self.compute_factor = float(compute_factor)
+        self._compute = compute_factor if callable(compute_factor) else (lambda v=float(compute_factor): v)
         self.residual_quantiles = base.residual_quantiles
         self.residual_quantiles_by_kind = base.residual_quantiles_by_kind
         self.noise_quantiles = base.noise_quantiles
@@ -157,9 +157,13 @@ class SplitSpeedModel(CostModel):
         self.metadata = base.metadata
         self.kind = base.kind
 
+    @property
+    def compute_factor(self) -> float:
+        return float(self._compute())
+
     def step_time(self, f) -> float:
         rest, pf = split_time(self.base, f)
-        return rest * self.decode_factor() + pf * self.compute_factor
+        return rest * self.decode_factor() + pf * self._compute()
 
     def describe(self) -> dict:
         return self.base.describe()

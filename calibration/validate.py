@@ -83,9 +83,14 @@ tables are reported, `--speed` chooses the main one.
   and after a run: in one validation on this project's VM (docs/reports/2026-12-03.md, base at
   60% load) one seed's TPOT p50 read +17% and the other's -26% with the probes, and the pooled
   TPOT p50 / p90 -2% / -8% at the in-situ speed.
+- `in_situ_all`: the in-situ speed for the whole of every step, prefill part included: a step
+  with a prefill chunk is then priced at the speed the decode-only steps around it ran at, not
+  at the probes' compute speed (`prefill_step_bias_in_situ_all` per load). Over 48 runs of one
+  VM's what-if validations the per-run bias of those steps spread 4.2 points this way against
+  6.9 with the probes (docs/reports/2026-12-04-whatif-settings.md).
 
-validation.json per setting: `speed_model` (the main table's), the other one's table under its
-name (`probes` or `in_situ`: p50/p90/p99 rows, throughput, summaries), and
+validation.json per setting: `speed_model` (the main table's), each other one's table under its
+name (`probes`, `in_situ` or `in_situ_all`: p50/p90/p99 rows, throughput, summaries), and
 `in_situ_speed_runs` (per run: the probe factor and the in-situ speed's min, median and max).
 DIR/engine-runs.pkl keeps every engine run (workloads, request records, steps, probes), so that
 `--resimulate` redoes the simulator's side and the report without the engine.
@@ -481,7 +486,7 @@ def run_engine(engine, settings: list[Setting], loads, seeds: int, duration_s: f
     return capacities, done, factors
 
 
-SPEEDS = ("in_situ", "probes")
+SPEEDS = ("in_situ", "probes", "in_situ_all")
 
 
 def simulate_runs(base: FittedCostModel, settings: list[Setting], loads, done: list[EngineRun],
@@ -528,7 +533,8 @@ def simulate_runs(base: FittedCostModel, settings: list[Setting], loads, done: l
                     sim = Simulation(wl, cfg, NoisyCostModel(model, seed=seed * 100 + r), keep_token_times=True)
                 else:  # the speed at each simulated moment: the engine's at that moment of its run
                     clock = [lambda: 0.0]
-                    moving = SplitSpeedModel(base, lambda: speed(clock[0]()), cscale)
+                    now = lambda: speed(clock[0]())  # noqa: E731
+                    moving = SplitSpeedModel(base, now, now if name == "in_situ_all" else cscale)
                     sim = Simulation(wl, cfg, NoisyCostModel(moving, seed * 100 + r), keep_token_times=True,
                                      use_steady=False)
                     clock[0] = lambda env=sim.env: env.now
@@ -582,6 +588,11 @@ def write_report(out_dir: Path, profile: dict, settings: list[Setting], loads, s
                 {str(load) for load in loads if load * capacity > SATURATED * c} for c in capacities],
                 main_speed)}
         report["what_if"]["summary"] = delta_summary(report["what_if"]["deltas"])
+        # The same count with each other speed model's simulations (the engine side is the same).
+        report["what_if"]["summary_by_speed"] = {
+            name: delta_summary(what_if_deltas(settings, per, loads, [
+                {str(load) for load in loads if load * capacity > SATURATED * c} for c in capacities], name))
+            for name in SPEEDS}
         _plot_deltas(out_dir / "whatif-deltas.png", report["what_if"]["deltas"])
     with open(out_dir / "validation.json", "w") as f:
         json.dump(report, f, indent=1)
@@ -615,6 +626,8 @@ SPEED_DEFINITIONS = {
                "as measured with --no-speed-probe; module doc, \"Machine speed\")",
     "probes": "step times scaled by the speed and compute probes timed before and after the run "
               "(module doc, \"Machine speed\")",
+    "in_situ_all": "step times scaled at each simulated moment by the machine's speed then, read from the "
+                   "run's own decode-only steps, prefill chunks included (module doc, \"Machine speed\")",
 }
 
 
@@ -634,6 +647,8 @@ def _step_errors(steps) -> dict:
     # part by the compute probes (as the in-situ simulation prices it).
     insitu = np.array([SplitSpeedModel(m.base, v, m.compute_factor).step_time(f) * noise[id(m)].mean_ratio(f)
                        for (f, m), (_, _, _, v) in zip(feats, steps)])
+    insitu_all = np.array([m.base.step_time(f) * v * noise[id(m)].mean_ratio(f)
+                           for (f, m), (_, _, _, v) in zip(feats, steps)])
     prefill = np.array([s.num_prefill_tokens > 0 for s, _, _, _ in steps])
     out = {"step_time_mape": float(np.mean(np.abs(pred / meas - 1))),
            "step_time_bias": float(np.mean(pred / meas - 1)),
@@ -641,7 +656,10 @@ def _step_errors(steps) -> dict:
            # in situ the decode-only steps are their own speed reference: what is left to test is
            # the steps that carry a prefill chunk (the simulator's expected time for them, at the
            # in-situ speed with the noise's mean, over their measured time, minus 1)
-           "prefill_step_bias_in_situ": float(insitu[prefill].sum() / meas[prefill].sum() - 1) if prefill.any() else None}
+           "prefill_step_bias_in_situ": float(insitu[prefill].sum() / meas[prefill].sum() - 1) if prefill.any() else None,
+           # the same with the whole step at the in-situ speed (the in_situ_all speed model)
+           "prefill_step_bias_in_situ_all": (float(insitu_all[prefill].sum() / meas[prefill].sum() - 1)
+                                             if prefill.any() else None)}
     return out
 
 
@@ -651,24 +669,26 @@ def _setting_report(per_load: dict, loads, capacity: float, own_capacity: float,
     model, and a shorter table with the other one (a key named after it). A load above
     SATURATED x the setting's own capacity is saturated: reported by throughput and queue growth,
     left out of the summary's latency rows."""
-    other = next(x for x in SPEEDS if x != main_speed)
+    others = [x for x in SPEEDS if x != main_speed]
     rep: dict = {"capacity_requests_per_s": own_capacity, "speed_model": main_speed,
                  "speed_definition": SPEED_DEFINITIONS[main_speed], "loads": {}, "_eng": {}, "_sim": {}}
-    all_rows, other_rows = [], []
-    other_report: dict = {"definition": SPEED_DEFINITIONS[other], "loads": {}}
+    all_rows: list = []
+    other_rows: dict = {o: [] for o in others}
+    other_reports: dict = {o: {"definition": SPEED_DEFINITIONS[o], "loads": {}} for o in others}
     sim_cfg = None
     for load in loads:
         d = per_load[load]
         sim_cfg = sim_cfg or d.sim_config
         eng = {k: _pool([_latencies(r)[k] for r in d.engine]) for k in METRICS}
         rows, rep_pools = _rows(d, eng, main_speed, bounds)
-        orows, _ = _rows(d, eng, other, None)
+        orows = {o: _rows(d, eng, o, None)[0] for o in others}
         et, stp = float(np.mean(d.engine_tput)), float(np.mean(d.sim_tput[main_speed]))
         offered = load * capacity
         saturated = offered > SATURATED * own_capacity
         if not saturated:
             all_rows.extend(rows.values())
-            other_rows.extend(orows.values())
+            for o in others:
+                other_rows[o].extend(orows[o].values())
         rep["loads"][str(load)] = {
             "rate_requests_per_s": offered, "metrics": rows, "saturated": saturated,
             "throughput_output_tokens_per_s": {"engine": et, "sim": stp},
@@ -677,14 +697,15 @@ def _setting_report(per_load: dict, loads, capacity: float, own_capacity: float,
             "queue_growth_requests_per_s": {"engine": float(np.mean(d.engine_growth)),
                                             "sim": float(np.mean(d.sim_growth))},
             **{k: None for k in ("step_time_mape", "step_time_bias", "step_time_total_rel_error",
-                                 "prefill_step_bias_in_situ")},
+                                 "prefill_step_bias_in_situ", "prefill_step_bias_in_situ_all")},
             **_step_errors(d.steps),
             "signed_mean_error": _mean_err(rows.values()),
         }
-        other_report["loads"][str(load)] = {
-            "metrics": orows, "saturated": saturated,
-            "throughput_rel_error": float(np.mean(d.sim_tput[other])) / et - 1,
-            "signed_mean_error": _mean_err(orows.values())}
+        for o in others:
+            other_reports[o]["loads"][str(load)] = {
+                "metrics": orows[o], "saturated": saturated,
+                "throughput_rel_error": float(np.mean(d.sim_tput[o])) / et - 1,
+                "signed_mean_error": _mean_err(orows[o].values())}
         rep["_eng"][load], rep["_sim"][load] = eng, rep_pools[0]
     errs = [r["rel_error"] for r in all_rows if r["rel_error"] is not None]
     ranks = [abs(r["rank_error"]) for r in all_rows if r.get("rank_error") is not None]
@@ -700,11 +721,12 @@ def _setting_report(per_load: dict, loads, capacity: float, own_capacity: float,
         "saturated_loads": [load for load, v in rep["loads"].items() if v["saturated"]],
         "profile_cv_mape": profile["metadata"].get("cv_mape"), "profile_cv": profile["metadata"].get("cv"),
         **bound_summary(rep["loads"])}
-    oerrs = [r["rel_error"] for r in other_rows if r["rel_error"] is not None]
-    other_report["summary"] = {"signed_mean_error": _mean_err(other_rows),
-                               "median_abs_error": float(np.median(np.abs(oerrs))) if oerrs else None,
-                               "rows": len(other_rows), **bound_summary(other_report["loads"])}
-    rep[other] = other_report
+    for o in others:
+        oerrs = [r["rel_error"] for r in other_rows[o] if r["rel_error"] is not None]
+        other_reports[o]["summary"] = {"signed_mean_error": _mean_err(other_rows[o]),
+                                       "median_abs_error": float(np.median(np.abs(oerrs))) if oerrs else None,
+                                       "rows": len(other_rows[o]), **bound_summary(other_reports[o]["loads"])}
+        rep[o] = other_reports[o]
     rep["in_situ_speed_runs"] = [r for r in insitu_runs if r["setting"] == st.label]
     rep["settings"] = {"engine": scheduler_fields(d.engine_config), "sim": scheduler_fields(sim_cfg),
                        "fields_set": st.values}
@@ -977,6 +999,10 @@ def print_table(report: dict) -> None:
         w = report["what_if"]["summary"]
         print(f"what-if: {w['sign_matched']} of {w['significant']} significant changes matched in sign, "
               f"{w['within_10pp']} of {w['p50_p90_deltas']} within 10 points (largest gap {w['largest_gap_pp']:.1f})")
+        for name, o in report["what_if"].get("summary_by_speed", {}).items():
+            if name != report.get("speed_model"):
+                print(f"  with the {name.replace('_', '-')} speed: {o['sign_matched']} of {o['significant']} "
+                      f"matched in sign, {o['within_10pp']} of {o['p50_p90_deltas']} within 10 points")
 
 
 def _print_setting(report: dict) -> None:
@@ -1009,7 +1035,10 @@ def _print_setting(report: dict) -> None:
           if d.get("prefill_step_bias_in_situ") is not None]
     if pf:
         print("steps with a prefill chunk, simulated time at the in-situ speed over measured: "
-              + ", ".join(f"{float(load):.0%} {b:+.1%}" for load, b in pf))
+              + ", ".join(f"{float(load):.0%} {b:+.1%}" for load, b in pf)
+              + "; with the whole step at the in-situ speed: "
+              + ", ".join(f"{float(load):.0%} {report['loads'][load]['prefill_step_bias_in_situ_all']:+.1%}"
+                          for load, _ in pf))
     for other in SPEEDS:
         ins = report.get(other)
         if other == report.get("speed_model") or not ins or ins["summary"]["signed_mean_error"] is None:

@@ -28,8 +28,10 @@ class NoisyCostModel(CostModel):
     """A fitted model whose step times scatter as the profiled engine's did: each step takes the
     prediction times a ratio measured/predicted drawn from the profile's noise quantiles
     (interpolated between them): the out-of-sample residuals with each sweep group's mean ratio
-    taken out, so the ratio has mean 1 and a regime's systematic error (which the intervals
-    carry) is not replayed as per-step scatter. A profile fitted before those were kept has only
+    taken out, so a regime's systematic error (which the intervals carry) is not replayed as
+    per-step scatter; each kind's ratio then has the mean that makes that kind's expected time
+    add up to its measured time over the calibration (calibration.fit.sum_unbiased_noise). A
+    profile fitted before those were kept has only
     the residual quantiles, and draws from them. Per kind of step where the profile has them
     (`..._by_kind`): a step with a prefill chunk draws from the prefill steps' and a decode-only
     step from the decode steps' (a prefill chunk scatters less); otherwise from the pooled ones."""
@@ -68,13 +70,23 @@ class NoisyCostModel(CostModel):
 
     def mean_ratio(self, f) -> float:
         """The mean of the ratio a step with features f is multiplied by (times scale)."""
-        u, ratio = self.ratio_table(f)
-        # step_time's interp: linear between the levels, flat beyond the first and the last
-        inner = float(np.sum((ratio[1:] + ratio[:-1]) * np.diff(u)) / 2)
-        return self.scale * (inner + u[0] * ratio[0] + (1.0 - u[-1]) * ratio[-1])
+        return self.scale * _table_mean(*self.ratio_table(f))
 
     def describe(self) -> dict:
         return {"kind": self.kind, **self.metadata}
+
+
+def _table_mean(u: np.ndarray, ratio: np.ndarray) -> float:
+    """The mean of the ratio NoisyCostModel.step_time draws from (u, ratio): linear between the
+    levels, flat beyond the first and the last."""
+    inner = float(np.sum((ratio[1:] + ratio[:-1]) * np.diff(u)) / 2)
+    return inner + u[0] * ratio[0] + (1.0 - u[-1]) * ratio[-1]
+
+
+def quantiles_mean_ratio(q: dict) -> float:
+    """The mean ratio measured/predicted that a step drawing from quantiles q ({"p05": r, ...},
+    r = predicted / measured - 1) is multiplied by."""
+    return _table_mean(*_ratio_table(q))
 
 
 def _ratio_table(q: dict) -> tuple[np.ndarray, np.ndarray]:

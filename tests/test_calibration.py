@@ -57,6 +57,98 @@ def test_fit_approximates_the_analytic_roofline():
     assert fit.metadata["cv_mape"] < 0.02  # the hinge basis captures the roofline's knee
 
 
+def _decode_and_prefill_groups(rng, per_group: int) -> tuple[list, list]:
+    """Six sweep groups of per_group steps each: decode-only batches of 1-31 requests in the odd
+    ones, one prefill chunk of 64-2047 tokens in the even ones."""
+    batches, groups = [], []
+    for g in range(6):
+        for _ in range(per_group):
+            if g % 2:
+                n = int(rng.integers(1, 32))
+                batches.append(BatchFeatures(num_reqs=n, num_decode_reqs=n,
+                                             decode_context_tokens=n * int(rng.integers(16, 900))))
+            else:
+                batches.append(BatchFeatures(num_reqs=1, num_prefill_reqs=1,
+                                             num_prefill_tokens=int(rng.integers(64, 2048))))
+            groups.append(f"g{g}")
+    return batches, groups
+
+
+def test_fit_adds_up_to_the_measured_time_of_noisy_steps():
+    """Steps scatter lognormally (sd 0.2) around a known model. A fit on relative error alone lands
+    near truth x exp(-1.5 sd^2) (for one constant c: argmin sum((c / y - 1)^2) = sum(1/y) /
+    sum(1/y^2) -> E[1/y] / E[1/y^2]), about 8% below the mean step, truth x exp(sd^2 / 2); the
+    fitted profile, and the noisy simulator drawing from it, add up to the measured time instead,
+    per kind of step, and to what the same steps take on average, truth x exp(sd^2 / 2)."""
+    from calibration.fit import _solve_relative, design_matrix
+    from sim.intervals import NoisyCostModel
+    truth = FittedCostModel(intercept_s=0.004, per_req_s=2e-5, per_token_s=1e-6, per_decode_ctx_s=5e-8)
+    rng = np.random.default_rng(21)
+    batches, groups = _decode_and_prefill_groups(rng, 250)
+    rows = [b.as_dict() for b in batches]
+    true = np.array([truth.step_time(b) for b in batches])
+
+    def draw():
+        return true * np.exp(rng.normal(0, 0.2, len(true)))
+
+    times = draw()
+    fit = fit_cost_model(rows, list(times), groups=groups, knots=[64, 256, 1024])
+    X = design_matrix(rows, [64, 256, 1024], [c for c in (2, 4, 8, 16, 32)])
+    raw = X @ _solve_relative(X, times)
+    assert raw.sum() / times.sum() == pytest.approx(np.exp(-2 * 0.2 ** 2), abs=0.02)  # the short fit
+    assert fit.metadata["sum_scale"] == pytest.approx(times.sum() / raw.sum(), rel=1e-9)
+    pred = np.array([fit.step_time(b) for b in batches])
+    assert pred.sum() == pytest.approx(times.sum(), rel=1e-9)
+    noisy = NoisyCostModel(fit, 0)
+    expected = pred * np.array([noisy.mean_ratio(b) for b in batches])
+    mean = true * np.exp(0.2 ** 2 / 2)
+    prefill = np.array([b.num_prefill_reqs > 0 for b in batches])
+    for kind in (prefill, ~prefill):
+        assert expected[kind].sum() / times[kind].sum() == pytest.approx(1.0, abs=1e-6)
+        assert expected[kind].sum() / mean[kind].sum() == pytest.approx(1.0, abs=0.02)
+    # The fit keeps the model's shape: one factor on every coefficient, none negative.
+    assert np.median(np.abs(pred / (true * np.exp(0.2 ** 2 / 2)) - 1)) < 0.03
+
+
+def test_noise_makes_each_kind_of_step_add_up():
+    """Decode-only steps scatter with a heavy slow tail (lognormal sd 0.35), steps with a prefill
+    chunk barely (sd 0.03): one factor for the whole fit cannot make both kinds add up (the
+    decode steps' mean is exp(0.35^2 / 2) = 6.3% above their typical step, the prefill steps'
+    0.05%), so each kind's noise carries its own mean: the simulator's expected time of each kind
+    adds up to the measured time of the fitted steps, and to their mean, truth x exp(sd^2 / 2),
+    within 2%."""
+    from sim.intervals import NoisyCostModel
+    truth = FittedCostModel(intercept_s=0.004, per_req_s=2e-5, per_token_s=1e-6, per_decode_ctx_s=5e-8)
+    rng = np.random.default_rng(8)
+    batches, groups = _decode_and_prefill_groups(rng, 300)
+    rows = [b.as_dict() for b in batches]
+    true = np.array([truth.step_time(b) for b in batches])
+    prefill = np.array([b.num_prefill_reqs > 0 for b in batches])
+    sd = np.where(prefill, 0.03, 0.35)
+
+    def draw():
+        return true * np.exp(rng.normal(0, 1, len(true)) * sd)
+
+    times = draw()
+    fit = fit_cost_model(rows, list(times), groups=groups, knots=[64, 256, 1024])
+    pred = np.array([fit.step_time(b) for b in batches])
+    assert pred.sum() == pytest.approx(times.sum(), rel=1e-9)
+    # The deterministic prediction, unbiased in total, is not per kind.
+    off = [pred[k].sum() / times[k].sum() - 1 for k in (prefill, ~prefill)]
+    assert max(abs(x) for x in off) > 0.02
+    noisy = NoisyCostModel(fit, 0)
+    expected = pred * np.array([noisy.mean_ratio(b) for b in batches])
+    mean = true * np.exp(sd ** 2 / 2)
+    for k, kind in ((prefill, "prefill"), (~prefill, "decode")):
+        assert expected[k].sum() == pytest.approx(times[k].sum(), rel=1e-6)
+        assert expected[k].sum() / mean[k].sum() == pytest.approx(1.0, abs=0.02)
+        assert kind in fit.metadata["noise_sum_scale"]
+    # ... and the steps drawn from it do too (the draws are the simulator's).
+    drawn = np.array([noisy.step_time(b) for b in batches for _ in range(20)]).reshape(len(batches), 20).mean(axis=1)
+    for k in (prefill, ~prefill):
+        assert drawn[k].sum() / times[k].sum() == pytest.approx(1.0, abs=0.01)
+
+
 def test_grouped_cv_flags_an_overfit_model():
     """Each sweep group covers its own token range and the truth is not in the basis (quadratic):
     random k-fold sees near-duplicates and looks fine; leaving a group out shows the error a new
@@ -257,9 +349,10 @@ def test_calibrate_and_validate_end_to_end(tmp_path, monkeypatch):
     # The main table ran at the in-situ speed (the run's own decode-only steps); the same
     # workload at the probes' speed is reported beside it.
     assert saved["speed_model"] == "in_situ" and len(saved["in_situ_speed_runs"]) == 1
-    other = saved["probes"]
-    assert other["summary"]["rows"] == 15
-    assert set(other["loads"]["0.5"]["metrics"]) == set(saved["loads"]["0.5"]["metrics"])
+    for name in ("probes", "in_situ_all"):  # and with the whole step at the in-situ speed
+        other = saved[name]
+        assert other["summary"]["rows"] == 15
+        assert set(other["loads"]["0.5"]["metrics"]) == set(saved["loads"]["0.5"]["metrics"])
     assert float(first["in_situ_speed_factor"]) > 0
     # --resimulate: the simulator's side again from the saved engine runs gives the same report.
     from calibration.validate import Setting, resimulate
@@ -292,6 +385,11 @@ def test_calibrate_and_validate_end_to_end(tmp_path, monkeypatch):
     assert wrong["loads"]["0.5"]["metrics"]["ttft_s.p50"]["rel_error"] > \
         saved["loads"]["0.5"]["metrics"]["ttft_s.p50"]["rel_error"] + 0.3
     assert wrong["loads"]["0.5"]["prefill_step_bias_in_situ"] > saved["loads"]["0.5"]["prefill_step_bias_in_situ"] + 0.3
+    # Nor does it when it prices the whole step, prefill part included.
+    assert wrong["loads"]["0.5"]["prefill_step_bias_in_situ_all"] > \
+        saved["loads"]["0.5"]["prefill_step_bias_in_situ_all"] + 0.3
+    assert wrong["in_situ_all"]["loads"]["0.5"]["metrics"]["ttft_s.p50"]["rel_error"] > \
+        saved["in_situ_all"]["loads"]["0.5"]["metrics"]["ttft_s.p50"]["rel_error"] + 0.3
     # Both sides ran on one scheduler configuration: the engine's, with its KV pool.
     assert eng.scheduler_config.uncache_unscheduled_victims
 
@@ -372,6 +470,12 @@ def test_split_speed_by_hand():
     added = 0.002 + 0.001 * 100 + 0.003 + 1e-6 * 5050           # one more request, 100 tokens, its pairs
     assert split_time(m, f) == pytest.approx((rest, added))
     assert SplitSpeedModel(m, 1.5, 1.2).step_time(f) == pytest.approx(rest * 1.5 + added * 1.2)
+    # Either factor may move with the simulated time (validate's in-situ speeds).
+    now = [0.9]
+    both = SplitSpeedModel(m, lambda: now[0], lambda: now[0])
+    assert both.step_time(f) == pytest.approx((rest + added) * 0.9)
+    now[0] = 1.3
+    assert both.step_time(f) == pytest.approx((rest + added) * 1.3) and both.compute_factor == 1.3
     moving = [2.0]
     assert SplitSpeedModel(m, lambda: moving[0], 1.0).step_time(f) == pytest.approx(rest * 2.0 + added)
     # A prefill-only step: the rest is the per-step cost.
@@ -657,6 +761,10 @@ def test_what_if_validation_runs_every_setting_at_the_base_rates(tmp_path):
     counted = [x for x in wi["deltas"] if x["metric"].endswith(("p50", "p90")) and not x.get("saturated")]
     assert wi["summary"]["p50_p90_deltas"] == len(counted)
     assert wi["summary"]["within_10pp"] == sum(x["within_10pp"] for x in counted)
+    # ... and the same count for every speed model's simulations; the main one's is the summary.
+    assert set(wi["summary_by_speed"]) == {"in_situ", "probes", "in_situ_all"}
+    assert wi["summary_by_speed"]["in_situ"] == wi["summary"]
+    assert all(o["p50_p90_deltas"] == len(counted) for o in wi["summary_by_speed"].values())
     assert (tmp_path / "val" / "whatif-deltas.png").stat().st_size > 1000
     assert (tmp_path / "val" / "cdf-max-num-batched-tokens-32-load0.4.png").exists()
     assert {d["load"] for d in wi["deltas"]} == {0.4, 0.5}
