@@ -39,8 +39,14 @@ def design_matrix(rows: Sequence[dict], knots: Sequence[float], caps: Sequence[f
 def _solve(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Non-negative least squares on relative error, then every coefficient times one factor so
     that the predictions of the rows add up to their measured sum (sum_scale)."""
+    return _solve_scaled(X, y)[0]
+
+
+def _solve_scaled(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+    """_solve's coefficients and the sum_scale factor they were multiplied by."""
     coef = _solve_relative(X, y)
-    return coef * sum_scale(X @ coef, y)
+    factor = sum_scale(X @ coef, y)
+    return coef * factor, factor
 
 
 def _solve_relative(X: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -60,8 +66,9 @@ def sum_scale(pred: np.ndarray, y: np.ndarray) -> float:
     and what a simulation adds up is time. On a 2-core VM's calibration the relative fit summed
     to 0.966 of the measured time of its own decode-only steps and 0.958 of its steps with a
     prefill chunk (docs/reports/2026-12-04-whatif-settings.md), and in that VM's validations the
-    simulated steps with a prefill chunk came out 5.0% short on average. One factor for all coefficients keeps each term non-negative and each
-    step's shape (how time grows with tokens, requests and context) as the fit found it."""
+    simulated steps with a prefill chunk came out 5.0% short on average. One factor for all
+    coefficients keeps each term non-negative and each step's shape (how time grows with tokens,
+    requests and context) as the fit found it."""
     p = float(np.sum(pred))
     return float(np.sum(y)) / p if p > 0 else 1.0
 
@@ -119,9 +126,8 @@ def fit_cost_model(rows: Sequence[dict], times_s: Sequence[float], knots: Sequen
         raise ValueError(f"fit_cost_model: need >= 8 rows with one time each, got {len(rows)} rows, {len(y)} times")
     knots, caps = _terms(rows, knots, caps)
     X = design_matrix(rows, knots, caps)
-    raw = _solve_relative(X, y)
-    scaled_by = sum_scale(X @ raw, y)
-    model = _model(raw * scaled_by, knots, metadata, caps)
+    coef, scaled_by = _solve_scaled(X, y)
+    model = _model(coef, knots, metadata, caps)
     pred = X @ _coef_vector(model, knots, caps)
     rel = (pred - y) / y
 

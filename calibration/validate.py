@@ -580,18 +580,17 @@ def write_report(out_dir: Path, profile: dict, settings: list[Setting], loads, s
                                    if ref else ""),
                     "speed_probe": speed_report, **reports[0]}
     if len(settings) > 1:
+        saturated = [{str(load) for load in loads if load * capacity > SATURATED * c} for c in capacities]
         report["what_if"] = {
             "rates": "every setting ran at the base setting's loads x its measured capacity "
                      f"({capacity:.3f} req/s), so the settings are compared at the same absolute rates",
             "settings": [{"label": st.label, "values": st.values, **rep} for st, rep in zip(settings, reports)],
-            "deltas": what_if_deltas(settings, per, loads, [
-                {str(load) for load in loads if load * capacity > SATURATED * c} for c in capacities],
-                main_speed)}
+            "deltas": what_if_deltas(settings, per, loads, saturated, main_speed)}
         report["what_if"]["summary"] = delta_summary(report["what_if"]["deltas"])
         # The same count with each other speed model's simulations (the engine side is the same).
         report["what_if"]["summary_by_speed"] = {
-            name: delta_summary(what_if_deltas(settings, per, loads, [
-                {str(load) for load in loads if load * capacity > SATURATED * c} for c in capacities], name))
+            name: (report["what_if"]["summary"] if name == main_speed
+                   else delta_summary(what_if_deltas(settings, per, loads, saturated, name)))
             for name in SPEEDS}
         _plot_deltas(out_dir / "whatif-deltas.png", report["what_if"]["deltas"])
     with open(out_dir / "validation.json", "w") as f:
