@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import re
 import socket
 import threading
 import time
@@ -675,18 +676,20 @@ def test_vllm_request_checks_and_response_shapes(served):
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
         assert "Either prompt or prompt_embeds must be provided and non-empty." in r.json()["error"]["message"]
 
-    # a chat answer: OpenAI's service_tier / system_fingerprint, vLLM's prompt_token_ids and
+    # a chat answer: OpenAI's service_tier (null) and system_fingerprint (vLLM's default "full"
+    # mode: the server's version and a hash of its settings), vLLM's prompt_token_ids and
     # prompt_logprobs on the response (null when not asked)
     plain = post("/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=2).json()
-    assert {k: plain[k] for k in ("service_tier", "system_fingerprint", "prompt_token_ids", "prompt_logprobs")} == \
-        dict.fromkeys(("service_tier", "system_fingerprint", "prompt_token_ids", "prompt_logprobs"))
+    assert {k: plain[k] for k in ("service_tier", "prompt_token_ids", "prompt_logprobs")} == \
+        dict.fromkeys(("service_tier", "prompt_token_ids", "prompt_logprobs"))
+    assert re.fullmatch(r"servetwin-[0-9.]+-[0-9a-f]{8}", plain["system_fingerprint"])
     assert "prompt_logprobs" not in plain["choices"][0]
     for k in (1, 2):
         lps = post("/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
                    prompt_logprobs=k).json()["prompt_logprobs"]
         assert lps[0] is None and all(k <= len(e) <= k + 1 for e in lps[1:])
     comp = post("/v1/completions", prompt="Hi", max_tokens=1).json()
-    assert comp["service_tier"] is None and comp["system_fingerprint"] is None
+    assert comp["service_tier"] is None and comp["system_fingerprint"] == plain["system_fingerprint"]
 
     # a chat stream with return_token_ids: the prompt's ids on the first chunk only; each delta
     # has its content ("" when a last chunk brings no text)
@@ -955,8 +958,7 @@ def test_chat_template_content_format_reaches_the_template_as_vllm_reads_it(tmp_
     add_serve_args(parser.add_subparsers())
     conv = [{"role": "user", "content": "Hi there"},
             {"role": "user", "content": [{"type": "text", "text": "two "}, {"type": "text", "text": "parts"}]}]
-    as_parts = [{"role": "user", "content": [{"type": "text", "text": "Hi there"}]},
-                {"role": "user", "content": [{"type": "text", "text": "two parts"}]}]
+    as_parts = [{"role": "user", "content": [{"type": "text", "text": "Hi there"}]}, conv[1]]  # parts as sent
     rendered = []
     as_strings = [{"role": "user", "content": "Hi there"}, {"role": "user", "content": "two parts"}]
     for fmt, template, given in (("auto", str(path), as_parts), ("openai", str(path), as_parts),

@@ -102,7 +102,8 @@ class SamplingParams:
             if not self.logprob_token_ids or not all(_is_int(t) and t >= 0 for t in self.logprob_token_ids):
                 bad("logprob_token_ids", "must be a non-empty list of token ids (integers >= 0), or None")
             if self.logprobs is None:
-                bad("logprob_token_ids", "needs logprobs (their log-probabilities are its alternatives)")
+                bad("logprob_token_ids", "`logprobs` must be set when using `logprob_token_ids` (their "
+                    "log-probabilities are the alternatives reported)")
         if not _is_int(self.max_logprobs) or self.max_logprobs < -1:
             bad("max_logprobs", "must be an integer >= 0, or -1 for no limit")
         cap = self.max_logprobs

@@ -28,6 +28,7 @@ next step). Past `max_waiting` queued requests the server answers 503 with Retry
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import uuid
@@ -133,6 +134,30 @@ class _RequestIdHeader:
         await self.app(scope, receive, send_with_id)
 
 
+FINGERPRINT_MODES = ("full", "hash", "custom", "none")
+
+
+def system_fingerprint(engine, mode: str = "full", value: str | None = None) -> str | None:
+    """vLLM's --fingerprint-mode: the system_fingerprint of non-streamed answers. "full" and "hash"
+    (the same here: one device, no parallelism to name) are servetwin-VERSION-HASH8, HASH8 the
+    first 8 hex digits of a hash of what changes the outputs (model, dtype, device, lengths, KV
+    block size, scheduler policy); "custom" is `value`; "none", None (the field is left out)."""
+    if mode not in FINGERPRINT_MODES:
+        raise ValueError(f"fingerprint_mode={mode!r}: must be one of {', '.join(FINGERPRINT_MODES)}")
+    if mode == "custom":
+        if not value:
+            raise ValueError("fingerprint_mode='custom' needs a fingerprint_value (--fingerprint-value)")
+        return value
+    if mode == "none":
+        return None
+    cfg = getattr(engine, "scheduler_config", None)
+    parts = [getattr(engine, "model_name", None), str(getattr(engine, "dtype", None)),
+             str(getattr(engine, "device", None)), getattr(engine, "max_model_len", None),
+             getattr(engine, "block_size", None), getattr(cfg, "policy", None)]
+    digest = hashlib.sha256(repr(parts).encode()).hexdigest()[:8]
+    return f"servetwin-{VERSION}-{digest}"
+
+
 def create_app(engine, model_name: str = "default", max_waiting: int = 256,
                request_timeout_s: float = 600.0, request_log: str | Path | None = None,
                served_model_names: list[str] | None = None, max_body_bytes: int = 4 << 20,
@@ -141,7 +166,8 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
                prompt_tokens_details: bool = True, return_tokens_as_token_ids: bool = False,
                force_include_usage: bool = False, tokenizer_info: bool = False,
                hidden_metrics: bool = False, root_path: str = "", token_ids_only: bool = False,
-               chat_template_content_format: str = "auto") -> FastAPI:
+               chat_template_content_format: str = "auto", fingerprint_mode: str = "full",
+               fingerprint_value: str | None = None) -> FastAPI:
     """`engine` is an LLMEngine; the app owns its loop thread (started with the app). The routes
     live in routes_openai.py and routes_misc.py, the state they share in context.py. vLLM's
     server options: `api_key` (the /v1/ routes need it), `max_logprobs` (the most a request may
@@ -153,11 +179,13 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
     `root_path` (a proxy's path prefix: routes answer with it and without it, as vLLM's),
     `token_ids_only` (--skip-tokenizer-init: text prompts and messages get a 400),
     `chat_template_content_format` (how message content reaches the chat template: "string", one
-    string; "openai", a list of content parts; "auto", read from the template as vLLM does)."""
+    string; "openai", a list of content parts; "auto", read from the template as vLLM does),
+    `fingerprint_mode` / `fingerprint_value` (the answers' system_fingerprint: system_fingerprint())."""
     ctx = ServerContext(engine, model_name, max_waiting, request_timeout_s, request_log,
                         served_model_names, max_body_bytes, tokenizer_workers, max_logprobs,
                         prompt_tokens_details, return_tokens_as_token_ids, force_include_usage,
-                        hidden_metrics, token_ids_only, chat_template_content_format)
+                        hidden_metrics, token_ids_only, chat_template_content_format,
+                        system_fingerprint(engine, fingerprint_mode, fingerprint_value))
     metrics = ctx.metrics
 
     @asynccontextmanager

@@ -74,6 +74,11 @@ def add_serve_args(sub) -> None:
                         "parts joined); 'openai', a list of content parts ({type: text, text}: the text "
                         "parts joined into one); 'auto' (default), 'openai' for a template that loops over "
                         "a message's content, else 'string'")
+    p.add_argument("--fingerprint-mode", choices=("full", "hash", "custom", "none"), default="full",
+                   help="vLLM's: the system_fingerprint of non-streamed answers: 'full' and 'hash' "
+                        "servetwin-VERSION-HASH8 (a hash of the model and engine settings; one device, so the "
+                        "same), 'custom' --fingerprint-value, 'none' leaves the field out")
+    p.add_argument("--fingerprint-value", default=None, help="the fingerprint of --fingerprint-mode custom")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 only (one device)")
     # vLLM flags that change nothing here: accepted so `vllm serve` command lines run unchanged
     for flag in ("--enforce-eager", "--trust-remote-code", "--disable-log-requests", "--disable-log-stats",
@@ -105,6 +110,8 @@ def build_app(a):
         raise SystemExit(f"serve: --tensor-parallel-size={a.tensor_parallel_size}: this engine runs on one device")
     if a.max_logprobs is not None and a.max_logprobs < -1:
         raise SystemExit(f"serve: --max-logprobs={a.max_logprobs}: must be >= 0, or -1 for no limit")
+    if a.fingerprint_mode == "custom" and not a.fingerprint_value:
+        raise SystemExit("serve: --fingerprint-mode custom needs --fingerprint-value")
     prefix_caching = not a.no_prefix_caching if a.enable_prefix_caching is None else a.enable_prefix_caching
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -139,7 +146,8 @@ def build_app(a):
                       tokenizer_info=a.enable_tokenizer_info_endpoint,
                       hidden_metrics=a.show_hidden_metrics_for_version is not None,
                       root_path=a.root_path or "", token_ids_only=a.skip_tokenizer_init,
-                      chat_template_content_format=a.chat_template_content_format)
+                      chat_template_content_format=a.chat_template_content_format,
+                      fingerprint_mode=a.fingerprint_mode, fingerprint_value=a.fingerprint_value)
 
 
 def run_serve(a: argparse.Namespace) -> int:

@@ -132,18 +132,18 @@ def content_format(template: str | None) -> str:
 
 
 def _as_parts(conv: list[dict]) -> list[dict]:
-    """A conversation with string contents as OpenAI content parts (one text part per message;
-    a null content stays null)."""
-    return [{**m, "content": None if m["content"] is None else [{"type": "text", "text": m["content"]}]}
-            for m in conv]
+    """A conversation with string contents as OpenAI content parts (one text part per message; a
+    null content stays null, a list of parts stays as sent)."""
+    return [{**m, "content": m["content"] if m["content"] is None or isinstance(m["content"], list)
+             else [{"type": "text", "text": m["content"]}]} for m in conv]
 
 
 def _apply_template(tok, conv: list[dict], add_generation_prompt: bool, continue_final: bool,
                     template_kwargs: dict | None = None, add_special_tokens: bool = False,
                     content_format: str = "string") -> tuple[str, list[int]]:
     """The conversation templated and tokenized; `content_format` "openai" hands the template each
-    message's content as a list of content parts (its text parts joined into one), "string" as
-    one string."""
+    message's content as a list of content parts (as sent, or one text part for a string),
+    "string" as one string."""
     if content_format == "openai":
         conv = _as_parts(conv)
     kw = {"continue_final_message": True} if continue_final else {}
@@ -160,8 +160,10 @@ class ServerContext:
                  max_body_bytes: int, tokenizer_workers: int, max_logprobs: int | None = None,
                  prompt_tokens_details: bool = True, return_tokens_as_token_ids: bool = False,
                  force_include_usage: bool = False, hidden_metrics: bool = False,
-                 token_ids_only: bool = False, chat_template_content_format: str = "auto") -> None:
+                 token_ids_only: bool = False, chat_template_content_format: str = "auto",
+                 system_fingerprint: str | None = None) -> None:
         self.engine = engine
+        self.system_fingerprint = system_fingerprint  # of non-streamed answers (None: left out)
         self.prompt_tokens_details = prompt_tokens_details          # usage carries cached_tokens
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # the default of the request field
         # vLLM's max_logprobs: the most alternatives a request may ask for (None: vLLM's default,

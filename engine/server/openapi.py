@@ -34,7 +34,7 @@ _GEN_ERRORS = {
     400: "a field is invalid (the error's param names it), or the prompt and max_tokens do not fit",
     404: "no such model",
     413: "the body is larger than the server's limit",
-    500: "the engine failed while producing this response",
+    500: "Internal server error: the engine failed while producing this response",
     503: "the engine is not running, or too many requests are waiting (Retry-After)",
 }
 _SSE = ("Server-Sent Events: each `data:` line is one {chunk} as JSON, the last is `data: [DONE]`; an "

@@ -136,10 +136,18 @@ UNSUPPORTED = {
     "chat_template": _off(None),
     "prompt_embeds": _off(None, []),
     "length_penalty": _off(None, 1.0, 1),
+    # vLLM's KV-connector parameters: without a connector they mean nothing and are ignored, as
+    # vLLM ignores them; the one that asks for an output (the prompt's last hidden state) is refused
+    "kv_transfer_params": lambda v: not (isinstance(v, dict) and v.get("return_last_hidden_state")),
 }
 
 
 def check_unsupported(body: dict) -> None:
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and fmt.get("json_schema") is None:
+        # a malformed request before an unsupported one (vLLM's words: its validation says so first)
+        raise APIError(400, f"response_format={_short(fmt)}: response_format.json_schema must be provided "
+                            "when response_format.type is 'json_schema'", "response_format.json_schema")
     for name, is_off in UNSUPPORTED.items():
         if name in body and not is_off(body[name]):
             raise APIError(400, f"{name}={_short(body[name])}: not supported by this server", name)
@@ -253,6 +261,15 @@ class _Common(_Strict):
     # max_tokens when the request gives none (None: as many as fit); see engine.core.admission
     default_max_tokens: ClassVar[int | None] = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_logprob_ids(cls, data: Any) -> Any:
+        """An empty logprob_token_ids is a 400 in vLLM's words (not pydantic's too_short)."""
+        if isinstance(data, dict) and data.get("logprob_token_ids") == []:
+            raise APIError(400, "logprob_token_ids=[]: must not be an empty list (leave it out, or give "
+                                "the token ids whose log-probabilities to report)", "logprob_token_ids")
+        return data
+
     def stop_strings(self) -> list[str]:
         s = self.stop
         if s is None:
@@ -355,6 +372,27 @@ class CompletionRequest(_Common):
     echo: bool | None = False
     logprobs: LogprobCount | None = None
     default_max_tokens: ClassVar[int | None] = 16  # OpenAI's and vLLM's completions (chat has none)
+    # vLLM's: each generated token's `logprobs` alternatives as two base64 arrays (int32 ids and
+    # float32 logprobs, [tokens, logprobs]) instead of a dict per token; see Shape.packed_logprobs
+    packed_top_logprobs: bool | None = False
+
+    @model_validator(mode="after")
+    def _packed_needs(self):
+        """packed_top_logprobs needs logprobs >= 1 and token ids for tokens (a request's
+        return_tokens_as_token_ids false is refused here, the server's default in the route), and
+        takes neither echo nor logprob_token_ids (vLLM's rules); each a 400."""
+        if not self.packed_top_logprobs:
+            return self
+        why = ("needs logprobs >= 1" if self.logprobs is None or self.logprobs < 1
+               else "not with echo" if self.echo
+               else "not with logprob_token_ids" if self.logprob_token_ids is not None
+               else "needs return_tokens_as_token_ids=true" if self.return_tokens_as_token_ids is False
+               else None)
+        if why is not None:
+            raise APIError(400, f"packed_top_logprobs=true: {why} (logprobs={self.logprobs}, echo={self.echo}, "
+                                f"return_tokens_as_token_ids={self.return_tokens_as_token_ids})",
+                           "packed_top_logprobs")
+        return self
 
     @property
     def echo_only(self) -> bool:
@@ -431,6 +469,13 @@ class ChatMessage(_Strict):
             parts.append(part["text"])
         return "".join(parts)
 
+    def template_content(self, where: str, parts: bool = False) -> str | list[dict]:
+        """The content as the chat template takes it: one string, or with `parts` (content format
+        "openai") the text parts as sent, their other fields kept (a template may read them, e.g.
+        a translation template's language codes); a string content stays a string."""
+        text = self.text(where)  # checks the parts
+        return [dict(p) for p in self.content] if parts and isinstance(self.content, list) else text
+
 
 class _ChatFields(_Common):
     logprobs: bool | None = False
@@ -462,8 +507,9 @@ class _ChatFields(_Common):
             out.append(last.text(f"{self._where(k)}[{len(msgs) - 1}]") if last.role == "assistant" else "")
         return out if any(m[-1].role == "assistant" for m in self.conversations()) else None
 
-    def chat_turns(self) -> list[list[dict]]:
-        """Each conversation as the chat template takes it ({role, content} dicts)."""
+    def chat_turns(self, parts: bool = False) -> list[list[dict]]:
+        """Each conversation as the chat template takes it ({role, content} dicts; `parts`: see
+        ChatMessage.template_content)."""
         out = []
         for k, msgs in enumerate(self.conversations()):
             where = self._where(k)
@@ -471,7 +517,8 @@ class _ChatFields(_Common):
                 if m.model_extra and m.model_extra.get("tool_calls"):
                     raise APIError(400, f"{where}[{i}].tool_calls: not supported by this server",
                                    f"{where}[{i}].tool_calls")
-            out.append([{"role": m.role, "content": m.text(f"{where}[{i}]")} for i, m in enumerate(msgs)])
+            out.append([{"role": m.role, "content": m.template_content(f"{where}[{i}]", parts)}
+                        for i, m in enumerate(msgs)])
         return out
 
 
@@ -576,7 +623,9 @@ def _is_int(x) -> bool:
 def token_ids(ids: list, vocab_size: int, name: str) -> list[int]:
     """`ids` if each is in [0, vocab_size), else a 400 naming the field (vLLM's words)."""
     for t in ids:
-        if not 0 <= t < vocab_size:
+        if t < 0:
+            raise APIError(400, f"{name}: token id {t} is negative (must be greater than or equal to 0)", name)
+        if t >= vocab_size:
             raise APIError(400, f"{name}: token id {t} is out of vocabulary (not in [0, {vocab_size}))", name)
     return list(ids)
 

@@ -7,8 +7,9 @@ an error (extra="forbid"), so the document cannot drift from the answers unnotic
 Nullable fields are present with null where OpenAI's schemas require them (a chat message's
 `refusal`, a choice's `logprobs`), as vLLM sends them. vLLM's extensions of a choice
 (stop_reason, token ids, a completion's prompt_logprobs) are present in an answer, null when
-unused, as vLLM's are; in a stream they come only when set (stop_reason on a choice's last
-chunk)."""
+unused, as vLLM's are; in a completion's stream, stop_reason, prompt_token_ids and token_ids are
+on every chunk (null when unused), in a chat's stream they come only when set (stop_reason on a
+choice's last chunk)."""
 from __future__ import annotations
 
 from typing import Literal
@@ -68,12 +69,24 @@ class _Extensions(_Body):
 
 
 # ------------------------------------------------------------------ completions
+class PackedTopLogprobs(_Body):
+    """vLLM's packed_top_logprobs: the alternatives of each token as raw little-endian row-major
+    arrays, base64-encoded (no header)."""
+    shape: list[int] = Field(description="[tokens, logprobs]")
+    token_ids_dtype: Literal["<i4"]
+    logprobs_dtype: Literal["<f4"]
+    token_ids_b64: str
+    logprobs_b64: str
+
+
 class CompletionLogprobs(_Body):
     tokens: list[str]
     token_logprobs: list[float | None] = Field(description="null for an echoed prompt's first token")
     top_logprobs: list[dict[str, float] | None] = Field(description="the sampled token and the asked-for "
-                                                                      "alternatives, per position")
+                                                                      "alternatives, per position (empty with "
+                                                                      "packed_top_logprobs)")
     text_offset: list[int]
+    packed_top_logprobs: PackedTopLogprobs | None = Field(None, description="with packed_top_logprobs (vLLM)")
 
 
 class CompletionChoice(_Extensions):
@@ -91,7 +104,8 @@ class Completion(_Body):
     model: str
     choices: list[CompletionChoice]
     service_tier: None = Field(None, description="always null (OpenAI's field, as vLLM sends it)")
-    system_fingerprint: None = Field(None, description="always null (OpenAI's field, as vLLM sends it)")
+    system_fingerprint: str | None = Field(None, description="the server's configuration (vLLM's "
+                                                                "--fingerprint-mode; left out with none)")
     usage: Usage
 
 
@@ -151,7 +165,8 @@ class ChatCompletion(_Body):
     model: str
     choices: list[ChatChoice]
     service_tier: None = Field(None, description="always null (OpenAI's field, as vLLM sends it)")
-    system_fingerprint: None = Field(None, description="always null (OpenAI's field, as vLLM sends it)")
+    system_fingerprint: str | None = Field(None, description="the server's configuration (vLLM's "
+                                                                "--fingerprint-mode; left out with none)")
     usage: Usage
     prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids (vLLM)")
     prompt_logprobs: PromptLogprobs | None = Field(None, description="with prompt_logprobs (vLLM): the prompt's, "

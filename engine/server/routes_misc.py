@@ -101,8 +101,9 @@ def add_misc_routes(app: FastAPI, ctx: ServerContext, tokenizer_info: bool = Fal
             special = True if req.add_special_tokens is None else req.add_special_tokens
             ids = await pool.run(_encode, req.prompt, special)
         else:
-            conv = [{"role": m.role, "content": m.text(f"messages[{i}]")} for i, m in enumerate(req.messages)]
-            check_chars("".join(m["content"] for m in conv), "messages")
+            check_chars("".join(m.text(f"messages[{i}]") for i, m in enumerate(req.messages)), "messages")
+            conv = [{"role": m.role, "content": m.template_content(f"messages[{i}]", ctx.content_format == "openai")}
+                    for i, m in enumerate(req.messages)]
             kw = template_kwargs(req)
             try:
                 _, ids = await pool.run(_apply_template, conv, req.add_generation_prompt, req.continue_final_message,

@@ -3,8 +3,11 @@ Server-Sent Events, and how one HTTP request's choices are written (Shape)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
+import itertools
 import json
+import struct
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -69,9 +72,10 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         if ids_in is not None:  # token-in: the conversation arrives templated
             templated = [(None, ids_in)]
         else:
-            convs = req.chat_turns()
-            for k, conv in enumerate(convs):
+            for k, conv in enumerate(req.chat_turns()):
                 check_chars("".join(m["content"] for m in conv), f"messages[{k}]" if batch else "messages")
+            # the template's view: content parts as sent (their other fields too) under "openai"
+            convs = req.chat_turns(parts=ctx.content_format == "openai")
             kw = template_kwargs(req)
             try:
                 templated = await pool.run(lambda tok: [_apply_template(tok, conv, req.add_generation_prompt,
@@ -104,6 +108,12 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                       echo: list[str] | None = None, first_tokens: list[str] | None = None):
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
+        tokens_as_ids = bool(ctx.return_tokens_as_token_ids if req.return_tokens_as_token_ids is None
+                             else req.return_tokens_as_token_ids)
+        packed = bool(getattr(req, "packed_top_logprobs", False))
+        if packed and not tokens_as_ids:
+            raise APIError(400, "packed_top_logprobs=true: needs return_tokens_as_token_ids=true (in the request, "
+                                "or the server's --return-tokens-as-token-ids)", "packed_top_logprobs")
         check_capacity(kids, "n" if req.n > 1 else "prompt" if not chat else "messages")
         try:
             group = aeng.submit(kids, arrival, stream=bool(req.stream))  # same event-loop turn as check_capacity(): counted at once
@@ -119,8 +129,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                       echo_only=bool(getattr(req, "echo_only", False)), first_tokens=first_tokens,
                       prompt_ids=[kids[p * req.n].prompt_token_ids for p in range(n_prompts)]
                       if req.return_token_ids else None,
-                      tokens_as_ids=bool(ctx.return_tokens_as_token_ids if req.return_tokens_as_token_ids is None
-                                         else req.return_tokens_as_token_ids),
+                      tokens_as_ids=tokens_as_ids, packed_k=req.logprobs if packed else None,
                       cached_details=ctx.prompt_tokens_details,
                       first_ids=[kids[p * req.n].prompt_token_ids[0] if kids[p * req.n].prompt_token_ids else None
                                  for p in range(n_prompts)])
@@ -159,17 +168,22 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
             raise APIError(400, str(e), _field_of(e)) from None
         except EngineDead as e:
             raise APIError(503, str(e), None, type="server_error", headers={"Retry-After": "1"}) from None
-        except RequestFailed as e:
-            raise APIError(500, str(e), None, type="server_error") from None
+        except RequestFailed as e:  # "Internal server error": vLLM's words, which its clients match
+            raise APIError(500, f"Internal server error: {e}", None, type="server_error") from None
         outs = [finals[i] for i in range(n)]
         if any(o.outputs[0].finish_reason == "error" for o in outs):
-            raise APIError(500, "the engine failed while producing this response", None, type="server_error")
+            raise APIError(500, "Internal server error: the engine failed while producing this response", None,
+                           type="server_error")
         choices = [shape.choice(i, o.outputs[0], o.prompt_logprobs) for i, o in enumerate(outs)]
-        # vLLM's response fields: OpenAI's service_tier and system_fingerprint (null here), and a
-        # chat's prompt_token_ids (return_token_ids) and prompt_logprobs on the response, not on
-        # its choices (null when not asked)
+        # vLLM's response fields: OpenAI's service_tier (null here) and system_fingerprint (the
+        # server's, left out with --fingerprint-mode none), and a chat's prompt_token_ids
+        # (return_token_ids) and prompt_logprobs on the response, not on its choices (null when
+        # not asked)
         body = {"id": shape.rid, "object": shape.obj(False), "created": shape.created, "model": shape.model,
-                "choices": choices, "service_tier": None, "system_fingerprint": None, "usage": shape.usage(outs)}
+                "choices": choices, "service_tier": None, "system_fingerprint": ctx.system_fingerprint,
+                "usage": shape.usage(outs)}
+        if ctx.system_fingerprint is None:
+            del body["system_fingerprint"]
         if shape.chat:
             one = len(shape.prompt_lens) == 1  # several conversations (batch): on each choice instead
             body["prompt_token_ids"] = shape.prompt_ids[0] if shape.prompt_ids is not None and one else None
@@ -190,6 +204,10 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
 
         def event(choices: list[dict], usage_body=None) -> str:
             nonlocal first_event
+            if not shape.chat:  # vLLM's completion chunks carry its extension fields, null when unused
+                for ch in choices:
+                    for name in ("stop_reason", "prompt_token_ids", "token_ids"):
+                        ch.setdefault(name, None)
             body = {"id": shape.rid, "object": shape.obj(True), "created": shape.created, "model": shape.model,
                     "choices": choices}
             if first_event and shape.chat and shape.prompt_ids is not None:
@@ -251,7 +269,8 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
             yield "data: [DONE]\n\n"
         except (ValueError, EngineDead, RequestFailed) as e:
             status = 400 if isinstance(e, ValueError) else 503 if isinstance(e, EngineDead) else 500
-            err = APIError(status, str(e), _field_of(e) if status == 400 else None,
+            err = APIError(status, f"Internal server error: {e}" if status == 500 else str(e),
+                           _field_of(e) if status == 400 else None,
                            type="invalid_request_error" if status == 400 else "server_error")
             yield f"data: {json.dumps(err.body())}\n\n"
             yield "data: [DONE]\n\n"
@@ -266,7 +285,8 @@ class Shape:
                  echo: list[str] | None, prompt_logprobs: int | None = None, echo_logprobs: int | None = None,
                  echo_only: bool = False, first_tokens: list[str] | None = None,
                  prompt_ids: list[list[int]] | None = None, tokens_as_ids: bool = False,
-                 cached_details: bool = True, first_ids: list[int] | None = None) -> None:
+                 cached_details: bool = True, first_ids: list[int] | None = None,
+                 packed_k: int | None = None) -> None:
         self.rid, self.created, self.model, self.chat, self.n = rid, created, model, chat, n
         self.prompt_lens, self.echo = prompt_lens, echo
         self.num_choices = n * len(prompt_lens)
@@ -282,6 +302,7 @@ class Shape:
         self.prompt_ids = prompt_ids            # return_token_ids: each prompt's token ids
         self.tokens_as_ids = tokens_as_ids      # return_tokens_as_token_ids
         self.cached_details = cached_details    # usage.prompt_tokens_details.cached_tokens
+        self.packed_k = packed_k                # packed_top_logprobs: this many alternatives a token
 
     @staticmethod
     def nothing_generated(c):
@@ -355,6 +376,8 @@ class Shape:
         return f"token_id:{token_id}" if self.tokens_as_ids else text
 
     def logprobs(self, entries, offset: int) -> dict:
+        if self.packed_k is not None:
+            return self.packed_logprobs(entries, offset)
         if self.tokens_as_ids:
             entries = [dataclasses.replace(e, token=self._tok(e.token_id, e.token),
                                            top=[(t, self._tok(t, s), v) for t, s, v in e.top]) for e in entries]
@@ -370,6 +393,24 @@ class Shape:
         return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{e.token: e.logprob, **{s: v for _, s, v in e.top}} for e in entries],
                 "text_offset": offsets}
+
+    def packed_logprobs(self, entries, offset: int) -> dict:
+        """vLLM's packed_top_logprobs: each token's alternatives (the engine's top k, in its order)
+        as two base64 arrays of raw little-endian bytes, int32 ids and float32 logprobs, row-major
+        [tokens, k], -inf kept; top_logprobs empty; the sampled tokens written token_id:ID, their
+        logprobs clamped at -9999 (JSON has no -inf), their text_offset counted over those names."""
+        k = self.packed_k
+        ids = [t for e in entries for t, _, _ in e.top[:k]]
+        values = [v for e in entries for _, _, v in e.top[:k]]
+        if len(ids) != k * len(entries):
+            raise RequestFailed(f"packed_top_logprobs: the engine reported fewer than {k} alternatives")
+        tokens = [f"token_id:{e.token_id}" for e in entries]
+        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []
+        packed = {"shape": [len(entries), k], "token_ids_dtype": "<i4", "logprobs_dtype": "<f4",
+                  "token_ids_b64": base64.b64encode(struct.pack(f"<{len(ids)}i", *ids)).decode("ascii"),
+                  "logprobs_b64": base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")}
+        return {"tokens": tokens, "token_logprobs": [max(e.logprob, -9999.0) for e in entries],
+                "top_logprobs": [], "text_offset": offsets, "packed_top_logprobs": packed}
 
     def choice(self, i: int, c, prompt_lps=None) -> dict:
         if self.echo_only:
