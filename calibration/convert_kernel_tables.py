@@ -151,11 +151,15 @@ MOE_KERNELS = {
                               "vllm_gptossmxfp4moe_flashinfer_trtllm_mxfp4_bf16_trtllmmxfp4expertsmonolithic"]),
     "int4": ("int4_wo", ["vllm_compressedtensorswna16marlinmoe_marlin_marlinexperts"]),
 }
-# The routing the tables were measured with: `balanced` (tokens spread over as many experts as
-# they can touch). The kernel model reads them for uniform random routing (kernel_model.
-# _uniform_routing); the power-law tables (AIConfigurator's skewed alternatives) touch fewer experts
-# than a trained router's decode batches do, by an amount nothing here measures.
+# The routings the tables were measured with. `balanced` (tokens spread over as many experts as
+# they can touch): the kernel model reads it for uniform random routing (kernel_model.
+# _uniform_routing), the most experts a decode batch streams. `power_law_1.01` (AIConfigurator's
+# and AISimulate's default for MoE models: per-expert token counts drawn from a power law): fewer
+# experts at a decode batch, but the busiest expert's extra rows at a prefill-sized step, which
+# balanced routing leaves out. The kernel model takes the slower of the two at each token count
+# (kernel_model._moe_reading).
 MOE_DISTRIBUTION = "balanced"
+MOE_SKEWED = "power_law_1.01"
 
 
 def convert_moe(site: Path, out: Path, systems: dict | None = None, package: str = "aisimulate_core") -> None:
@@ -165,25 +169,27 @@ def convert_moe(site: Path, out: Path, systems: dict | None = None, package: str
         path = out / f"{system}.json"
         doc = json.loads(path.read_text())
         p = root / system / "moe" / "vllm" / version / "moe_perf.parquet"
-        m = pd.read_parquet(p)
-        m = m[m.distribution == MOE_DISTRIBUTION]
+        every = pd.read_parquet(p)
+        m = every[every.distribution == MOE_DISTRIBUTION]
         doc["sources"]["moe"] = str(p.relative_to(site))
-        tables, kernels = {}, {}
+        tables, skewed, kernels = {}, {}, {}
         for name, (dt, kerns) in MOE_KERNELS.items():
             x = m[(m.moe_dtype == dt) & m.kernel_source.isin(kerns)]
             if x.empty:
                 continue
             kern = next(k for k in kerns if (x.kernel_source == k).any())
             kernels[name] = kern
-            x = x[x.kernel_source == kern]
-            for (h, i, k, e, tp, ep), sub in x.groupby(["hidden_size", "inter_size", "topk", "num_experts",
-                                                         "moe_tp_size", "moe_ep_size"]):
-                tables[f"{name}/{h}/{i}/{k}/{e}/{tp}/{ep}"] = grid(sub, ["num_tokens"])
+            for dist, out_tables in ((MOE_DISTRIBUTION, tables), (MOE_SKEWED, skewed)):
+                x = every[(every.distribution == dist) & (every.moe_dtype == dt) & (every.kernel_source == kern)]
+                for (h, i, k, e, tp, ep), sub in x.groupby(["hidden_size", "inter_size", "topk", "num_experts",
+                                                             "moe_tp_size", "moe_ep_size"]):
+                    out_tables[f"{name}/{h}/{i}/{k}/{e}/{tp}/{ep}"] = grid(sub, ["num_tokens"])
         doc["moe"] = {"kernels": kernels, "distribution": MOE_DISTRIBUTION,
-                      "key": "dtype/hidden/inter/topk/experts/moe_tp/moe_ep", "tables": tables}
+                      "key": "dtype/hidden/inter/topk/experts/moe_tp/moe_ep", "tables": tables,
+                      "skewed_distribution": MOE_SKEWED, "skewed_tables": skewed}
         with open(path, "w") as f:
             json.dump(doc, f, separators=(",", ":"))
-        print(f"{system}: {len(tables)} MoE tables, {path.stat().st_size / 1e6:.2f} MB")
+        print(f"{system}: {len(tables)} MoE tables ({len(skewed)} skewed), {path.stat().st_size / 1e6:.2f} MB")
 
 
 def main() -> None:

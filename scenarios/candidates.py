@@ -24,6 +24,28 @@ HF_NAMES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
             "minimax-m2": "MiniMaxAI/MiniMax-M2",
             "llama-4-scout-17b-16e": "meta-llama/Llama-4-Scout-17B-16E-Instruct"}
 
+# Checkpoints published with fp8 weights for catalog models whose own checkpoint is bf16: what a
+# plan timed with `deployment.weight_dtype: fp8` (or fp8_block) is served from.
+FP8_HF_NAMES = {"llama-3.1-8b": "nvidia/Llama-3.1-8B-Instruct-FP8",
+                "llama-3.1-70b": "nvidia/Llama-3.1-70B-Instruct-FP8",
+                "qwen3-8b": "Qwen/Qwen3-8B-FP8", "qwen3-14b": "Qwen/Qwen3-14B-FP8", "qwen3-32b": "Qwen/Qwen3-32B-FP8",
+                "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B-Instruct-2507-FP8",
+                "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B-Instruct-2507-FP8"}
+FP8_DTYPES = ("fp8", "fp8_block")
+
+
+def hf_checkpoint(model: str, weight_dtype: str | None, catalog_dtype: str | None) -> tuple[str, str | None]:
+    """(the Hugging Face repository a plan's vllm serve line names, the --quantization it needs or
+    None). Weights timed as fp8 where the catalog's checkpoint is not: its published fp8 checkpoint
+    (FP8_HF_NAMES), else the bf16 one with vLLM's online fp8 quantization (--quantization fp8)."""
+    name = HF_NAMES.get(model, model)
+    if weight_dtype in FP8_DTYPES and catalog_dtype not in FP8_DTYPES:
+        if model in FP8_HF_NAMES:
+            return FP8_HF_NAMES[model], None
+        return name, "fp8"
+    return name, None
+
+
 GRID_KEYS = ("device", "tp", "data_parallel", "max_num_batched_tokens", "max_num_seqs", "policy", "router", "pd")
 
 
@@ -91,4 +113,4 @@ def budget_rank_key(s, units: int) -> tuple:
     return (-(s.lo or 0.0), s.unit_cost * units, s.key)
 
 
-__all__ = ["HF_NAMES", "GRID_KEYS", "candidates", "compose", "gpus_per_unit", "label", "rank_key", "budget_rank_key"]
+__all__ = ["HF_NAMES", "FP8_HF_NAMES", "GRID_KEYS", "candidates", "compose", "hf_checkpoint", "gpus_per_unit", "label", "rank_key", "budget_rank_key"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from scenarios.candidates import HF_NAMES, budget_rank_key, compose, rank_key
+from scenarios.candidates import budget_rank_key, compose, hf_checkpoint, rank_key
 
 
 SLO_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
@@ -203,7 +203,8 @@ def assemble(rows: list[dict], live: list[dict], confirms: dict, spec, data: dic
         if x["status"] not in ("pruned",) and not x.get("reason"):
             x["reason"] = STATUS_TEXT.get(x["status"])
     winner = out[0] if out and out[0]["status"] == "confirmed" else None
-    result = {"scenario": path, "model": model, "hf_model": HF_NAMES.get(model, model),
+    hf_model, quantization = hf_checkpoint(model, dep.get("weight_dtype"), _catalog_dtype(model))
+    result = {"scenario": path, "model": model, "hf_model": hf_model, "serve_quantization": quantization,
               "gpu_memory_utilization": dep.get("gpu_memory_utilization", 0.9),
               "expert_parallel": bool(dep.get("expert_parallel", False)),
               "mode": "gpus" if budget else "rate", "target_rate": T, "target_gpus": spec.target_gpus,
@@ -216,6 +217,15 @@ def assemble(rows: list[dict], live: list[dict], confirms: dict, spec, data: dic
               "pareto": pareto(live)}
     result["workload_means"] = means
     return result
+
+
+def _catalog_dtype(model: str) -> str | None:
+    """The weight dtype of a catalog model's own checkpoint (None for a model the catalog lacks)."""
+    from sim.specs import get_model
+    try:
+        return get_model(model).weight_dtype
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def pareto(live: list[dict]) -> list[dict]:
@@ -315,6 +325,8 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
         args += f" --data-parallel-size {dp}"
     if result.get("expert_parallel") and c["tp"] * dp > 1:
         args += " --enable-expert-parallel"
+    if result.get("serve_quantization"):
+        args += f" --quantization {result['serve_quantization']}"
     out = []
     if c["policy"] == "shortest_prompt_first":
         out.append("# vLLM has no shortest-prompt-first policy: these servers schedule fcfs")

@@ -446,6 +446,25 @@ def _uniform_routing(tab: dict, spec: ModelSpec, distribution: str):
     return [ts], out
 
 
+def _moe_reading(tables: dict, skewed: dict, key: str, spec: ModelSpec, distribution: str):
+    """One MoE layer's time over the step's tokens T, from the fused-MoE table `key` of `tables`
+    (measured with `distribution`) and, where `skewed` has the same key, the table measured with a
+    skewed routing (convert_kernel_tables.MOE_SKEWED: per-expert token counts from a power law).
+
+    A trained router is neither. Uniform random routing (_uniform_routing) streams the most
+    experts a decode batch can touch; a skewed routing loads its busiest expert with more rows
+    than balanced routing ever does, which is what a prefill-sized step waits on. Each is what the
+    other leaves out, so the reading is the slower of the two at each T: the uniform reading at a
+    decode batch (more experts touched), the skewed one where it is slower (B200, 8192 tokens:
+    10% for MiniMax-M2's shape at TP2, 8% for gpt-oss's; 24-30% at 1024-2048 tokens).
+    Returns (token axis, microseconds) for a Grid."""
+    vals, us = _uniform_routing(tables[key], spec, distribution)
+    if key in skewed:
+        g = Grid(skewed[key]["values"], skewed[key]["us"], None)
+        us = [max(u, g(t)[0]) for t, u in zip(vals[0], us)]
+    return vals, us
+
+
 def _nearest_moe_table(tables: dict, fmt: str, m: ModelSpec, moe_tp: int, moe_ep: int = 1):
     """The measured fused-MoE shape nearest to m's (same format and sharding): the closest top-k,
     then expert bytes and expert count on a log scale. Returns (key, m with that shape) or None."""
@@ -642,9 +661,11 @@ class KernelCostModel(CostModel):
         cov["lm_head_gemm"] = bool(grid_a)
         # Routed experts of one MoE layer, as a function of the step's tokens T: vLLM's fused-MoE
         # kernel measured for this very shape and sharding where the tables have it (`moe`:
-        # dtype/hidden/inter/topk/experts/moe_tp/moe_ep). Otherwise the nearest measured shape
+        # dtype/hidden/inter/topk/experts/moe_tp/moe_ep; read by _moe_reading: the slower of
+        # uniform and skewed routing at each T). Otherwise the nearest measured shape
         # of the same format and sharding, scaled by the ratio of this model's grouped-GEMM
-        # estimate for the two (counted as fallbacks). The estimate: the experts the tokens touch
+        # estimate for the two (counted as fallbacks); with expert parallelism and no table of the
+        # format split whole, its sliced table times the bf16 tables' whole/sliced ratio. The estimate: the experts the tokens touch
         # (ModelSpec.experts_touched: e of them), each expert's weights against its share of the
         # T * top-k token rows, as one GEMM of those rows against the touched experts' weights side
         # by side (N = e x the expert's N) from the measured dense GEMM table of the experts' dtype:
@@ -666,31 +687,53 @@ class KernelCostModel(CostModel):
             fmt = MOE_FORMATS.get(edt)
             mtp, mep = (1, self.moe_ranks) if self.expert_parallel else (self.moe_ranks, 1)
             key = f"{fmt}/{m.hidden_size}/{m.moe_intermediate_size}/{m.num_experts_per_tok}/{m.num_experts}/{mtp}/{mep}"
-            if fmt and key in mt:
-                self.g_moe = Grid(*_uniform_routing(mt[key], m, dist), self._moe_roof)
+            skewed = (tables or {}).get("moe", {}).get("skewed_tables", {})
+            ts = _log_grid(1, 262144)
+
+            def measured(f, tp_, ep_):
+                """(microseconds at each T of ts, note, exact) from the tables of format f at
+                sharding (tp_, ep_): this shape's table, else the nearest shape's scaled by the
+                estimate's ratio; None without either."""
+                k_ = f"{f}/{m.hidden_size}/{m.moe_intermediate_size}/{m.num_experts_per_tok}/{m.num_experts}/{tp_}/{ep_}"
+                if k_ in mt:
+                    g = Grid(*_moe_reading(mt, skewed, k_, m, dist), None)
+                    return [g(T)[0] for T in ts], k_, True
+                ref = _nearest_moe_table(mt, f, m, tp_, ep_)
+                if ref is None:
+                    return None
+                rkey, rspec = ref
+                vals, us = _moe_reading(mt, skewed, rkey, rspec, dist)
+                rgrid = Grid(vals, us, None)
+                lo, hi = vals[0][0], vals[0][-1]
+                out = []
+                for T in ts:
+                    q = min(max(T, lo), hi)
+                    out.append(rgrid(q)[0] * estimate(m, T)[0] / estimate(rspec, q)[0])
+                return out, f"scaled from {rkey}", False
+
+            got = measured(fmt, mtp, mep) if fmt else None
+            if got is None and fmt and self.expert_parallel:
+                # No table of this format split whole over the ranks (fp8 blocks are measured with
+                # the experts sliced only): its sliced table (moe_tp = ranks), times what splitting
+                # whole costs over slicing in the bf16 tables, which have both, at each T.
+                sliced = measured(fmt, self.moe_ranks, 1)
+                ep_b, tp_b = measured("bf16", 1, self.moe_ranks), measured("bf16", self.moe_ranks, 1)
+                if sliced is not None and ep_b is not None and tp_b is not None:
+                    got = ([u * e / t for u, e, t in zip(sliced[0], ep_b[0], tp_b[0])],
+                           f"{sliced[1]} x bf16 EP/TP ({ep_b[1]} over {tp_b[1]})", False)
+            if got is not None and got[2]:
+                self.g_moe = Grid(*_moe_reading(mt, skewed, key, m, dist), self._moe_roof)
                 cov["moe"] = key
+            elif got is not None:
+                self.g_moe = Grid([ts], got[0], self._moe_roof, [False] * len(ts))
+                cov["moe"] = got[1]
             else:
-                ref = _nearest_moe_table(mt, fmt, m, mtp, mep) if fmt else None
-                ts, moe, ok_m = _log_grid(1, 262144), [], []
-                if ref is not None:
-                    rkey, rspec = ref
-                    vals, us = _uniform_routing(mt[rkey], rspec, dist)
-                    rgrid = Grid(vals, us, None)
-                    lo, hi = vals[0][0], vals[0][-1]
-                    for T in ts:
-                        q = min(max(T, lo), hi)
-                        r, _ = rgrid(q)
-                        mine, _ = estimate(m, T)
-                        theirs, _ = estimate(rspec, q)
-                        moe.append(r * mine / theirs)
-                        ok_m.append(False)
-                    cov["moe"] = f"scaled from {rkey}"
-                else:
-                    for T in ts:
-                        t, ok = estimate(m, T)
-                        moe.append(t)
-                        ok_m.append(ok)
-                    cov["moe"] = "dense GEMM tables" if ge is not None else None
+                moe, ok_m = [], []
+                for T in ts:
+                    t, ok = estimate(m, T)
+                    moe.append(t)
+                    ok_m.append(ok)
+                cov["moe"] = "dense GEMM tables" if ge is not None else None
                 self.g_moe = Grid([ts], moe, self._moe_roof, ok_m)
         # Attention for this GPU's heads.
         kvn = KV_NAMES.get(m.kv_dtype, "bf16")

@@ -1,6 +1,10 @@
 """Mixture-of-experts and latent-attention models: read from their config.json (or the catalog),
 sized by hand calculation, refused when not understood, and timed by the experts a step touches."""
+import dataclasses
+import warnings
+
 import numpy as np
+
 import pytest
 
 from engine.core.features import BatchFeatures
@@ -202,12 +206,15 @@ def test_kernel_model_reads_the_fused_moe_table_of_the_shape():
     k = KernelCostModel("mixtral-8x7b", "h100", 2)
     key = "bf16/4096/14336/2/8/2/1"                      # dtype/hidden/inter/topk/experts/moe_tp/moe_ep
     assert k.describe()["table_coverage"]["moe"] == key
-    tab = json.loads((Path(__file__).resolve().parents[1] / "calibration" / "kernels" / "h100_sxm.json")
-                     .read_text())["moe"]["tables"][key]
-    # the table as the kernel model reads every table: no more tokens ever faster (a suffix minimum)
-    us = dict(zip(tab["values"][0], np.minimum.accumulate(np.array(tab["us"])[::-1])[::-1]))
+    moe = json.loads((Path(__file__).resolve().parents[1] / "calibration" / "kernels" / "h100_sxm.json")
+                     .read_text())["moe"]
+    # each table as the kernel model reads every table: no more tokens ever faster (a suffix
+    # minimum); at 64 tokens all 8 experts are touched, so the uniform reading is the balanced table
+    def reading(tab):
+        return dict(zip(tab["values"][0], np.minimum.accumulate(np.array(tab["us"])[::-1])[::-1]))
+    us = max(reading(moe["tables"][key])[64], reading(moe["skewed_tables"][key])[64])
     f = BatchFeatures(num_reqs=64, num_decode_reqs=64, decode_context_tokens=64 * 500)
-    assert k.breakdown(f)["moe"] == pytest.approx(32 * us[64] * 1e-6)    # 32 MoE layers x the table
+    assert k.breakdown(f)["moe"] == pytest.approx(32 * us * 1e-6)    # 32 MoE layers x the slower table
     f1 = BatchFeatures(num_reqs=1, num_decode_reqs=1, decode_context_tokens=500)
     # 2 of 8 experts at one token, nearly all at 64: the measured kernel grows, but less than 4x
     assert 1.5 < k.breakdown(f)["moe"] / k.breakdown(f1)["moe"] < 4.5
@@ -231,6 +238,32 @@ def test_a_balanced_moe_table_is_read_for_uniform_random_routing():
     assert got[256] == pytest.approx(640.0, rel=0.01)       # a big batch touches them all either way
     # a table measured with another routing is read as measured
     assert _uniform_routing(tab, spec, "power_law_1.01") == (tab["values"], tab["us"])
+
+
+def test_a_moe_layer_takes_the_slower_of_uniform_and_skewed_routing():
+    # Balanced table: 10 us per expert touched (T x k rows over min(E, T k) experts), so uniform
+    # random routing, which touches e(T) = E (1 - (1 - k/E)^T) of them, reads 10 e(T) us (by hand).
+    # Skewed table: half as many experts at small T, but from 512 tokens its busiest expert's
+    # extra rows make it 40% slower than balanced.
+    from sim.kernel_model import _moe_reading
+    spec = ModelSpec("toy", 2, 64, 4, 4, 16, 128, 100, num_experts=64, num_experts_per_tok=4,
+                     moe_intermediate_size=32, num_moe_layers=2)
+    ts = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    bal = [10.0 * min(64, 4 * t) for t in ts]
+    skew = [5.0 * min(64, 4 * t) * (2.8 if t >= 512 else 1.0) for t in ts]
+    key = "bf16/64/32/4/64/1/1"
+    (axis,), us = _moe_reading({key: {"values": [ts], "us": bal}}, {key: {"values": [ts], "us": skew}},
+                               key, spec, "balanced")
+    got = dict(zip(axis, us))
+    for T in (2, 4, 16, 64):  # decode batches: uniform routing's experts, more than the skewed table's
+        assert got[T] == pytest.approx(10.0 * spec.experts_touched(T), rel=1e-9)
+        assert got[T] > skew[ts.index(T)]
+    for T in (512, 1024, 2048):  # prefill-sized steps: the skewed table, 40% above balanced
+        assert got[T] == pytest.approx(1.4 * 640.0, rel=1e-9)
+    # without a skewed table of that key the reading is the uniform one alone
+    (_,), only = _moe_reading({key: {"values": [ts], "us": bal}}, {}, key, spec, "balanced")
+    assert dict(zip(axis, only))[2048] == pytest.approx(640.0, rel=0.01)
+    assert all(u <= g for u, g in zip(only, us))
 
 
 def test_minimax_norms_q_and_k_across_the_tp_group():
@@ -268,6 +301,42 @@ def test_an_unmeasured_moe_shape_is_scaled_from_the_nearest_and_counted():
     # bytes in fewer, wider experts), and nothing like the dense layer it would be without experts
     q = KernelCostModel("qwen3-30b-a3b", "h100", 1).breakdown(f)["moe"]
     assert 0.5 * q < t < 2.0 * q
+
+
+def test_an_expert_parallel_shape_measured_sliced_only_reads_the_sliced_table():
+    # fp8 blocks on H200 were measured with the experts sliced (moe_tp 4) but not split whole (moe_ep
+    # 4): the EP deployment reads the sliced table times the bf16 tables' whole/sliced ratio, each
+    # table read as the kernel model reads MoE tables (kernel_model._moe_reading)
+    import json
+    from pathlib import Path
+    from sim.kernel_model import Grid, _moe_reading
+    m = dataclasses.replace(get_model("qwen3-235b-a22b"), weight_dtype="fp8_block")
+    moe = json.loads((Path(__file__).resolve().parents[1] / "calibration" / "kernels" / "h200_sxm.json")
+                     .read_text())["moe"]
+    assert "fp8_block/4096/1536/8/128/1/4" not in moe["tables"] and "fp8_block/4096/1536/8/128/4/1" in moe["tables"]
+    k = KernelCostModel(m, "h200", 4, expert_parallel=True)
+    assert k.describe()["table_coverage"]["moe"].startswith("fp8_block/4096/1536/8/128/4/1 x bf16 EP/TP")
+
+    def read(key):
+        return Grid(*_moe_reading(moe["tables"], moe["skewed_tables"], key, m, moe["distribution"]), None)
+    sliced, ep_b, tp_b = (read(f"{f}/4096/1536/8/128/{s}") for f, s in
+                          (("fp8_block", "4/1"), ("bf16", "1/4"), ("bf16", "4/1")))
+    for T in (64, 8192):
+        f = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=T, prefill_chunks=[(T, 0)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the table read in place of this shape's is a counted fallback
+            got = k.breakdown(f)["moe"]
+        want = m.num_moe_layers * sliced(T)[0] * ep_b(T)[0] / tp_b(T)[0] * 1e-6
+        assert got == pytest.approx(want, rel=1e-6)
+    # sliced, the same deployment reads the fp8 table as measured; split whole it costs more (a hot
+    # expert's rows all land on one rank), by the bf16 tables' ratio, not the 2.5x of the old estimate
+    tp = KernelCostModel(m, "h200", 4)
+    assert tp.describe()["table_coverage"]["moe"] == "fp8_block/4096/1536/8/128/4/1"
+    f = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=8192, prefill_chunks=[(8192, 0)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert 1.0 < k.breakdown(f)["moe"] / tp.breakdown(f)["moe"] < 1.5
+    assert k.fallbacks["moe"] >= 1
 
 
 def test_expert_parallel_is_a_deployment_key_and_a_serve_flag(tmp_path):

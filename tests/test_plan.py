@@ -399,3 +399,24 @@ def test_tp_beyond_one_node_is_pruned_unless_the_interconnect_is_declared(tmp_pa
     assert "spans more than one node of 8 h100-sxm GPUs" in prune_reason(base, cand, 110)
     base["deployment"]["interconnect"] = {"bandwidth_gb_s": 50}
     assert prune_reason(base, cand, 110) is None
+
+
+def test_a_plan_timed_with_fp8_weights_is_served_from_an_fp8_checkpoint():
+    # The serve line must load what the simulation timed: fp8 weights of a model whose own
+    # checkpoint is bf16 come from its published fp8 checkpoint, else from vLLM's online fp8
+    # quantization of the bf16 one; a checkpoint that is fp8 already, or bf16 timed as bf16, as is.
+    from scenarios.candidates import hf_checkpoint
+    from scenarios.plan_report import deploy_commands
+    assert hf_checkpoint("qwen3-235b-a22b", "fp8_block", "bfloat16") == ("Qwen/Qwen3-235B-A22B-Instruct-2507-FP8", None)
+    assert hf_checkpoint("llama-3.1-8b", "fp8", "bfloat16") == ("nvidia/Llama-3.1-8B-Instruct-FP8", None)
+    assert hf_checkpoint("mistral-7b", "fp8", "bfloat16") == ("mistralai/Mistral-7B-Instruct-v0.3", "fp8")
+    assert hf_checkpoint("qwen3-235b-a22b", None, "bfloat16") == ("Qwen/Qwen3-235B-A22B-Instruct-2507", None)
+    assert hf_checkpoint("deepseek-v3", "fp8_block", "fp8_block") == ("deepseek-ai/DeepSeek-V3", None)
+    c = {"replicas": 1, "tp": 2, "device": "h100-sxm", "router": "round_robin", "policy": "fcfs",
+         "max_num_seqs": 256, "max_num_batched_tokens": 8192}
+    base = {"gpu_memory_utilization": 0.9, "target_rate": 10, "workload_means": {}, "model": "mistral-7b",
+            "search": {"confirm_requests": 8000}}
+    online = deploy_commands({**base, "hf_model": "mistralai/Mistral-7B-Instruct-v0.3", "serve_quantization": "fp8"}, c)
+    plain = deploy_commands({**base, "hf_model": "mistralai/Mistral-7B-Instruct-v0.3", "serve_quantization": None}, c)
+    assert [x for x in online if "vllm serve" in x][0].endswith("--quantization fp8 --port 8000 &")
+    assert not any("--quantization" in x for x in plain)
