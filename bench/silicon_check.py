@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import yaml  # noqa: E402
 
 from sim.scenario import parse_scenario, run_scenario  # noqa: E402
+from sim.specs import get_device  # noqa: E402
 from sim_speed import MOONCAKE_BLOCK as AIS_BLOCK, write_mooncake_trace  # noqa: E402  (bench/)
 
 HELD_OUT_BACKEND = "vllm"
@@ -197,6 +198,12 @@ def server(case: dict) -> tuple[dict, dict, dict]:
     return ({"kv_dtype": kv} if kv else {}), sched, ovh
 
 
+# A row whose GPUs span more than one node ran on a cluster of DGX-class nodes: one 400 Gb/s
+# InfiniBand NDR adapter per GPU (50 GB/s each way; AIConfigurator's h100/h200/b200 systems say the
+# same), so the scenario declares that link (deployment.interconnect) instead of being refused.
+INTER_NODE = {"bandwidth_gb_s": 50.0, "latency_s": 1e-5}
+
+
 def scenario_data(case: dict, prompts_per_slot: int = 4, cost_model: dict | None = None,
                   range_ratio: float = 0.0, protocol: str = "fixed", recipe: bool = True) -> dict:
     """The ServeTwin scenario (as YAML data) of a row: its benchmark client and server."""
@@ -216,6 +223,8 @@ def scenario_data(case: dict, prompts_per_slot: int = 4, cost_model: dict | None
                            **({"expert_parallel": True} if case.get("expert_parallel") else {}),
                            **({"data_parallel": case["data_parallel"]} if case.get("data_parallel") else {})},
             "workload": {"benchmark": bench}}
+    if case["tp"] * case.get("data_parallel", 1) > get_device(DEVICES[case["system"]]).gpus_per_node:
+        data["deployment"]["interconnect"] = dict(INTER_NODE)
     if sched:
         data["scheduler"] = sched
     if cost_model:

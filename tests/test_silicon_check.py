@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -76,6 +77,21 @@ def test_a_row_becomes_its_case_and_unsupported_rows_are_skipped():
     assert (dp["tp"], dp["data_parallel"]) == (1, 4)          # InferenceMAX's tp 4 + dp-attn: 4 GPUs
     assert sc.scenario_data(dp)["deployment"]["data_parallel"] == 4
     assert sc.usable(row(silicon_ttft_ms="")) is None
+
+
+def test_a_row_wider_than_a_node_runs_over_the_nodes_link():
+    # 16 H200s are two nodes of 8: the row declares the link between them (one 400 Gb/s NDR port per
+    # GPU, 50 GB/s) rather than being refused; within a node nothing is declared
+    wide = sc.usable(row(backend="trtllm", system="h200_sxm", model_path="openai/gpt-oss-120b",
+                         gemm_quant_mode="nvfp4", tp_size="16"))
+    data = sc.scenario_data(wide)
+    assert data["deployment"]["interconnect"] == {"bandwidth_gb_s": 50.0, "latency_s": 1e-5}
+    scenario = parse_scenario(data)
+    assert scenario.deployment["tp"] == 16
+    assert "interconnect" not in sc.scenario_data(sc.usable(row(tp_size="8")))["deployment"]
+    no_link = {**data, "deployment": {k: v for k, v in data["deployment"].items() if k != "interconnect"}}
+    with pytest.raises(Exception, match="spans more than one node"):
+        parse_scenario(no_link)
 
 
 def test_the_peer_gets_the_same_requests_and_the_published_server(tmp_path):
