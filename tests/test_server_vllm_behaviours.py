@@ -160,6 +160,22 @@ def test_refusals_in_vllm_words(srv):
     assert ok.status_code == 200
 
 
+def test_a_stream_carries_no_prompt_logprobs(srv):
+    """vLLM refuses prompt_logprobs above 0 (or -1, the whole vocabulary) on a stream; 0, the prompt
+    tokens' own logprobs without alternatives, and echo with logprobs still stream."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    for path, base in (("/v1/completions", {"prompt": "Hi there"}), ("/v1/chat/completions", {"messages": msgs})):
+        for k in (1, 5, -1):
+            r = post(srv, path, {**base, "max_tokens": 2, "stream": True, "prompt_logprobs": k})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "prompt_logprobs"
+            assert "not available when `stream=True`" in err["message"]
+        assert events(srv, path, {**base, "max_tokens": 2, "prompt_logprobs": 0})
+        assert post(srv, path, {**base, "max_tokens": 2, "prompt_logprobs": 1}).status_code == 200
+    chunks = events(srv, "/v1/completions", {"prompt": "Hi there", "max_tokens": 2, "echo": True, "logprobs": 1})
+    assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"][0] is None  # the echoed prompt's first token
+
+
 def test_a_failed_request_says_internal_server_error(srv, monkeypatch):
     """A request the engine fails is a 500 (not streamed) or an error event before [DONE]
     (streamed) whose message starts "Internal server error", as vLLM's."""

@@ -270,6 +270,16 @@ class _Common(_Strict):
                                 "the token ids whose log-probabilities to report)", "logprob_token_ids")
         return data
 
+    @model_validator(mode="after")
+    def _no_prompt_logprobs_on_a_stream(self):
+        """vLLM's: a stream carries no prompt logprobs (0, the prompt tokens' own logprobs without
+        alternatives, is allowed), checked before any limit on how many."""
+        k = self.prompt_logprobs
+        if self.stream and k is not None and (k > 0 or k == -1):
+            raise APIError(400, f"prompt_logprobs={k}: `prompt_logprobs` are not available when `stream=True`.",
+                           "prompt_logprobs")
+        return self
+
     def stop_strings(self) -> list[str]:
         s = self.stop
         if s is None:
