@@ -270,6 +270,25 @@ def test_request_log_matches_simulator_format(served, client):
     assert set(df["finish_reason"]) <= {"stop", "length", "abort"}
 
 
+def test_a_stopped_app_lets_its_engine_go():
+    """Once its server has stopped and the caller drops them, an app's engine (weights, KV cache) is
+    freed: nothing process-wide (FastAPI's memos of its endpoints) keeps it alive."""
+    import gc
+    import weakref
+    engine = LLMEngine(model=MODEL, device="cpu", max_num_batched_tokens=64, max_num_seqs=2,
+                       num_gpu_blocks=32, max_model_len=256)
+    app = create_app(engine, model_name=MODEL)
+    port = _free_port()
+    with _Server(app, port):
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+    gone = weakref.ref(engine)
+    del engine, app, r
+    gc.collect()
+    assert gone() is None
+
+
 def test_admission_bound_gives_503(tmp_path):
     engine = LLMEngine(model=MODEL, device="cpu", max_num_batched_tokens=64, max_num_seqs=1,
                        num_gpu_blocks=64, max_model_len=512)

@@ -134,6 +134,18 @@ class _RequestIdHeader:
         await self.app(scope, receive, send_with_id)
 
 
+def _forget_endpoints() -> None:
+    """Empty FastAPI's module-level memos of what kind of callable each endpoint is (LRU caches keyed
+    by the callable, in fastapi.dependencies.models since 0.16x). They keep every stopped app's
+    endpoints alive, and through their closures its engine, model weights and KV cache: a process
+    that creates and stops apps (the test suite, an embedding program) would hold them all. The
+    memos refill on the next request of any running app."""
+    import fastapi.dependencies.models as memos
+    for f in vars(memos).values():
+        if callable(getattr(f, "cache_clear", None)):
+            f.cache_clear()
+
+
 FINGERPRINT_MODES = ("full", "hash", "custom", "none")
 
 
@@ -195,6 +207,7 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
             yield
         finally:
             ctx.stop()
+            _forget_endpoints()
 
     app = FastAPI(title="ServeTwin", version=VERSION, lifespan=lifespan)
     app.state.async_engine = ctx.aeng
