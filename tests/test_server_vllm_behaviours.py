@@ -226,3 +226,90 @@ def test_content_part_fields_reach_the_template(tmp_path):
     want = "[en>es]The fox.[en>de] The dog.|"
     assert r.json()["tokens"] == tok(want, add_special_tokens=False).input_ids
     assert chat.json()["usage"]["prompt_tokens"] == len(r.json()["tokens"])
+
+
+def test_a_batch_refuses_one_pre_tokenized_prompt_for_several_conversations(srv):
+    """kv_transfer_params.prompt_token_ids is one prompt's tokens: with several conversations in a
+    batch it cannot stand for each of them, so the batch is a 400 naming that field."""
+    convs = [[{"role": "user", "content": "first"}], [{"role": "user", "content": "second"}]]
+    r = post(srv, "/v1/chat/completions/batch", {"messages": convs, "max_tokens": 1,
+                                                 "kv_transfer_params": {"prompt_token_ids": [10, 20, 30]}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "kv_transfer_params.prompt_token_ids"
+    ok = post(srv, "/v1/chat/completions/batch", {"messages": convs, "max_tokens": 1,
+                                                  "kv_transfer_params": {"do_remote_prefill": False}})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2, ok.text
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    from engine.server.cli import add_serve_args
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser.add_subparsers())
+    return parser
+
+
+def test_config_file_gives_flags_the_command_line_overrides(tmp_path):
+    """--config FILE (YAML, dashes or underscores): its flags apply, parsed as on the command line
+    (an int port, a boolean pair, a list of names); a flag on the command line wins whether it
+    stands before or after --config; an unknown name or a missing file stops the parse."""
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("port: 12312\nenable_prefix_caching: false\nserved-model-name: [first, second]\n")
+    parser = serve_parser()
+    assert parser.parse_args(["serve"]).port == 8000
+    a = parser.parse_args(["serve", "--config", str(cfg)])
+    assert (a.port, a.enable_prefix_caching, a.served_model_name) == (12312, False, ["first", "second"])
+    assert parser.parse_args(["serve", "--config", str(cfg), "--port", "9000"]).port == 9000
+    assert parser.parse_args(["serve", "--port", "9000", "--config", str(cfg)]).port == 9000
+    (tmp_path / "bad.yaml").write_text("no_such_flag: 1\n")
+    for path in (tmp_path / "bad.yaml", tmp_path / "missing.yaml"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--config", str(path)])
+
+
+def test_chat_template_flag_refuses_a_missing_path_but_takes_a_template(tmp_path):
+    """--chat-template: a file is read; a string with Jinja's characters is the template itself;
+    a string without them that cannot be opened is a mistyped path, refused rather than served
+    as a template that would print itself."""
+    from engine.server.cli import read_chat_template
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0]['content'] }}")
+    assert read_chat_template(str(path)) == "{{ messages[0]['content'] }}"
+    assert read_chat_template("{{ messages }}") == "{{ messages }}"
+    with pytest.raises(SystemExit, match="looks like a file path"):
+        read_chat_template("does/not/exist")
+
+
+async def stamp_header(request, call_next):
+    """A --middleware function for the test below."""
+    response = await call_next(request)
+    response.headers["x-stamped"] = "yes"
+    return response
+
+
+def test_middleware_flag_adds_a_function_or_refuses_a_bad_name():
+    """--middleware MODULE.NAME: an async (request, call_next) function wraps every response; a
+    name that cannot be imported, or is neither a class nor an async function, stops the server."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from engine.server.cli import add_middleware
+    app = FastAPI()
+    app.get("/ping")(lambda: {"ok": True})
+    add_middleware(app, "tests.test_server_vllm_behaviours.stamp_header")
+    assert TestClient(app).get("/ping").headers["x-stamped"] == "yes"
+    assert serve_parser().parse_args(["serve", "--middleware", "a.b", "--middleware", "c.d"]).middleware == ["a.b", "c.d"]
+    for bad in ("no_such_module.thing", "tests.test_server_vllm_behaviours.MODEL"):
+        with pytest.raises(SystemExit, match="--middleware"):
+            add_middleware(FastAPI(), bad)
+
+
+def test_lora_flags_start_and_extra_api_servers_are_refused():
+    """vLLM's LoRA flags parse (adapters are not loaded: a request naming one is an unknown model),
+    and --api-server-count above 1 is refused before any model loads."""
+    from engine.server.cli import build_app
+    parser = serve_parser()
+    a = parser.parse_args(["serve", "--enable-lora", "--lora-modules", "adapter=/some/dir", "--max-lora-rank", "64",
+                           "--max-cpu-loras", "2", "--api-server-count", "1"])
+    assert a.enable_lora and a.lora_modules == ["adapter=/some/dir"] and a.api_server_count == 1
+    with pytest.raises(SystemExit, match="api-server-count=2"):
+        build_app(parser.parse_args(["serve", MODEL, "--device", "cpu", "--api-server-count", "2"]))

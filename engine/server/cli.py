@@ -5,6 +5,46 @@ import argparse
 import logging
 
 
+class _YamlConfig(argparse.Action):
+    """vLLM's --config FILE: a YAML mapping of flag names (dashes or underscores) to values, parsed
+    by this same parser so types and choices are checked as on the command line. A flag the
+    command line gives wins wherever it stands: before --config it has left its default, which
+    the file then leaves alone; after --config it overwrites the file's value. (A flag given with
+    its default value before --config cannot be told from an absent one: the file's value wins.)"""
+
+    def __call__(self, parser, namespace, path, option_string=None):
+        import yaml
+
+        try:
+            with open(path) as f:
+                entries = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError) as e:
+            parser.error(f"--config {path}: {e}")
+        if not isinstance(entries, dict):
+            parser.error(f"--config {path}: must be a mapping of flag names to values")
+        argv, dests = [], []
+        for key, value in entries.items():
+            flag = "--" + str(key).replace("_", "-")
+            action = parser._option_string_actions.get(flag)
+            if action is None or action.dest == self.dest:
+                parser.error(f"--config {path}: unknown flag {key!r}")
+            if value is False and isinstance(action, argparse.BooleanOptionalAction):
+                argv.append("--no-" + flag[2:])
+            elif isinstance(value, bool):
+                if value:
+                    argv.append(flag)
+            elif isinstance(action, argparse._AppendAction):  # a repeatable flag: once per value
+                for v in value if isinstance(value, list) else [value]:
+                    argv += [flag, str(v)]
+            else:
+                argv += [flag, *map(str, value if isinstance(value, list) else [value])]
+            dests.append(action.dest)
+        from_file = parser.parse_args(argv)
+        for dest in dests:
+            if getattr(namespace, dest, None) == parser.get_default(dest):
+                setattr(namespace, dest, getattr(from_file, dest))
+
+
 def add_serve_args(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("model_tag", nargs="?", default=None, help="the model, as `vllm serve MODEL` takes it "
@@ -80,6 +120,19 @@ def add_serve_args(sub) -> None:
                         "same), 'custom' --fingerprint-value, 'none' leaves the field out")
     p.add_argument("--fingerprint-value", default=None, help="the fingerprint of --fingerprint-mode custom")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 only (one device)")
+    p.add_argument("--api-server-count", type=int, default=1, help="1 only (one API server process)")
+    p.add_argument("--config", action=_YamlConfig, default=None,
+                   help="a YAML file of flags (vLLM's: `port: 8001`, `enable-prefix-caching: true`); "
+                        "flags given on the command line win, before or after it")
+    p.add_argument("--middleware", action="append", default=[],
+                   help="MODULE.NAME of an ASGI middleware class or an async `(request, call_next)` "
+                        "function, added to the app (vLLM's; repeatable)")
+    # LoRA adapters are not supported: the flags are accepted so a vLLM command line starts, the
+    # adapters are not loaded, and a request naming one is a 404 like any unknown model
+    p.add_argument("--enable-lora", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--lora-modules", nargs="*", default=None, help=argparse.SUPPRESS)
+    for flag in ("--max-lora-rank", "--max-loras", "--max-cpu-loras"):
+        p.add_argument(flag, type=int, default=None, help=argparse.SUPPRESS)
     # vLLM flags that change nothing here: accepted so `vllm serve` command lines run unchanged
     for flag in ("--enforce-eager", "--trust-remote-code", "--disable-log-requests", "--disable-log-stats",
                  "--disable-frontend-multiprocessing", "--disable-uvicorn-access-log"):
@@ -108,6 +161,8 @@ def build_app(a):
     model = a.model_tag or a.model or "default"
     if a.tensor_parallel_size != 1:
         raise SystemExit(f"serve: --tensor-parallel-size={a.tensor_parallel_size}: this engine runs on one device")
+    if a.api_server_count != 1:
+        raise SystemExit(f"serve: --api-server-count={a.api_server_count}: this server runs one API server process")
     if a.max_logprobs is not None and a.max_logprobs < -1:
         raise SystemExit(f"serve: --max-logprobs={a.max_logprobs}: must be >= 0, or -1 for no limit")
     if a.fingerprint_mode == "custom" and not a.fingerprint_value:
@@ -131,10 +186,12 @@ def build_app(a):
     if a.chat_template is not None:
         if engine.tokenizer is None:
             raise SystemExit("serve: --chat-template: this model has no tokenizer")
-        path = os.path.expanduser(a.chat_template)
-        engine.tokenizer.chat_template = open(path).read() if os.path.isfile(path) else a.chat_template
+        engine.tokenizer.chat_template = read_chat_template(a.chat_template)
+    if a.enable_lora or a.lora_modules:
+        logging.getLogger(__name__).warning("serve: LoRA adapters are not supported; %s not loaded "
+                                            "(requests naming them get a 404)", a.lora_modules or "none")
     served = a.served_model_name
-    return create_app(engine, model_name=served[0] if served else model, max_waiting=a.max_waiting,
+    app = create_app(engine, model_name=served[0] if served else model, max_waiting=a.max_waiting,
                       request_timeout_s=a.request_timeout_s, request_log=a.request_log,
                       served_model_names=served, max_body_bytes=a.max_body_bytes,
                       api_key=a.api_key or os.environ.get("VLLM_API_KEY"), max_logprobs=a.max_logprobs,
@@ -148,6 +205,46 @@ def build_app(a):
                       root_path=a.root_path or "", token_ids_only=a.skip_tokenizer_init,
                       chat_template_content_format=a.chat_template_content_format,
                       fingerprint_mode=a.fingerprint_mode, fingerprint_value=a.fingerprint_value)
+    for name in a.middleware:
+        add_middleware(app, name)
+    return app
+
+
+def read_chat_template(given: str) -> str:
+    """--chat-template: a file's contents, or the template itself. As vLLM, a value that cannot be
+    opened and has none of a Jinja template's characters ('{', '}', a newline) is a mistyped
+    path, refused, never served as a template that prints itself."""
+    import os
+
+    path = os.path.expanduser(given)
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as e:
+        if not any(c in given for c in "{}\n"):
+            raise SystemExit(f"serve: --chat-template {given!r} looks like a file path, but it cannot be "
+                             f"opened ({e.strerror}); give a readable file or the template itself") from None
+        return given
+
+
+def add_middleware(app, name: str) -> None:
+    """--middleware MODULE.NAME: an ASGI middleware class (app.add_middleware) or an async function
+    of (request, call_next) (an HTTP middleware), as vLLM adds them."""
+    import importlib
+    import inspect
+
+    module, _, attr = name.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module), attr) if module else None
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"serve: --middleware {name!r}: cannot be imported ({e})") from None
+    if inspect.isclass(obj):
+        app.add_middleware(obj)
+    elif inspect.iscoroutinefunction(obj):
+        app.middleware("http")(obj)
+    else:
+        raise SystemExit(f"serve: --middleware {name!r}: must name an ASGI middleware class or an async "
+                         "function of (request, call_next)")
 
 
 def run_serve(a: argparse.Namespace) -> int:

@@ -571,6 +571,18 @@ class BatchChatCompletionRequest(_ChatFields):
     choice k * n + j). Not streamed."""
     messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] = Field(min_length=1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_prompt_per_conversation(cls, body):
+        # a KV connector's pre-tokenized prompt is one conversation's: it cannot stand in for several
+        kv = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        many = isinstance(body, dict) and isinstance(body.get("messages"), list) and len(body["messages"]) > 1
+        if many and isinstance(kv, dict) and kv.get("prompt_token_ids") is not None:
+            raise APIError(400, f"kv_transfer_params.prompt_token_ids: one prompt's token ids cannot stand in "
+                                f"for a batch of {len(body['messages'])} conversations",
+                           "kv_transfer_params.prompt_token_ids")
+        return body
+
     def conversations(self) -> list[list[ChatMessage]]:
         return self.messages
 
