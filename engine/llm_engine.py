@@ -166,6 +166,7 @@ class LLMEngine:
         long_prefill_token_threshold: int = 0,
         policy: str = "fcfs",
         seed: int = 0,
+        load_format: str = "auto",
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -180,7 +181,8 @@ class LLMEngine:
         if self.device.type == "cpu":
             _tune_cpu_malloc()
         t_load = time.perf_counter()
-        self.model, self.tokenizer, self.hf_config = load_model(model, self.device, self.dtype)
+        self.model, self.tokenizer, self.hf_config = load_model(model, self.device, self.dtype,
+                                                                load_format=load_format)
         self.model.pack_linears()  # oneDNN-prepacked GEMMs on the CPU (fp32); a no-op elsewhere
         self.model_name = model
         cfg = self.model.config

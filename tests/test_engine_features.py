@@ -137,3 +137,33 @@ def test_generate_cli(capsys):
     args = parser.parse_args(["generate", "--prompt", "x", "--temperature", "-1"])
     assert args.func(args) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_dummy_load_format_gives_a_directory_random_weights(tmp_path):
+    """vLLM's --load-format dummy: a model directory with its config.json and tokenizer but no
+    weight files serves with random weights, its own shape and its own tokenizer; without it the
+    directory is refused for lacking weights."""
+    import shutil
+
+    from engine.llm_engine import LLMEngine
+    from engine.model.loader import resolve_model
+    real = resolve_model("default")
+    for f in real.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            shutil.copy(f, tmp_path / f.name)
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        LLMEngine(model=str(tmp_path), num_gpu_blocks=16, max_model_len=128)
+    with pytest.raises(ValueError, match="load_format='pt'"):
+        LLMEngine(model=str(tmp_path), num_gpu_blocks=16, max_model_len=128, load_format="pt")
+    dummy = LLMEngine(model=str(tmp_path), num_gpu_blocks=16, max_model_len=128, load_format="dummy")
+    ref = LLMEngine(model="default", num_gpu_blocks=16, max_model_len=128)
+    assert dummy.tokenizer is not None and dummy.tokenizer.chat_template == ref.tokenizer.chat_template
+    assert dummy.model.config.num_layers == ref.model.config.num_layers
+    w, w_ref = dummy.model.model.embed_tokens.weight, ref.model.model.embed_tokens.weight
+    assert w.shape == w_ref.shape and not torch.equal(w, w_ref)
+    assert 0.015 < float(w.std()) < 0.025                      # N(0, 0.02), as build_random_model draws
+    dummy.add_request("d", "Hello", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    out = []
+    while dummy.has_unfinished_requests():
+        out += [o for o in dummy.step() if o.finished]
+    assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 3

@@ -235,17 +235,36 @@ def _default_tokenizer_for(vocab_size: int):
         return None
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def load_model(
     model: str = "default",
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     backend: AttentionBackend | None = None,
+    load_format: str = "auto",
 ) -> tuple[LlamaForCausalLM, Any, Any]:
     """(our model in eval mode, HF tokenizer or None if the directory has none, HF config; for
-    random weights the config's fields as attributes)."""
+    random weights the config's fields as attributes). `load_format` "dummy" (vLLM's) gives a
+    local HF directory random weights (build_random_model) with its own config and tokenizer: it
+    needs its config.json, not its weights."""
     _offline()
     from transformers import AutoConfig, AutoTokenizer
 
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r}: must be one of {', '.join(LOAD_FORMATS)}")
+    if load_format == "dummy" and not model.startswith(RANDOM_PREFIX):
+        path = resolve_model(model) if model == "default" else Path(model).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model={model!r} with load_format='dummy': needs a local directory "
+                                    "with a config.json")
+        hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        net = build_random_model(hf_config, device, dtype, seed=0, backend=backend)
+        tokenizer = None
+        if any((path / f).is_file() for f in _TOKENIZER_FILES):
+            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return net, tokenizer, hf_config
     if model.startswith(RANDOM_PREFIX):
         import types
 

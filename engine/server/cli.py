@@ -140,7 +140,10 @@ def add_serve_args(sub) -> None:
     # prompts are always prefilled in chunks of --max-num-batched-tokens
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help=argparse.SUPPRESS)
-    for flag in ("--tokenizer-mode", "--load-format", "--uvicorn-log-level", "--swap-space"):
+    p.add_argument("--load-format", choices=("auto", "safetensors", "dummy"), default="auto",
+                   help="vLLM's: 'dummy' gives the model directory random weights (its config.json and "
+                        "tokenizer, no weight files needed); 'auto' and 'safetensors' read its weights")
+    for flag in ("--tokenizer-mode", "--uvicorn-log-level", "--swap-space"):
         p.add_argument(flag, default=None, help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for the engine (CPU only; default: one per core but one, "
@@ -182,7 +185,8 @@ def build_app(a):
                        max_model_len=a.max_model_len, block_size=a.block_size,
                        num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
                        gpu_memory_utilization=a.gpu_memory_utilization,
-                       enable_prefix_caching=prefix_caching, policy=a.policy, seed=a.seed)
+                       enable_prefix_caching=prefix_caching, policy=a.policy, seed=a.seed,
+                       load_format="dummy" if a.load_format == "dummy" else "auto")
     if a.chat_template is not None:
         if engine.tokenizer is None:
             raise SystemExit("serve: --chat-template: this model has no tokenizer")
