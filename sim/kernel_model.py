@@ -665,8 +665,8 @@ class KernelCostModel(CostModel):
         # uniform and skewed routing at each T). Otherwise the nearest measured shape
         # of the same format and sharding, scaled by the ratio of this model's grouped-GEMM
         # estimate for the two (counted as fallbacks); with expert parallelism and no table of the
-        # format split whole, its sliced table times the bf16 tables' whole/sliced ratio. The estimate: the experts the tokens touch
-        # (ModelSpec.experts_touched: e of them), each expert's weights against its share of the
+        # format split whole, its sliced table times the bf16 tables' whole/sliced ratio. The
+        # estimate: the experts the tokens touch (ModelSpec.experts_touched: e of them), each expert's weights against its share of the
         # T * top-k token rows, as one GEMM of those rows against the touched experts' weights side
         # by side (N = e x the expert's N) from the measured dense GEMM table of the experts' dtype:
         # all touched weights streamed once, one launch. With no table at all, that estimate.
@@ -686,18 +686,16 @@ class KernelCostModel(CostModel):
             dist = (tables or {}).get("moe", {}).get("distribution", "")
             fmt = MOE_FORMATS.get(edt)
             mtp, mep = (1, self.moe_ranks) if self.expert_parallel else (self.moe_ranks, 1)
-            key = f"{fmt}/{m.hidden_size}/{m.moe_intermediate_size}/{m.num_experts_per_tok}/{m.num_experts}/{mtp}/{mep}"
             skewed = (tables or {}).get("moe", {}).get("skewed_tables", {})
             ts = _log_grid(1, 262144)
 
             def measured(f, tp_, ep_):
-                """(microseconds at each T of ts, note, exact) from the tables of format f at
+                """((axes, microseconds) for a Grid, note, exact) from the tables of format f at
                 sharding (tp_, ep_): this shape's table, else the nearest shape's scaled by the
-                estimate's ratio; None without either."""
-                k_ = f"{f}/{m.hidden_size}/{m.moe_intermediate_size}/{m.num_experts_per_tok}/{m.num_experts}/{tp_}/{ep_}"
-                if k_ in mt:
-                    g = Grid(*_moe_reading(mt, skewed, k_, m, dist), None)
-                    return [g(T)[0] for T in ts], k_, True
+                estimate's ratio over ts; None without either."""
+                key = f"{f}/{m.hidden_size}/{m.moe_intermediate_size}/{m.num_experts_per_tok}/{m.num_experts}/{tp_}/{ep_}"
+                if key in mt:
+                    return _moe_reading(mt, skewed, key, m, dist), key, True
                 ref = _nearest_moe_table(mt, f, m, tp_, ep_)
                 if ref is None:
                     return None
@@ -709,24 +707,25 @@ class KernelCostModel(CostModel):
                 for T in ts:
                     q = min(max(T, lo), hi)
                     out.append(rgrid(q)[0] * estimate(m, T)[0] / estimate(rspec, q)[0])
-                return out, f"scaled from {rkey}", False
+                return ([ts], out), f"scaled from {rkey}", False
 
             got = measured(fmt, mtp, mep) if fmt else None
             if got is None and fmt and self.expert_parallel:
                 # No table of this format split whole over the ranks (fp8 blocks are measured with
                 # the experts sliced only): its sliced table (moe_tp = ranks), times what splitting
                 # whole costs over slicing in the bf16 tables, which have both, at each T.
-                sliced = measured(fmt, self.moe_ranks, 1)
-                ep_b, tp_b = measured("bf16", 1, self.moe_ranks), measured("bf16", self.moe_ranks, 1)
-                if sliced is not None and ep_b is not None and tp_b is not None:
-                    got = ([u * e / t for u, e, t in zip(sliced[0], ep_b[0], tp_b[0])],
-                           f"{sliced[1]} x bf16 EP/TP ({ep_b[1]} over {tp_b[1]})", False)
-            if got is not None and got[2]:
-                self.g_moe = Grid(*_moe_reading(mt, skewed, key, m, dist), self._moe_roof)
-                cov["moe"] = key
-            elif got is not None:
-                self.g_moe = Grid([ts], got[0], self._moe_roof, [False] * len(ts))
-                cov["moe"] = got[1]
+                parts = (measured(fmt, self.moe_ranks, 1), measured("bf16", 1, self.moe_ranks),
+                         measured("bf16", self.moe_ranks, 1))
+                if all(x is not None for x in parts):
+                    def over_ts(x):  # a reading at each T of ts (a scaled one already is)
+                        (axes, us), _note, exact = x
+                        return [Grid(axes, us, None)(T)[0] for T in ts] if exact else us
+                    sliced, ep_b, tp_b = map(over_ts, parts)
+                    got = (([ts], [u * e / t for u, e, t in zip(sliced, ep_b, tp_b)]),
+                           f"{parts[0][1]} x bf16 EP/TP ({parts[1][1]} over {parts[2][1]})", False)
+            if got is not None:
+                (axes, us), cov["moe"], exact = got
+                self.g_moe = Grid(axes, us, self._moe_roof, None if exact else [False] * len(axes[0]))
             else:
                 moe, ok_m = [], []
                 for T in ts:

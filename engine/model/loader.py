@@ -250,7 +250,7 @@ def load_model(
     local HF directory random weights (build_random_model) with its own config and tokenizer: it
     needs its config.json, not its weights."""
     _offline()
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r}: must be one of {', '.join(LOAD_FORMATS)}")
@@ -260,11 +260,7 @@ def load_model(
             raise FileNotFoundError(f"model={model!r} with load_format='dummy': needs a local directory "
                                     "with a config.json")
         hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        net = build_random_model(hf_config, device, dtype, seed=0, backend=backend)
-        tokenizer = None
-        if any((path / f).is_file() for f in _TOKENIZER_FILES):
-            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        return net, tokenizer, hf_config
+        return build_random_model(hf_config, device, dtype, seed=0, backend=backend), _dir_tokenizer(path), hf_config
     if model.startswith(RANDOM_PREFIX):
         import types
 
@@ -275,10 +271,15 @@ def load_model(
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     net = _empty_model(ModelConfig.from_hf(hf_config), device, dtype, backend)
     net.load_weights(_safetensors_weights(path))
-    tokenizer = None
-    if any((path / f).is_file() for f in _TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    return net.eval().requires_grad_(False), tokenizer, hf_config
+    return net.eval().requires_grad_(False), _dir_tokenizer(path), hf_config
+
+
+def _dir_tokenizer(path: Path):
+    """The HF tokenizer of a model directory, or None if it has no tokenizer files."""
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 @torch.no_grad()

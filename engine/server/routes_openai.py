@@ -19,6 +19,17 @@ from engine.server.protocol import (APIError, BatchChatCompletionRequest, ChatCo
 from engine.server.receipt import received_elapsed_s
 
 
+def _response_error(e: Exception) -> APIError:
+    """The error of a response that failed while it was produced (answered, or as a stream's last
+    event): a bad value a 400 naming its field, a dead engine a 503 to retry, a failed request a
+    500 in vLLM's words ("Internal server error", which its clients match)."""
+    if isinstance(e, ValueError):
+        return APIError(400, str(e), _field_of(e))
+    if isinstance(e, EngineDead):
+        return APIError(503, str(e), None, type="server_error", headers={"Retry-After": "1"})
+    return APIError(500, f"Internal server error: {e}", None, type="server_error")
+
+
 def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     engine, aeng, tokenizer, pool, vocab_size = ctx.engine, ctx.aeng, ctx.tokenizer, ctx.pool, ctx.vocab_size
     parse, check_chars, children = ctx.parse, ctx.check_chars, ctx.children
@@ -164,16 +175,11 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
             exc = task.exception()
             if exc is not None:
                 raise exc
-        except ValueError as e:
-            raise APIError(400, str(e), _field_of(e)) from None
-        except EngineDead as e:
-            raise APIError(503, str(e), None, type="server_error", headers={"Retry-After": "1"}) from None
-        except RequestFailed as e:  # "Internal server error": vLLM's words, which its clients match
-            raise APIError(500, f"Internal server error: {e}", None, type="server_error") from None
+        except (ValueError, EngineDead, RequestFailed) as e:
+            raise _response_error(e) from None
         outs = [finals[i] for i in range(n)]
         if any(o.outputs[0].finish_reason == "error" for o in outs):
-            raise APIError(500, "Internal server error: the engine failed while producing this response", None,
-                           type="server_error")
+            raise _response_error(RequestFailed("the engine failed while producing this response"))
         choices = [shape.choice(i, o.outputs[0], o.prompt_logprobs) for i, o in enumerate(outs)]
         # vLLM's response fields: OpenAI's service_tier (null here) and system_fingerprint (the
         # server's, left out with --fingerprint-mode none), and a chat's prompt_token_ids
@@ -268,11 +274,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                 yield event([], shape.usage([latest[i] for i in sorted(latest)]))
             yield "data: [DONE]\n\n"
         except (ValueError, EngineDead, RequestFailed) as e:
-            status = 400 if isinstance(e, ValueError) else 503 if isinstance(e, EngineDead) else 500
-            err = APIError(status, f"Internal server error: {e}" if status == 500 else str(e),
-                           _field_of(e) if status == 400 else None,
-                           type="invalid_request_error" if status == 400 else "server_error")
-            yield f"data: {json.dumps(err.body())}\n\n"
+            yield f"data: {json.dumps(_response_error(e).body())}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             await gen.aclose()  # on disconnect: aborts the requests in the engine
