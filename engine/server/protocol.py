@@ -1,7 +1,8 @@
 """OpenAI-compatible request bodies, their validation, and error responses.
 
 Validation is strict: a field of the wrong JSON type is refused, never coerced ("5" is not 5,
-"yes" is not true, Infinity and NaN are not numbers), integers are bounded to 64 bits, and every
+"yes" is not true, 1.5 is not an integer, Infinity and NaN are not numbers; 1.0 is the integer 1,
+as in JSON Schema), integers are bounded to 64 bits, and every
 string must be valid Unicode (no lone surrogates). Fields OpenAI or vLLM define that this server
 does not implement are refused with a 400 naming them, unless they hold the value that means
 "off" (UNSUPPORTED). Unknown fields are ignored, as vLLM does.
@@ -15,7 +16,8 @@ import types
 import uuid
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator,
+                      model_validator)
 
 from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -151,7 +153,7 @@ def check_unsupported(body: dict) -> None:
     for name, is_off in UNSUPPORTED.items():
         if name in body and not is_off(body[name]):
             raise APIError(400, f"{name}={_short(body[name])}: not supported by this server", name)
-    n = body.get("n", 1)
+    n = 1 if body.get("n") is None else body["n"]
     best_of = body.get("best_of")
     if best_of is not None and best_of != n:
         raise APIError(400, f"best_of={_short(best_of)}: not supported by this server (only best_of == n)",
@@ -172,11 +174,18 @@ class _Strict(BaseModel):
     def _json_bool_strings(cls, data: Any) -> Any:
         """A boolean field also takes the strings "true" and "false" (vLLM's lax parsing takes
         them, and its own tests send `"logprobs": "true"`); any other string or a number stays a
-        type error naming the field."""
+        type error naming the field. An integer field, or a list of integers, takes a number
+        without a fractional part (`1.0`), which JSON Schema's "integer" includes and vLLM takes."""
         if isinstance(data, dict):
             for name in _bool_fields(cls):
                 if data.get(name) in ("true", "false"):
                     data = {**data, name: data[name] == "true"}
+            for name in _int_fields(cls):
+                v = data.get(name)
+                if _integral(v):
+                    data = {**data, name: int(v)}
+                elif isinstance(v, list) and any(_integral(x) for x in v):
+                    data = {**data, name: [int(x) if _integral(x) else x for x in v]}
         return data
 
     @classmethod
@@ -198,6 +207,24 @@ class _Strict(BaseModel):
 
 
 _BOOL_STRINGS = {"type": "string", "enum": ["true", "false"]}
+
+
+def _integral(v: Any) -> bool:
+    """A float with no fractional part, small enough to be exact (|v| < 2**53)."""
+    return isinstance(v, float) and v.is_integer() and abs(v) < 2 ** 53
+
+
+def _has_int(annotation: Any) -> bool:
+    """int is in the annotation: int, Annotated[int, ...], list[int], int | None, ..."""
+    if annotation is int:
+        return True
+    return any(_has_int(a) for a in get_args(annotation) if a is not bool)
+
+
+@functools.cache
+def _int_fields(model: type[BaseModel]) -> tuple[str, ...]:
+    """The fields of `model` whose type holds an integer (int, list[int], optional or bounded)."""
+    return tuple(name for name, f in model.model_fields.items() if _has_int(f.annotation))
 
 
 @functools.cache
@@ -230,7 +257,7 @@ class _Common(_Strict):
     # vLLM's: which end truncate_prompt_tokens cuts ("left", the default: keep the last tokens;
     # "right": keep the first)
     truncation_side: Literal["left", "right"] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1   # null: 1 (OpenAI's field is nullable)
     best_of: I64 | None = None
     stop: StopField = None            # str | list[str] | None, checked in stop_strings()
     stop_token_ids: list[Annotated[int, Field(ge=0, le=(1 << 63) - 1)]] | None = None
@@ -269,6 +296,11 @@ class _Common(_Strict):
             raise APIError(400, "logprob_token_ids=[]: must not be an empty list (leave it out, or give "
                                 "the token ids whose log-probabilities to report)", "logprob_token_ids")
         return data
+
+    @field_validator("n")
+    @classmethod
+    def _null_n_is_one(cls, v: int | None) -> int:
+        return 1 if v is None else v
 
     @model_validator(mode="after")
     def _no_prompt_logprobs_on_a_stream(self):
@@ -639,7 +671,8 @@ def validate_model(cls, body: dict):
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An integer of JSON: an int (not a bool), or a float with no fractional part."""
+    return (isinstance(x, int) and not isinstance(x, bool)) or _integral(x)
 
 
 def token_ids(ids: list, vocab_size: int, name: str) -> list[int]:
@@ -649,7 +682,7 @@ def token_ids(ids: list, vocab_size: int, name: str) -> list[int]:
             raise APIError(400, f"{name}: token id {t} is negative (must be greater than or equal to 0)", name)
         if t >= vocab_size:
             raise APIError(400, f"{name}: token id {t} is out of vocabulary (not in [0, {vocab_size}))", name)
-    return list(ids)
+    return [int(t) for t in ids]
 
 
 def new_id(prefix: str) -> str:
