@@ -313,3 +313,61 @@ def test_lora_flags_start_and_extra_api_servers_are_refused():
     assert a.enable_lora and a.lora_modules == ["adapter=/some/dir"] and a.api_server_count == 1
     with pytest.raises(SystemExit, match="api-server-count=2"):
         build_app(parser.parse_args(["serve", MODEL, "--device", "cpu", "--api-server-count", "2"]))
+
+
+def test_a_unix_socket_server_sleeps_and_wakes(tmp_path):
+    """`servetwin serve --uds PATH --enable-sleep-mode` with VLLM_SERVER_DEV_MODE=1, as vLLM's
+    tests start it: it answers on the socket; POST /sleep pauses the engine (a request sent while
+    asleep waits, then finishes after /wake_up); /is_sleeping says which; a level other than 1 or
+    2 is a 400. A hub --revision is accepted and named in the log as ignored."""
+    import os
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from tests.test_server_schema import TINY
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY))
+    sock = tmp_path / "serve.sock"
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "scenarios.cli", "serve", f"random:{cfg}", "--device", "cpu",
+                                 "--uds", str(sock), "--enable-sleep-mode", "--revision", "abc123", "--threads", "1",
+                                 "--max-model-len", "128", "--num-gpu-blocks", "64"],
+                                env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, stdout=log, stderr=log)
+    client = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://servetwin", timeout=60)
+    try:
+        deadline = time.time() + 240
+        while True:
+            assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
+            try:
+                if client.get("/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        assert client.post("/sleep", data={"level": "1"}).status_code == 200
+        assert client.get("/is_sleeping").json() == {"is_sleeping": True}
+        answer = {}
+        asleep = threading.Thread(target=lambda: answer.update(r=client.post("/v1/completions", json={
+            "prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True})))
+        asleep.start()
+        asleep.join(1.5)
+        assert asleep.is_alive() and not answer  # no step runs while asleep
+        assert client.post("/wake_up").status_code == 200
+        asleep.join(60)
+        assert answer["r"].status_code == 200 and answer["r"].json()["usage"]["completion_tokens"] == 3
+        assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+        r = client.post("/sleep", params={"level": "3"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "level"
+        assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        client.close()
+    assert "--revision abc123 ignored" in log_path.read_text()
+
+
+def test_sleep_routes_exist_in_development_mode_only(srv):
+    assert httpx.post(srv["url"] + "/sleep").status_code == 404
+    assert httpx.get(srv["url"] + "/is_sleeping").status_code == 404

@@ -179,7 +179,8 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
                force_include_usage: bool = False, tokenizer_info: bool = False,
                hidden_metrics: bool = False, root_path: str = "", token_ids_only: bool = False,
                chat_template_content_format: str = "auto", fingerprint_mode: str = "full",
-               fingerprint_value: str | None = None) -> FastAPI:
+               fingerprint_value: str | None = None, dev_mode: bool = False,
+               sleep_mode: bool = False) -> FastAPI:
     """`engine` is an LLMEngine; the app owns its loop thread (started with the app). The routes
     live in routes_openai.py and routes_misc.py, the state they share in context.py. vLLM's
     server options: `api_key` (the /v1/ routes need it), `max_logprobs` (the most a request may
@@ -192,7 +193,9 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
     `token_ids_only` (--skip-tokenizer-init: text prompts and messages get a 400),
     `chat_template_content_format` (how message content reaches the chat template: "string", one
     string; "openai", a list of content parts; "auto", read from the template as vLLM does),
-    `fingerprint_mode` / `fingerprint_value` (the answers' system_fingerprint: system_fingerprint())."""
+    `fingerprint_mode` / `fingerprint_value` (the answers' system_fingerprint: system_fingerprint()),
+    `dev_mode` (vLLM's VLLM_SERVER_DEV_MODE routes: /sleep, /wake_up, /is_sleeping) and
+    `sleep_mode` (--enable-sleep-mode: /sleep may pause the engine)."""
     ctx = ServerContext(engine, model_name, max_waiting, request_timeout_s, request_log,
                         served_model_names, max_body_bytes, tokenizer_workers, max_logprobs,
                         prompt_tokens_details, return_tokens_as_token_ids, force_include_usage,
@@ -240,7 +243,7 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
         field = ".".join(str(x) for x in first.get("loc", ())) or "body"
         return _error(APIError(400, f"{field}: {first.get('msg', 'invalid')}", field))
 
-    add_misc_routes(app, ctx, tokenizer_info=tokenizer_info)
+    add_misc_routes(app, ctx, tokenizer_info=tokenizer_info, dev_mode=dev_mode, sleep_mode=sleep_mode)
     add_openai_routes(app, ctx)
     if load_tracking:
         app.state.server_load = 0

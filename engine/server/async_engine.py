@@ -6,6 +6,7 @@
     async for out in stream  <-- outputs ----    engine.step() -> deliver to each request's queue
     disconnect / timeout --- ("abort", id) -->   engine.abort_request (KV blocks freed at once)
     /reset_prefix_cache  --- ("call", fn) --->   fn(engine), result handed back
+    /sleep, /wake_up     --- ("call", fn) --->   no step while asleep (sleep_level > 0)
 
 Only the engine thread touches the LLMEngine (scheduler, runner, detokenizer). Outputs are handed
 to the event loop with call_soon_threadsafe.
@@ -112,6 +113,10 @@ class AsyncEngine:
         self._log_lock = threading.Lock()
         self._first_sent: dict[str, float] = {}
         self._unsent: dict[str, object] = {}
+        # vLLM's sleep mode (/sleep, /wake_up): while above 0 the loop takes no step; requests
+        # wait (running ones keep their KV blocks) and go on after wake_up. Set on the engine
+        # thread, read by the HTTP side.
+        self.sleep_level = 0
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -214,6 +219,21 @@ class AsyncEngine:
         """Abort a request (of `group`, if given: a refused group's id may belong to another
         live request, which must not be touched)."""
         self._cmds.put(("abort", request_id, group))
+
+    async def sleep(self, level: int) -> None:
+        """vLLM's sleep: no step runs until wake_up(). The prefix cache is emptied if no request
+        holds KV blocks, as vLLM discards the KV cache when it sleeps; the weights stay loaded at
+        every level (vLLM offloads them at level 1 and drops them at level 2 to free device
+        memory, which this server does not)."""
+        def fall_asleep(eng):
+            self.sleep_level = level
+            eng.reset_prefix_cache()
+        await self.call(fall_asleep)
+
+    async def wake_up(self) -> None:
+        def wake(_eng):
+            self.sleep_level = 0
+        await self.call(wake)
 
     async def call(self, fn):
         """Run fn(engine) on the engine thread, between steps; return its result."""
@@ -382,7 +402,7 @@ class AsyncEngine:
         eng = self.engine
         try:
             while not self._stop.is_set():
-                busy = eng.has_unfinished_requests()
+                busy = eng.has_unfinished_requests() and not self.sleep_level
                 try:
                     cmd = self._cmds.get(block=not busy, timeout=None if busy else 0.5)
                     self._handle(cmd)
@@ -397,6 +417,8 @@ class AsyncEngine:
                         logger.info("request %s timed out after %.0f s: aborted", rid, self.request_timeout_s)
                         self._abort(rid, timed_out=True)
                         self._sync_waiting()
+                if self.sleep_level:
+                    continue
                 if not eng.has_unfinished_requests():
                     if self.metrics is not None:  # idle: gauges say so
                         self.metrics.refresh(eng)

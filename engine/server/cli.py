@@ -145,6 +145,20 @@ def add_serve_args(sub) -> None:
                         "tokenizer, no weight files needed); 'auto' and 'safetensors' read its weights")
     for flag in ("--tokenizer-mode", "--uvicorn-log-level", "--swap-space"):
         p.add_argument(flag, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--uds", default=None, help="listen on this Unix domain socket instead of --host/--port "
+                   "(vLLM's)")
+    p.add_argument("--enable-sleep-mode", action="store_true",
+                   help="vLLM's: with VLLM_SERVER_DEV_MODE=1, POST /sleep pauses the engine until POST "
+                        "/wake_up (the prefix cache is emptied; the weights stay loaded)")
+    # a Hugging Face hub revision: this server reads local files only (nothing is downloaded)
+    for flag in ("--revision", "--tokenizer-revision", "--code-revision"):
+        p.add_argument(flag, default=None, help=argparse.SUPPRESS)
+    # prompt embeddings are not supported: accepted so the command line starts; requests with
+    # prompt_embeds get a 400
+    p.add_argument("--enable-prompt-embeds", action="store_true", help=argparse.SUPPRESS)
+    # steps are scheduled one after another here, as vLLM's --no-async-scheduling
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for the engine (CPU only; default: one per core but one, "
                         "which is left to the HTTP side: event loop, tokenizer workers, SSE)")
@@ -191,6 +205,14 @@ def build_app(a):
         if engine.tokenizer is None:
             raise SystemExit("serve: --chat-template: this model has no tokenizer")
         engine.tokenizer.chat_template = read_chat_template(a.chat_template)
+    for flag, value in (("--revision", a.revision), ("--tokenizer-revision", a.tokenizer_revision),
+                        ("--code-revision", a.code_revision)):
+        if value is not None:
+            logging.getLogger(__name__).warning("serve: %s %s ignored: the model is read from local files, "
+                                                "as they are", flag, value)
+    if a.enable_prompt_embeds:
+        logging.getLogger(__name__).warning("serve: prompt embeddings are not supported; requests with "
+                                            "prompt_embeds get a 400")
     if a.enable_lora or a.lora_modules:
         logging.getLogger(__name__).warning("serve: LoRA adapters are not supported; %s not loaded "
                                             "(requests naming them get a 404)", a.lora_modules or "none")
@@ -208,7 +230,8 @@ def build_app(a):
                       hidden_metrics=a.show_hidden_metrics_for_version is not None,
                       root_path=a.root_path or "", token_ids_only=a.skip_tokenizer_init,
                       chat_template_content_format=a.chat_template_content_format,
-                      fingerprint_mode=a.fingerprint_mode, fingerprint_value=a.fingerprint_value)
+                      fingerprint_mode=a.fingerprint_mode, fingerprint_value=a.fingerprint_value,
+                      dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1", sleep_mode=a.enable_sleep_mode)
     for name in a.middleware:
         add_middleware(app, name)
     return app
@@ -268,6 +291,7 @@ def run_serve(a: argparse.Namespace) -> int:
     # Arrival is stamped when the parser meets a request's first bytes, not when its handler runs.
     if a.shutdown_timeout is not None and a.shutdown_timeout < 0:
         raise SystemExit(f"serve: --shutdown-timeout={a.shutdown_timeout}: must be >= 0")
-    uvicorn.run(app, host=a.host, port=a.port, log_level="info", http=http_protocol(),
+    where = {"uds": a.uds} if a.uds else {"host": a.host, "port": a.port}
+    uvicorn.run(app, **where, log_level="info", http=http_protocol(),
                 timeout_graceful_shutdown=a.shutdown_timeout)
     return 0

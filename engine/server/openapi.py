@@ -75,6 +75,11 @@ RESPONSES: dict[tuple[str, str], dict[int, tuple]] = {
                         400: ("the body is not a JSON object", (R.ErrorResponse,), None),
                         503: ("the engine has stopped (no body)", None, None)},
     ("/metrics", "get"): {200: ("Prometheus text format", "text", None)},
+    # development mode only (VLLM_SERVER_DEV_MODE=1)
+    ("/sleep", "post"): {200: ("asleep: no step runs until /wake_up (no body)", None, None),
+                         400: ("sleep mode is off, or `level` is not 1 or 2", (R.ErrorResponse,), None)},
+    ("/wake_up", "post"): {200: ("awake (no body)", None, None)},
+    ("/is_sleeping", "get"): {200: (_OK, (R.IsSleeping,), None)},
 }
 
 
@@ -111,6 +116,8 @@ def install_openapi(app: FastAPI) -> None:
                 "required": True, "content": {"application/json": {"schema": _one_of([_ref(schemas, m)
                                                                                       for m in models])}}}
         for (path, method), statuses in RESPONSES.items():
+            if path not in doc["paths"]:  # a route of a mode this app is not in
+                continue
             op = doc["paths"][path][method]
             out = {}
             for status, (desc, models, chunk) in statuses.items():

@@ -234,5 +234,9 @@ class HealthError(_Body):
     error: str
 
 
+class IsSleeping(_Body):
+    is_sleeping: bool
+
+
 class Version(_Body):
     version: str

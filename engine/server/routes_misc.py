@@ -1,5 +1,5 @@
 """Routes beside generation: health, ping, version, Prometheus metrics, models, prefix-cache reset,
-tokenize and detokenize (vLLM's)."""
+tokenize and detokenize, and in development mode sleep, wake_up and is_sleeping (vLLM's)."""
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
@@ -40,7 +40,8 @@ def tokenizer_info_body(tok, max_model_len: int) -> dict:
     return info
 
 
-def add_misc_routes(app: FastAPI, ctx: ServerContext, tokenizer_info: bool = False) -> None:
+def add_misc_routes(app: FastAPI, ctx: ServerContext, tokenizer_info: bool = False,
+                    dev_mode: bool = False, sleep_mode: bool = False) -> None:
     aeng, metrics, names, max_model_len = ctx.aeng, ctx.metrics, ctx.names, ctx.max_model_len
     tokenizer, pool, vocab_size = ctx.tokenizer, ctx.pool, ctx.vocab_size
     read_json, check_chars = ctx.read_json, ctx.check_chars
@@ -89,6 +90,27 @@ def add_misc_routes(app: FastAPI, ctx: ServerContext, tokenizer_info: bool = Fal
             raise APIError(409, "the prefix cache cannot be reset while requests hold KV blocks; "
                                 "retry when idle", None, code="busy")
         return Response(status_code=200)
+
+    if dev_mode:  # vLLM's development routes (VLLM_SERVER_DEV_MODE=1)
+        @app.post("/sleep")
+        async def sleep(request: Request):
+            """Pause the engine (AsyncEngine.sleep); `level` (1 or 2) as a query parameter."""
+            if not sleep_mode:
+                raise APIError(400, "sleep mode is not enabled: start the server with --enable-sleep-mode", None)
+            level = request.query_params.get("level", "1")
+            if level not in ("1", "2"):
+                raise APIError(400, f"level={level!r}: must be 1 or 2", "level")
+            await aeng.sleep(int(level))
+            return Response(status_code=200)
+
+        @app.post("/wake_up")
+        async def wake_up(request: Request):
+            await aeng.wake_up()
+            return Response(status_code=200)
+
+        @app.get("/is_sleeping")
+        async def is_sleeping():
+            return {"is_sleeping": aeng.sleep_level > 0}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
