@@ -21,8 +21,9 @@ instead of being prefilled in one step every time.
 
 `output_s` is the same for every token, so it shifts a request's token times: TTFT and E2E grow
 by it, TPOT and ITL do not change. The batch effect (the front end handles a step's outputs one
-request after another) is not modelled; `summary["client"]["frontend_busy_fraction"]` says how
-loaded the front-end process was (near or above 1 it, not the GPU, limits the run).
+request after another) is not modelled; `summary["client"]["tokenizer_busy_fraction"]` says how
+loaded the API server's tokenization was, the one front-end stage queued here (near 1 it, not the
+GPU, limits the run).
 
 Defaults (HTTP_DEFAULTS): vllm bench serve against vllm serve on one host, from public component
 costs, not fitted to any serving benchmark: FastAPI/uvicorn + pydantic request handling and ZMQ

@@ -366,11 +366,11 @@ class Simulation:
 
     def _client_summary(self, summary: dict) -> None:
         c = self.client
-        busy = (c.http_s * len(self.records)
-                + c.tokenize_s_per_token * sum(r.num_prompt_tokens for r in self.records)
-                + c.output_s * sum(r.num_output_tokens for r in self.records))
+        # http_s and output_s are latencies, not work on a shared process: only tokenization is
+        # queued (first come, first served), so only its load is a load
+        busy = c.tokenize_s_per_token * sum(r.num_prompt_tokens for r in self.records)
         summary["client"] = {**c.describe(), "warmup_requests": len(self.warmup_records),
-                             "frontend_busy_fraction": busy / summary["duration_s"]}
+                             "tokenizer_busy_fraction": busy / summary["duration_s"]}
 
     def collect(self, wall_s: float) -> SimResult:
         self._client_times()

@@ -96,7 +96,7 @@ def test_output_delay_shifts_ttft_and_e2e_not_tpot():
 
 
 def test_frontend_tokenizes_one_request_at_a_time():
-    # Ten prompts sent at once: the engine sees them tokenize_s_per_token * 1000 apart.
+    # Ten prompts sent at once: the engine sees them tokenize_s_per_token * 1024 apart.
     client = ClientModel(http_s=0.001, tokenize_s_per_token=1e-5)
     sim = Simulation(build_workload(closed(10, 10, {"think_s": 0.0, "http_s": 0.001, "http_cv": 0.0,
                                                     "tokenize_s_per_token": 1e-5, "output_s": 0.0}), 0),
@@ -104,9 +104,13 @@ def test_frontend_tokenizes_one_request_at_a_time():
     assert sim.client == client
     sim.run()
     # queue_s = first scheduled - send: at least http + its place in the tokenizer's queue.
-    q = np.sort(sim.collect(0.0).request_table["queue_s"])
+    res = sim.collect(0.0)
+    q = np.sort(res.request_table["queue_s"])
     assert q[0] >= 0.001 + 0.01 - 1e-12
     assert q[-1] >= 0.001 + 0.1 - 1e-12
+    # the tokenizer's load: 10 prompts x 1024 tokens x 10 us over the run (http_s is a latency)
+    assert res.summary["client"]["tokenizer_busy_fraction"] == pytest.approx(10 * 1024 * 1e-5
+                                                                             / res.summary["duration_s"])
 
 
 @pytest.mark.parametrize("spec", [closed(6, 40), {"benchmark": {"concurrency": 6, "isl": 200, "osl": 40,
