@@ -542,14 +542,19 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
     DeviceSpec("b200", 183359 * MiB, 8.0e12, 2250e12, 900e9, fp8_flops=4500e12, kernel_tables="b200_sxm"),
     DeviceSpec("a100-80g", 80 * GiB, 2.039e12, 312e12, 300e9, kernel_tables="a100_sxm"),
     DeviceSpec("a100-40g", 40 * GiB, 1.555e12, 312e12, 300e9),
-    DeviceSpec("l40s", 48 * GiB, 0.864e12, 362e12, 32e9, 10e-6, fp8_flops=733e12, kernel_tables="l40s"),
-    DeviceSpec("a10g", 24 * GiB, 0.6e12, 125e12, 16e9, 10e-6),
+    # memory as nvidia-smi reports it (memory.total, ECC on), which is what vLLM's pool is sized
+    # from: an L40S holds 46068 MiB of its 48 GB, an A10G 23028 MiB of its 24 GB
+    DeviceSpec("l40s", 46068 * MiB, 0.864e12, 362e12, 32e9, 10e-6, fp8_flops=733e12, kernel_tables="l40s"),
+    DeviceSpec("a10g", 23028 * MiB, 0.6e12, 125e12, 16e9, 10e-6),
     DeviceSpec("cpu-2core", 24 * GiB, 20e9, 100e9, 10e9, 20e-6),
 ]}
 _DEVICE_ALIASES = {"h100": "h100-sxm", "h100-sxm5": "h100-sxm", "h100-80gb": "h100-sxm",
                    "h200-sxm": "h200", "h200-141gb": "h200", "b200-sxm": "b200", "b200-180gb": "b200",
                    "a100": "a100-80g", "a100-sxm": "a100-80g", "a100-80gb": "a100-80g",
-                   "a100-40gb": "a100-40g"}
+                   "a100-40gb": "a100-40g",
+                   # nvidia-smi's product names (NVIDIA dropped by _device_key)
+                   "h100-80gb-hbm3": "h100-sxm", "h100-sxm5-80gb": "h100-sxm", "h200-141gb-hbm3e": "h200",
+                   "a100-sxm4-80gb": "a100-80g", "a100-sxm4-40gb": "a100-40g"}
 _MODEL_SUFFIXES = ("-instruct", "-chat", "-hf", "-base", "-it")
 
 
@@ -572,8 +577,8 @@ def _model_key(name: str) -> tuple[str, bool]:
 
 
 def _device_key(name: str) -> str:
-    k = name.strip().lower().replace("_", "-").replace(" ", "-")
-    k = k.removeprefix("nvidia-")
+    k = name.strip().lower().replace("(", "").replace(")", "").replace("_", "-").replace(" ", "-")
+    k = k.removeprefix("nvidia-").removesuffix("-sxm") if k.startswith("nvidia-") else k
     return _DEVICE_ALIASES.get(k, k)
 
 

@@ -138,3 +138,15 @@ def test_block_fp8_checkpoint_is_its_own_weight_format():
     assert blk.weight_bytes == per_tensor.weight_bytes and blk.kv_dtype == "bfloat16"
     k = KernelCostModel(get_model("qwen3-32b").with_dtypes(weight_dtype="fp8_block"), "h200", 2)
     assert k.describe()["table_coverage"]["gemm"] is True
+
+
+@pytest.mark.parametrize("product, name, mib", [
+    ("NVIDIA H100 80GB HBM3", "h100-sxm", 81559), ("NVIDIA A100-SXM4-80GB", "a100-80g", 81920),
+    ("NVIDIA A100-SXM4-40GB", "a100-40g", 40960), ("NVIDIA L40S", "l40s", 46068), ("NVIDIA A10G", "a10g", 23028)])
+def test_devices_by_nvidia_smi_name_with_its_memory_total(product, name, mib):
+    """nvidia-smi's product name finds the device, whose memory is nvidia-smi's memory.total (the
+    pool vLLM sizes from), not the marketing size: an L40S's 48 GB are 46068 MiB with ECC."""
+    dev = get_device(product)
+    assert dev.name == name and dev.memory_bytes == mib * 2 ** 20
+    with pytest.raises(ScenarioError, match="H100 PCIe"):  # another part: never read as the SXM one
+        parse_scenario({"deployment": {"model": "llama-3.1-8b", "device": "NVIDIA H100 PCIe"}, "workload": WORKLOAD})
