@@ -27,6 +27,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _settles(engine, timeout_s: float = 30.0) -> bool:
+    """Whether, within timeout_s, the engine holds no request and every KV block is free again."""
+    kvm = engine.scheduler.kv_cache_manager
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and (engine.has_unfinished_requests()
+                                      or kvm.num_free_blocks != kvm.num_usable_blocks):
+        time.sleep(0.1)
+    return not engine.has_unfinished_requests() and kvm.num_free_blocks == kvm.num_usable_blocks
+
+
 class _Server:
     def __init__(self, app, port):
         # The HTTP protocol `servetwin serve` runs (arrival stamped at the request's first bytes).
@@ -242,13 +252,7 @@ def test_load_with_disconnects_frees_everything(served, client):
     results = asyncio.run(main())
     assert results.count("hung_up") == 20 and results.count("done") == 80
     # Every request ends completed or aborted, and the KV pool returns to full.
-    deadline = time.time() + 30
-    kvm = engine.scheduler.kv_cache_manager
-    while time.time() < deadline and (engine.has_unfinished_requests()
-                                      or kvm.num_free_blocks != kvm.num_usable_blocks):
-        time.sleep(0.1)
-    assert not engine.has_unfinished_requests()
-    assert kvm.num_free_blocks == kvm.num_usable_blocks
+    assert _settles(engine)
     metrics = httpx.get(served["url"] + "/metrics").text
     aborted = [line for line in metrics.splitlines()
                if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' in line]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import httpx
 import jsonschema
@@ -26,6 +25,7 @@ from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 from pydantic import TypeAdapter
 
+from tests.test_server import _settles
 from tests.test_server_schema import TINY, tiny_served  # noqa: F401 (the fixture)
 
 REF = "#/components/schemas/{model}"
@@ -173,13 +173,7 @@ def test_requests_of_openai_types_get_no_5xx_and_answers_in_openai_schema(tiny_s
     assert not failures, "\n\n".join(failures[:5])
     # the generated requests reached the model, not only the validation
     assert all(statuses.get((p, 200), 0) >= 3 for p in doc["paths"]), statuses
-    engine = tiny_served["engine"]
-    kvm = engine.scheduler.kv_cache_manager
-    deadline = time.time() + 30
-    while time.time() < deadline and (engine.has_unfinished_requests()
-                                      or kvm.num_free_blocks != kvm.num_usable_blocks):
-        time.sleep(0.1)
-    assert kvm.num_free_blocks == kvm.num_usable_blocks
+    assert _settles(tiny_served["engine"])
 
 
 def _nullable(doc: dict, prop: dict) -> bool:

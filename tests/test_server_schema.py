@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import httpx
 import jsonschema
@@ -18,7 +17,7 @@ import pytest
 
 from engine.llm_engine import LLMEngine
 from engine.server.app import create_app
-from tests.test_server import _free_port, _Server
+from tests.test_server import _free_port, _Server, _settles
 
 MODEL = "default"
 TINY = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 32, "intermediate_size": 64,
@@ -278,11 +277,5 @@ def test_schema_fuzzer_finds_no_500_and_no_schema_violation(tiny_served):
     # every operation with a body got that many examples (the others have one request to make)
     assert all(calls.get(op.label, 0) >= 16 for op in ops if op.method == "post" and op.path != "/ping"), calls
     assert not failures, "\n\n".join(failures[:5])
-    engine = tiny_served["engine"]
-    kvm = engine.scheduler.kv_cache_manager
-    deadline = time.time() + 30
-    while time.time() < deadline and (engine.has_unfinished_requests()
-                                      or kvm.num_free_blocks != kvm.num_usable_blocks):
-        time.sleep(0.1)
-    assert not engine.has_unfinished_requests() and kvm.num_free_blocks == kvm.num_usable_blocks
+    assert _settles(tiny_served["engine"])
     assert httpx.get(tiny_served["url"] + "/health").json() == {"status": "ok"}
