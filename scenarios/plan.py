@@ -277,7 +277,7 @@ def prune_reason(data: dict, cand: dict, longest: int, base_dir=None) -> str | N
                     "deployment.interconnect to plan it")
         m = memory_report(model, device, tp, util, bs, data_parallel=dp)
         if not m["fits"]:
-            return (f"weights {m['weight_bytes_per_gpu'] / 1e9:.1f} GB per GPU at tp={tp} + reserve "
+            return (f"model {m['loaded_bytes_per_gpu'] / 1e9:.1f} GB per GPU at tp={tp} + reserve "
                     f"{m['reserve_bytes'] / 1e9:.1f} GB leave no KV cache in {m['usable_bytes'] / 1e9:.1f} GB "
                     f"({device.name} x {util})")
         if dep.get("num_gpu_blocks") is None and m["kv_tokens"] < longest:

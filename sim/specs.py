@@ -83,6 +83,9 @@ class ModelSpec:
     # most sliding_window tokens per request, so the per-token KV counts the other layers only.
     sliding_window: int = 0
     num_sliding_layers: int = 0
+    # A vision encoder and projector loaded with the model (Llama-4's checkpoints are multimodal):
+    # its weights, in the activation dtype, split by TP; no text step reads them
+    vision_params: int = 0
 
     def __post_init__(self) -> None:
         for key in ("weight_dtype", "kv_dtype", "act_dtype"):
@@ -258,7 +261,26 @@ class ModelSpec:
         heads; MLA's latent down projection replicated), routed experts sharded (by TP or EP)
         over `expert_ranks` GPUs (default tp; tp x dp with data-parallel attention), embeddings
         and LM head sharded by vocabulary, norms and the router replicated."""
-        return self.dense_weight_bytes_per_gpu(tp) + self.expert_weight_bytes_per_gpu(expert_ranks or tp)
+        return (self.dense_weight_bytes_per_gpu(tp) + self.expert_weight_bytes_per_gpu(expert_ranks or tp)
+                + self.vision_bytes_per_gpu(tp))
+
+    def vision_bytes_per_gpu(self, tp: int = 1) -> int:
+        """A vision encoder's weights on one GPU (split by TP); no text step reads them."""
+        return -(-self.vision_params // tp) * self.act_dtype_bytes
+
+    def loaded_bytes_per_gpu(self, tp: int = 1, expert_ranks: int | None = None) -> int:
+        """One GPU's memory once the model is loaded, as vLLM logs it ("Model loading took"): the
+        weights; MXFP4 experts as vLLM's MoE kernels hold them, the hidden size padded to a
+        multiple of 256 (gpt-oss: 2880 -> 3072); and the rotary embedding's cos/sin cache, which
+        vLLM precomputes for max_position_embeddings positions in the activation dtype on every
+        rank (2.5 GiB for Llama-4's 10M positions)."""
+        pad = 0
+        if (self.expert_dtype or self.weight_dtype) == "mxfp4":
+            pad = self.expert_weight_bytes_per_gpu(expert_ranks or tp) * (
+                -(-self.hidden_size // 256) * 256 / self.hidden_size - 1)
+        rotary = self.qk_rope_head_dim if self.is_mla else self.head_dim
+        rope = self.max_position_embeddings * rotary * self.act_dtype_bytes
+        return int(self.weight_bytes_per_gpu(tp, expert_ranks) + pad + rope)
 
     def dense_weight_bytes_per_gpu(self, tp: int = 1) -> int:
         """All weights but the routed experts, on one GPU."""
@@ -278,10 +300,10 @@ class ModelSpec:
 
     def weight_read_bytes_per_gpu(self, tp: int = 1) -> int:
         """Weights one forward streams from HBM: all but the input embedding, which is a gather of
-        a few rows (a tied LM head still reads the whole table); every routed expert (a step reads
-        those its tokens touch: experts_touched)."""
+        a few rows (a tied LM head still reads the whole table), and a vision encoder; every
+        routed expert (a step reads those its tokens touch: experts_touched)."""
         emb = 0 if self.tie_word_embeddings else -(-self.vocab_size // tp) * self.hidden_size * self.dense_dtype_bytes
-        return self.weight_bytes_per_gpu(tp) - emb
+        return self.weight_bytes_per_gpu(tp) - emb - self.vision_bytes_per_gpu(tp)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -363,6 +385,28 @@ def _quantization(cfg: dict) -> tuple[str | None, str]:
                      "blocks, mxfp4 experts, compressed-tensors fp8 or int4 experts)")
 
 
+def _keeps_attention_unquantized(q: dict | None) -> bool:
+    """A compressed-tensors checkpoint whose `ignore` list leaves the attention projections in 16
+    bits (RedHat's FP8-dynamic Llama-4 ignores "re:.*self_attn")."""
+    ignore = (q or {}).get("ignore") or []
+    return any("self_attn" in str(x) for x in ignore)
+
+
+def llama4_vision_params(vc: dict | None, text_hidden: int) -> int:
+    """Weights of Llama-4's vision encoder (ViT layers with biases, patch and position
+    embeddings), its pixel-shuffle adapter and the projector into the text model, counted from
+    vision_config (Scout and Maverick: about 0.87 B)."""
+    if not vc or not vc.get("num_hidden_layers"):
+        return 0
+    h, i, L = vc["hidden_size"], vc["intermediate_size"], vc["num_hidden_layers"]
+    layer = 4 * (h * h + h) + 2 * h * i + i + h + 4 * h          # q/k/v/o, fc1/fc2, two LayerNorms
+    patches = (vc.get("image_size", 336) // vc["patch_size"]) ** 2 + 1
+    embed = vc.get("num_channels", 3) * vc["patch_size"] ** 2 * h + patches * h + h + 4 * h
+    shuffled = int(h / vc.get("pixel_shuffle_ratio", 0.5) ** 2)
+    adapter = shuffled * vc["projector_input_dim"] + vc["projector_input_dim"] * vc["projector_output_dim"]
+    return L * layer + embed + adapter + vc["vision_output_dim"] * text_hidden
+
+
 def hf_config_fields(cfg: dict) -> dict:
     """ModelSpec fields from a HF config.json: dense Llama, Mistral, Qwen2 and Qwen3 decoders, and
     the mixtures of experts Mixtral, Qwen2-MoE/Qwen3-MoE, DeepSeek-V2/V3 and Kimi-K2 (MLA),
@@ -442,7 +486,10 @@ def hf_config_fields(cfg: dict) -> dict:
         mi = _need(cfg, "intermediate_size", w)
         kw.update(num_experts=_need(cfg, "num_local_experts", w), moe_intermediate_size=mi,
                   shared_intermediate_size=mi, num_moe_layers=moe,
-                  intermediate_size=cfg.get("intermediate_size_mlp") or mi)
+                  intermediate_size=cfg.get("intermediate_size_mlp") or mi,
+                  vision_params=llama4_vision_params(outer.get("vision_config"), h))
+        if _keeps_attention_unquantized(outer.get("quantization_config") or cfg.get("quantization_config")):
+            kw["attn_weight_dtype"] = act
     kw["num_experts_per_tok"] = k
     return kw
 
@@ -467,6 +514,14 @@ class DeviceSpec:
             return self.flops / 2  # TF32 tensor cores
         return self.flops
 
+
+# Llama-4 Scout's and Maverick's vision_config (the fields llama4_vision_params reads)
+LLAMA4_VISION_CONFIG = {"hidden_size": 1408, "image_size": 336, "intermediate_size": 5632, "num_channels": 3,
+                        "num_hidden_layers": 34, "patch_size": 14, "pixel_shuffle_ratio": 0.5,
+                        "projector_input_dim": 4096, "projector_output_dim": 4096, "vision_output_dim": 4096}
+# Catalog models whose fp8 checkpoints keep the attention projections in 16 bits (RedHat's
+# FP8-dynamic Llama-4 recipe ignores self_attn; _keeps_attention_unquantized reads it from a config)
+FP8_KEEPS_16BIT_ATTENTION = ("llama-4-scout-17b-16e",)
 
 MODELS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, False, 131072),
@@ -521,7 +576,7 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
               moe_intermediate_size=1536, num_moe_layers=62),
     ModelSpec("llama-4-scout-17b-16e", 48, 5120, 40, 8, 128, 16384, 202048, False, 10485760, qk_norm=True,
               num_experts=16, num_experts_per_tok=1, moe_intermediate_size=8192, shared_intermediate_size=8192,
-              num_moe_layers=48),
+              num_moe_layers=48, vision_params=llama4_vision_params(LLAMA4_VISION_CONFIG, 5120)),
 ]}
 _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-3.1-8b",
                   "meta-llama-3.1-70b": "llama-3.1-70b", "meta-llama-3.1-405b": "llama-3.1-405b",
@@ -639,7 +694,10 @@ def _lookup_model(value: str, base_dir: Path | None = None) -> ModelSpec:
         raise ValueError(f"deployment.model={value!r}: unknown; known: {sorted(MODELS)} "
                          "(or a path to a HF config.json)")
     m = MODELS[key]
-    return m.with_dtypes(weight_dtype="fp8") if fp8 else m
+    if not fp8:
+        return m
+    m = m.with_dtypes(weight_dtype="fp8")
+    return replace(m, attn_weight_dtype=m.act_dtype) if key in FP8_KEEPS_16BIT_ATTENTION else m
 
 
 def _lookup_device(value: str) -> DeviceSpec:
@@ -685,18 +743,20 @@ def memory_breakdown(model: ModelSpec, device: DeviceSpec, tp: int = 1, gpu_memo
                      max_num_batched_tokens: int = 8192, max_num_seqs: int = 1024,
                      data_parallel: int = 1) -> dict:
     """Per-GPU memory of one replica (one data-parallel rank) as vLLM sizes its pool: memory x
-    utilisation - weight shard - activation/graph reserve = KV bytes; KV per token per GPU from
+    utilisation - the loaded model (weight shard, ModelSpec.loaded_bytes_per_gpu) -
+    activation/graph reserve = KV bytes; KV per token per GPU from
     that GPU's KV heads. With data-parallel attention the routed experts spread over tp x dp GPUs."""
     reserve = activation_reserve if activation_reserve is not None else activation_reserve_bytes(
         model, device, tp, max_num_batched_tokens, max_num_seqs)
     usable = device.memory_bytes * gpu_memory_utilization
     weights = model.weight_bytes_per_gpu(tp, tp * data_parallel)
-    kv = usable - weights - reserve
+    loaded = model.loaded_bytes_per_gpu(tp, tp * data_parallel)
+    kv = usable - loaded - reserve
     per_token = model.kv_bytes_per_token_per_gpu(tp)
     blocks = int(kv // (per_token * block_size)) if kv > 0 else 0
     return {"model": model.name, "device": device.name, "tp": tp, "weight_dtype": model.weight_dtype,
             "kv_dtype": model.kv_dtype, "gpu_memory_bytes": device.memory_bytes, "usable_bytes": usable,
-            "weight_bytes_per_gpu": weights, "reserve_bytes": reserve,
+            "weight_bytes_per_gpu": weights, "loaded_bytes_per_gpu": loaded, "reserve_bytes": reserve,
             "kv_bytes_per_gpu": max(kv, 0.0), "kv_bytes_per_token": model.kv_bytes_per_token,
             "kv_heads_per_gpu": model.kv_heads_per_gpu(tp), "kv_bytes_per_token_per_gpu": per_token,
             "kv_blocks": blocks, "kv_tokens": blocks * block_size, "fits": blocks >= 2}
@@ -711,7 +771,7 @@ def kv_cache_blocks(model: ModelSpec, device: DeviceSpec, tp: int = 1, block_siz
                          max_num_batched_tokens, max_num_seqs, data_parallel)
     if m["kv_blocks"] < 2:
         raise ValueError(
-            f"deployment: {model.name} ({m['weight_bytes_per_gpu'] / GiB:.1f} GiB of weights per GPU) at tp={tp} "
+            f"deployment: {model.name} ({m['loaded_bytes_per_gpu'] / GiB:.1f} GiB loaded per GPU) at tp={tp} "
             f"does not fit on {device.name} ({device.memory_bytes / GiB:.0f} GiB x {gpu_memory_utilization}): "
             f"no memory left for KV cache")
     return m["kv_blocks"] + 1

@@ -10,7 +10,7 @@ import pytest
 from engine.core.features import BatchFeatures
 from sim.cost_model import AnalyticCostModel, Efficiency
 from sim.kernel_model import KernelCostModel
-from sim.specs import ModelSpec, get_device, get_model, hf_config_fields
+from sim.specs import GiB, ModelSpec, get_device, get_model, hf_config_fields
 
 # The fields of the public config.json files that the reader needs (values as published).
 QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "decoder_sparse_step": 1,
@@ -518,3 +518,51 @@ def test_sliding_window_layers_attend_to_their_window_only():
     # shorter than the window: nothing changes
     short = dict(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=100, prefill_attn_pairs=100 * 101 // 2)
     assert att(k, **short) == pytest.approx(att(kf, **short), rel=1e-12)
+
+
+@pytest.mark.parametrize("name, tp, logged_gib", [
+    # vLLM's "Model loading took X GiB" on H100s, from public startup logs: llm-d-planner's v0.19.0
+    # accuracy logs (Llama-4-Scout bf16 TP4), llm-d-benchmark's empirical memory results
+    # (gpt-oss-20b, gpt-oss-120b, Llama-3.1-8B, Qwen3-32B: one H100), vLLM PR #21429 (Qwen3-235B-FP8 TP4)
+    ("meta-llama/Llama-4-Scout-17B-16E-Instruct", 4, 53.12),
+    ("openai/gpt-oss-20b", 1, 13.47),
+    ("openai/gpt-oss-120b", 1, 64.38),
+    ("meta-llama/Llama-3.1-8B-Instruct", 1, 14.99),
+    ("Qwen/Qwen3-32B", 1, 61.03),
+    ("Qwen/Qwen3-235B-A22B-FP8", 4, 55.13),
+])
+def test_loaded_model_matches_what_vllm_logs(name, tp, logged_gib):
+    """What a GPU holds once the model is loaded, within 1% of vLLM's own figure: the weights, and
+    for Llama-4 its vision encoder (0.87 B parameters) and the rotary cache of 10M positions
+    (2.5 GiB on every rank), for gpt-oss the MXFP4 experts padded to a hidden size of 3072."""
+    loaded = get_model(name).loaded_bytes_per_gpu(tp) / GiB
+    assert loaded == pytest.approx(logged_gib, rel=0.01)
+
+
+def test_llama4_fp8_dynamic_keeps_attention_in_16_bits_and_loads_its_vision_encoder():
+    """RedHat's FP8-dynamic Llama-4 leaves self_attn unquantized (its ignore list), by catalog
+    name or from its config.json; the vision encoder is counted from vision_config and is not read
+    by a text step."""
+    from sim.specs import LLAMA4_VISION_CONFIG, llama4_vision_params
+    by_name = get_model("RedHatAI/Llama-4-Scout-17B-16E-Instruct-FP8-dynamic")
+    assert by_name.weight_dtype == "fp8" and by_name.attn_dtype == "bfloat16"
+    cfg = {"model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"], "torch_dtype": "bfloat16",
+           "text_config": {"model_type": "llama4_text", "num_hidden_layers": 48, "hidden_size": 5120,
+                           "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+                           "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_local_experts": 16,
+                           "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "vocab_size": 202048,
+                           "max_position_embeddings": 10485760, "use_qk_norm": True},
+           "vision_config": LLAMA4_VISION_CONFIG,
+           "quantization_config": {"quant_method": "compressed-tensors", "ignore": [
+               "re:.*self_attn", "re:.*router", "re:.*vision_model", "re:.*multi_modal_projector", "re:.*lm_head"],
+               "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float"}}}}}
+    m = ModelSpec.from_hf_config(cfg)
+    assert m.weight_dtype == "fp8" and m.attn_dtype == "bfloat16"
+    assert m.vision_params == llama4_vision_params(LLAMA4_VISION_CONFIG, 5120) == by_name.vision_params
+    # ViT: 34 x (q/k/v/o with biases, fc1/fc2 with biases, two LayerNorms), patch and position
+    # embeddings, two LayerNorms, the pixel-shuffle adapter and the projector, counted by hand
+    h, i = 1408, 5632
+    vit = 34 * (4 * (h * h + h) + 2 * h * i + i + h + 4 * h) + 3 * 14 * 14 * h + 577 * h + h + 4 * h
+    assert m.vision_params == vit + 4 * h * 4096 + 4096 * 4096 + 4096 * 5120 == 871_932_416
+    assert m.weight_read_bytes_per_gpu(2) + m.vision_bytes_per_gpu(2) + 202048 // 2 * 5120 * 2 == \
+        m.weight_bytes_per_gpu(2)

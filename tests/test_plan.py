@@ -61,7 +61,10 @@ def test_memory_llama8b_bf16_on_one_h100_matches_hand_calculation():
     reserve = (8192 * 28672 * 2 * 2 + 4 * 8192 * 4096 * 2 + 1024 * 128256 * 4 * 2
                + int(0.6 * GiB) + int(0.5 * GiB))
     assert m["reserve_bytes"] == reserve
-    kv = 81559 * 2**20 * 0.9 - 2 * params - reserve
+    # loaded with the weights: the rotary cos/sin cache, 131072 positions x 128 x 2 B
+    rope = 131072 * 128 * 2
+    assert m["loaded_bytes_per_gpu"] == 2 * params + rope
+    kv = 81559 * 2**20 * 0.9 - 2 * params - rope - reserve
     assert m["kv_blocks"] == int(kv // (128 * 1024 * 16))
     assert m["kv_tokens"] == m["kv_blocks"] * 16
     # The simulator sizes its pool the same way (plus vLLM's null block).
@@ -72,7 +75,8 @@ def test_memory_tp2_halves_weights_and_kv_per_token_per_gpu():
     m = memory_report(get_model("llama-3.1-8b"), get_device("h100-sxm"), tp=2)
     assert m["weight_bytes_per_gpu"] == 8_030_261_248 + 32 * 2 * 4096 + 4096  # norms replicated
     assert m["kv_bytes_per_token_per_gpu"] == 64 * 1024
-    assert m["kv_blocks"] == int((81559 * 2**20 * 0.9 - m["weight_bytes_per_gpu"] - m["reserve_bytes"])
+    assert m["loaded_bytes_per_gpu"] == m["weight_bytes_per_gpu"] + 131072 * 128 * 2  # the rotary cache: whole
+    assert m["kv_blocks"] == int((81559 * 2**20 * 0.9 - m["loaded_bytes_per_gpu"] - m["reserve_bytes"])
                                  // (64 * 1024 * 16))
 
 
@@ -83,7 +87,7 @@ def test_prune_says_why_weights_or_kv_do_not_fit():
     cand = {"device": "h100-sxm", "tp": 1, "max_num_batched_tokens": 2048, "max_num_seqs": 64,
             "policy": "fcfs", "router": "round_robin", "pd": None}
     why = prune_reason(base, cand, 110)
-    assert why is not None and "weights 141.1 GB" in why and "no KV cache" in why
+    assert why is not None and "model 141.1 GB" in why and "no KV cache" in why
     assert prune_reason(base, {**cand, "tp": 4}, 110) is None
     # 70B at tp=2 on H100: 70.6 GB of weights per GPU leave a small pool; a 200k-token request cannot fit.
     why = prune_reason(base, {**cand, "tp": 2}, 200_000)

@@ -69,7 +69,7 @@ def complete(srv, **kw):
     ("/v1/completions", b'{"model":"default","prompt":"hi","temperature":Infinity}', "body"),
     ("/v1/completions", b'{"model":"default","prompt":"hi","temperature":1e999}', "temperature"),
     ("/v1/completions", b'{"model":"default","prompt":"hi","max_tokens":"5"}', "max_tokens"),
-    ("/v1/completions", b'{"model":"default","prompt":"hi","max_tokens":5.0}', "max_tokens"),
+    ("/v1/completions", b'{"model":"default","prompt":"hi","max_tokens":5.5}', "max_tokens"),  # 5.0 is 5
     ("/v1/completions", b'{"model":"default","prompt":"hi","stream":"yes"}', "stream"),
     ("/v1/completions", b'{"model":"default","prompt":"hi","ignore_eos":1}', "ignore_eos"),
     ("/v1/completions", b'{"model":"default","prompt":[1, true, 3]}', "prompt[1]"),
