@@ -6,8 +6,9 @@ For each allowed row (a dense model we know, aggregated serving, TP only) it sim
 benchmark the row reports: a closed loop at the row's concurrency (workload.benchmark) with the
 client of the row's source (--protocol auto, the default: InferenceMAX's benchmark_serving.py
 with --random-range-ratio 0.8 and 10 x CONC prompts for its rows, fixed lengths after warm-up for
-AIConfigurator's gap-analysis rows; see PROTOCOLS), on the row's GPU and TP, with the scenario
-defaults (kernel-table cost model, async scheduling, benchmark clients), and compares mean TTFT
+AIConfigurator's own gap-analysis collection rows; see source_family and PROTOCOLS), on the row's
+GPU and TP, with the scenario defaults (kernel-table cost model, async scheduling, benchmark
+clients), and compares mean TTFT
 and TPOT. Prints JSON:
 median |error| and signed bias (median of (sim - silicon) / silicon), overall and by backend,
 system, model, TP and concurrency.
@@ -29,6 +30,7 @@ import csv
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -139,9 +141,15 @@ def usable(r: dict) -> dict | None:
 def source_family(r: dict) -> str:
     """How a row was measured, from its silicon_data_source: 'inferencemax' (the nightly
     dashboard's database dumps and CSV exports: ISL/OSL 1024/1024, 1024/8192, 8192/1024) or
-    'gap-analysis' (AIConfigurator's own collection runs)."""
+    'gap-analysis' (AIConfigurator's own collection runs, `aic-auto-gap-analysis/data/<gpu>/
+    <backend>/<version>/<model>.csv`). A `<model>-gap-analysis.csv` file (kimi-k2.5, qwen3.5-397b)
+    carries InferenceMAX's measurements instead: 30 of its 32 Kimi-K2.5 B200 rows and 72 of its 76
+    Qwen3.5-397B rows repeat an InferenceMAX row's TTFT to the rounding (AIConfigurator's own
+    collection files: 2-26%), so those rows are InferenceMAX rows, run with its client and server."""
     src = r.get("silicon_data_source", "")
-    return "gap-analysis" if "gap-analysis" in src else "inferencemax"
+    if "gap-analysis" not in src or re.search(r"source_file=[\w.-]+-gap-analysis\.csv", src):
+        return "inferencemax"
+    return "gap-analysis"
 
 
 # The client each source ran. InferenceMAX (its README's benchmark client configuration):

@@ -47,7 +47,12 @@ def test_a_row_becomes_its_case_and_unsupported_rows_are_skipped():
     assert case == {"backend": "vllm", "system": "b200_sxm", "model": "llama-3.1-70b", "weight_dtype": "fp8",
                     "tp": 4, "concurrency": 8, "isl": 1024, "osl": 1024, "ttft_ms": 110.0, "tpot_ms": 8.2,
                     "source": "inferencemax"}
-    assert sc.usable(row(silicon_data_source="source_file=x-gap-analysis.csv"))["source"] == "gap-analysis"
+    # AIConfigurator's own collection runs are gap-analysis rows; a <model>-gap-analysis.csv file
+    # repeats InferenceMAX's measurements, so its rows are InferenceMAX's
+    aic = "source_file=/x/aic-auto-gap-analysis/data/h100_sxm/vllm/0.10.1/Qwen_Qwen3-32B.csv; silicon_concurrency=8"
+    assert sc.usable(row(silicon_data_source=aic))["source"] == "gap-analysis"
+    copied = "source_file=kimi-k2.5-gap-analysis.csv; silicon_concurrency=64"
+    assert sc.usable(row(silicon_data_source=copied))["source"] == "inferencemax"
     assert sc.usable(row(model_path="deepseek-ai/DeepSeek-R1"))["model"] == "deepseek-v3"  # MoE: modelled
     ep = sc.usable(row(model_path="MiniMaxAI/MiniMax-M2.5", moe_ep_size="4", moe_tp_size="1"))
     assert ep["model"] == "minimax-m2" and ep["expert_parallel"] is True
