@@ -25,7 +25,8 @@
     sweep:      read by scenarios/sweep.py (`servetwin sweep`)
 
 Errors name the file, the key path and the value. Scheduler defaults are those of a vLLM server
-on a data-center GPU (8192 batched tokens, 1024 sequences), not the scheduler class defaults.
+on the deployment's GPU (8192 batched tokens and 1024 sequences on H100, H200, B200; 2048 and 256
+on A100, L40S, A10G: DeviceSpec.serve_defaults), not the scheduler class defaults.
 """
 from __future__ import annotations
 
@@ -297,6 +298,10 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     block_size = sc.integer("block_size", 16, ge=1)
 
     util_given = dep.has("gpu_memory_utilization")
+    # vLLM's defaults on this GPU; the pool is sized for the limits the server runs with
+    default_budget, default_seqs = device.serve_defaults()
+    budget = sc.integer("max_num_batched_tokens", default_budget, ge=1)
+    max_seqs = sc.integer("max_num_seqs", default_seqs, ge=1)
 
     def blocks_for(t: int, meta: dict) -> int:
         if blocks is not None:
@@ -310,7 +315,8 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
         if measured and not util_given:
             return int(meta["num_gpu_blocks"])
         try:
-            return kv_cache_blocks(model, device, t, block_size, util, data_parallel=dp)
+            return kv_cache_blocks(model, device, t, block_size, util, max_num_batched_tokens=budget,
+                                   max_num_seqs=max_seqs, data_parallel=dp)
         except ValueError as e:
             raise ScenarioError(str(e)) from None
 
@@ -320,8 +326,8 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     policy = sc.text("policy", "fcfs", choices=tuple(POLICIES))
     try:
         cfg = SchedulerConfig(
-            max_num_batched_tokens=sc.integer("max_num_batched_tokens", 8192, ge=1),
-            max_num_seqs=sc.integer("max_num_seqs", 1024, ge=1),
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_seqs,
             max_model_len=sc.integer("max_model_len", default_len, ge=2),
             block_size=block_size, num_gpu_blocks=blocks,
             enable_chunked_prefill=sc.boolean("enable_chunked_prefill", True),

@@ -506,6 +506,14 @@ class DeviceSpec:
     kernel_tables: str | None = None  # calibration/kernels/<name>.json measured on this GPU
     gpus_per_node: int = 8            # GPUs one interconnect_bandwidth joins (a TP group within a node)
 
+    def serve_defaults(self) -> tuple[int, int]:
+        """`vllm serve`'s max_num_batched_tokens and max_num_seqs on this GPU when the command
+        line sets none: 8192 and 1024 on a GPU of 70 GiB or more that is not an A100 (H100, H200,
+        B200), else 2048 and 256 (vLLM's EngineArgs defaults by device)."""
+        if self.memory_bytes >= 70 * GiB and not self.name.startswith("a100"):
+            return 8192, 1024
+        return 2048, 256
+
     def peak_flops(self, dtype: str) -> float:
         dtype = canonical_dtype(dtype)
         if dtype in FP8:
@@ -740,12 +748,17 @@ def activation_reserve_bytes(model: ModelSpec, device: DeviceSpec, tp: int = 1,
 
 def memory_breakdown(model: ModelSpec, device: DeviceSpec, tp: int = 1, gpu_memory_utilization: float = 0.9,
                      block_size: int = 16, activation_reserve: int | None = None,
-                     max_num_batched_tokens: int = 8192, max_num_seqs: int = 1024,
+                     max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
                      data_parallel: int = 1) -> dict:
     """Per-GPU memory of one replica (one data-parallel rank) as vLLM sizes its pool: memory x
     utilisation - the loaded model (weight shard, ModelSpec.loaded_bytes_per_gpu) -
     activation/graph reserve = KV bytes; KV per token per GPU from
-    that GPU's KV heads. With data-parallel attention the routed experts spread over tp x dp GPUs."""
+    that GPU's KV heads. With data-parallel attention the routed experts spread over tp x dp GPUs.
+    The reserve is profiled at the server's max_num_batched_tokens and max_num_seqs (None: vLLM's
+    defaults on this GPU, DeviceSpec.serve_defaults)."""
+    budget, seqs = device.serve_defaults()
+    max_num_batched_tokens = max_num_batched_tokens or budget
+    max_num_seqs = max_num_seqs or seqs
     reserve = activation_reserve if activation_reserve is not None else activation_reserve_bytes(
         model, device, tp, max_num_batched_tokens, max_num_seqs)
     usable = device.memory_bytes * gpu_memory_utilization
@@ -764,7 +777,8 @@ def memory_breakdown(model: ModelSpec, device: DeviceSpec, tp: int = 1, gpu_memo
 
 def kv_cache_blocks(model: ModelSpec, device: DeviceSpec, tp: int = 1, block_size: int = 16,
                     gpu_memory_utilization: float = 0.9, activation_reserve_bytes: int | None = None,
-                    max_num_batched_tokens: int = 8192, max_num_seqs: int = 1024, data_parallel: int = 1) -> int:
+                    max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
+                    data_parallel: int = 1) -> int:
     """KV blocks per replica (per data-parallel rank), as the engine sizes its pool
     (memory_breakdown). Returns num_gpu_blocks counting the null block, as vLLM does."""
     m = memory_breakdown(model, device, tp, gpu_memory_utilization, block_size, activation_reserve_bytes,

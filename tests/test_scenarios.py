@@ -58,13 +58,26 @@ def test_kv_pool_from_memory_accounting():
     assert sc.cost_model.kind == "analytic"  # no shipped profile nor kernel tables for this pair
     sc = parse_scenario({**BASE, "deployment": {"model": "qwen2.5-7b", "device": "a100-80g"},
                          "cost_model": {"type": "analytic"}})
-    # 80 GiB x 0.9 - 15.2 GB of weights - vLLM's profiled reserve (activations at 8192 tokens,
-    # sampler over 1024 rows, non-torch memory, CUDA graphs), over 28 layers x 4 kv heads x 128 x 2 x 2 B x 16.
+    # vLLM's defaults on an A100: 2048 batched tokens and 256 sequences (8192 and 1024 from 70 GiB
+    # up on any other GPU), and the reserve is profiled at them
+    cfg = sc.scheduler_config
+    assert (cfg.max_num_batched_tokens, cfg.max_num_seqs) == (2048, 256)
+    h100 = parse_scenario({**BASE, "deployment": {"model": "qwen2.5-7b", "device": "h100-sxm"},
+                           "cost_model": {"type": "analytic"}}).scheduler_config
+    assert (h100.max_num_batched_tokens, h100.max_num_seqs) == (8192, 1024)
+    # 80 GiB x 0.9 - 15.2 GB of weights - vLLM's profiled reserve (activations at 2048 tokens,
+    # sampler over 256 rows, non-torch memory, CUDA graphs), over 28 layers x 4 kv heads x 128 x 2 x 2 B x 16.
     from sim.specs import activation_reserve_bytes
     per_block = 2 * 28 * 4 * 128 * 2 * 16
     model = sc.cost_model.model
-    reserve = activation_reserve_bytes(model, sc.cost_model.device, 1, 8192, 1024)
-    assert 2 * 2**30 < reserve < 4 * 2**30
+    reserve = activation_reserve_bytes(model, sc.cost_model.device, 1, 2048, 256)
+    assert 1 * 2**30 < reserve < 2 * 2**30
+    assert reserve < activation_reserve_bytes(model, sc.cost_model.device, 1, 8192, 1024)
+    # an explicit budget and sequence limit are what the reserve is profiled at
+    big = parse_scenario({**BASE, "deployment": {"model": "qwen2.5-7b", "device": "a100-80g"},
+                          "scheduler": {"max_num_batched_tokens": 8192, "max_num_seqs": 1024},
+                          "cost_model": {"type": "analytic"}}).scheduler_config
+    assert big.num_gpu_blocks < cfg.num_gpu_blocks
     rope = 32768 * 128 * 2  # the rotary cos/sin cache vLLM precomputes (max_position_embeddings x head_dim)
     expect = int((80 * 2**30 * 0.9 - model.weight_bytes - rope - reserve) // per_block) + 1
     assert sc.scheduler_config.num_gpu_blocks == expect
