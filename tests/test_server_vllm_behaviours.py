@@ -371,3 +371,16 @@ def test_a_unix_socket_server_sleeps_and_wakes(tmp_path):
 def test_sleep_routes_exist_in_development_mode_only(srv):
     assert httpx.post(srv["url"] + "/sleep").status_code == 404
     assert httpx.get(srv["url"] + "/is_sleeping").status_code == 404
+
+
+def test_a_predicted_output_is_a_hint_that_changes_nothing(srv):
+    """OpenAI's `prediction` (predicted output, a speed hint) is ignored as vLLM ignores it: the
+    greedy answer is the same with and without it; `functions` still changes what a model may do
+    and stays refused."""
+    body = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0}
+    plain = post(srv, "/v1/chat/completions", body)
+    hinted = post(srv, "/v1/chat/completions", {**body, "prediction": {"type": "content", "content": "hi"}})
+    assert plain.status_code == hinted.status_code == 200, hinted.text
+    assert hinted.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
+    r = post(srv, "/v1/chat/completions", {**body, "functions": [{"name": "f", "parameters": {}}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "functions"

@@ -110,7 +110,8 @@ def _check_str(s: str, loc) -> None:
 
 
 # Fields defined by OpenAI or vLLM that this server does not implement -> the values that mean
-# "not used" (a callable decides). Anything else gets a 400 naming the field.
+# "not used" (a callable decides). Anything else gets a 400 naming the field. (OpenAI's
+# `prediction`, a speed hint that changes no output, is ignored as vLLM ignores it.)
 def _off(*values):
     return lambda v: v in values
 
@@ -127,7 +128,6 @@ UNSUPPORTED = {
     "guided_choice": _off(None),
     "guided_grammar": _off(None),
     "structured_outputs": _off(None),
-    "prediction": _off(None),
     "audio": _off(None),
     "modalities": lambda v: v is None or v == ["text"],
     "skip_special_tokens": _off(None, True),
