@@ -155,10 +155,11 @@ def source_family(r: dict) -> str:
 # The client each source ran. InferenceMAX (its README's benchmark client configuration):
 # benchmark_serving.py --dataset-name random --random-range-ratio 0.8 --num-prompts 10 x CONC
 # --max-concurrency CONC --request-rate inf --ignore-eos: prompt and output lengths uniform in
-# [0.8 L, L], nothing excluded from the means. AIConfigurator's gap analysis: fixed lengths
-# (aiperf's synthetic default), measured after warm-up.
-FIXED = {"min_ratio": 1.0, "prompts_per_slot": None, "warmup": True}
-PROTOCOLS = {"inferencemax": {"min_ratio": 0.8, "prompts_per_slot": 10, "warmup": False},
+# [0.8 L, L], nothing excluded from the means. AIConfigurator's own collection runs (its
+# bench_run.sh.j2): aiperf with fixed lengths, --num-requests 50 x CONC after
+# --warmup-request-count 2 x CONC (`warmup` is per slot), every profiling request in the means.
+FIXED = {"min_ratio": 1.0, "prompts_per_slot": 50, "warmup": 2}
+PROTOCOLS = {"inferencemax": {"min_ratio": 0.8, "prompts_per_slot": 10, "warmup": 0},
              "gap-analysis": FIXED, "fixed": FIXED}
 
 
@@ -193,8 +194,20 @@ RECIPES = {
 }
 
 
+# AIConfigurator's own collection runs (its generator's rule_plugin/{vllm,trtllm}.rule and
+# bench_run.sh.j2): an aggregated worker's token budget is max_batch_size + ISL + 1500 (about one
+# prompt per step at ISL 1024 and 4096), at least 512 sequences, no prefix caching unless the
+# workload has a shared prefix (none here). With fewer prompts per step a wave of equal requests
+# is prefilled over several steps, so it finishes over several steps and drifts out of phase.
+def aic_collection_server(case: dict) -> dict:
+    return {"max_num_batched_tokens": case["concurrency"] + case["isl"] + 1500,
+            "max_num_seqs": max(512, case["concurrency"]), "enable_prefix_caching": False}
+
+
 def server(case: dict) -> tuple[dict, dict, dict]:
     """(deployment extras, scheduler settings, cost-model overheads) of the row's server."""
+    if case["source"] == "gap-analysis" and case["backend"] in ("vllm", "trtllm"):
+        return {}, aic_collection_server(case), {}
     if case["source"] != "inferencemax" or case["backend"] != "vllm":
         return {}, {}, {}
     r = {**GENERIC, **RECIPES.get((case["model"], case["weight_dtype"], case["system"]), {})}
@@ -212,14 +225,14 @@ def server(case: dict) -> tuple[dict, dict, dict]:
 INTER_NODE = {"bandwidth_gb_s": 50.0, "latency_s": 1e-5}
 
 
-def scenario_data(case: dict, prompts_per_slot: int = 4, cost_model: dict | None = None,
+def scenario_data(case: dict, prompts_per_slot: int | None = None, cost_model: dict | None = None,
                   range_ratio: float = 0.0, protocol: str = "fixed", recipe: bool = True) -> dict:
     """The ServeTwin scenario (as YAML data) of a row: its benchmark client and server."""
     c = case["concurrency"]
     proto = PROTOCOLS[case["source"] if protocol == "auto" else protocol]
-    num = max((proto["prompts_per_slot"] or prompts_per_slot) * c, 16)
+    num = max((prompts_per_slot or proto["prompts_per_slot"]) * c, 16)
     bench = {"concurrency": c, "isl": case["isl"], "osl": case["osl"], "num_prompts": num,
-             "warmup": min(c, 8) if proto["warmup"] else 0}
+             "warmup": proto["warmup"] * c}
     if proto["min_ratio"] < 1:
         bench["min_ratio"] = proto["min_ratio"]
     elif range_ratio:
@@ -243,7 +256,7 @@ def scenario_data(case: dict, prompts_per_slot: int = 4, cost_model: dict | None
     return data
 
 
-def simulate(case: dict, prompts_per_slot: int = 4, cost_model: dict | None = None,
+def simulate(case: dict, prompts_per_slot: int | None = None, cost_model: dict | None = None,
              range_ratio: float = 0.0, protocol: str = "fixed", recipe: bool = True) -> dict:
     return simulate_data(scenario_data(case, prompts_per_slot, cost_model, range_ratio, protocol, recipe))
 
@@ -339,7 +352,9 @@ def main(argv=None) -> None:
     ap.add_argument("--system", action="append", help="only these systems (repeatable)")
     ap.add_argument("--model", action="append", help="only these models, by catalog name (repeatable)")
     ap.add_argument("--max-osl", type=int, default=0, help="skip rows with a longer OSL (speed)")
-    ap.add_argument("--prompts-per-slot", type=int, default=4)
+    ap.add_argument("--prompts-per-slot", type=int, default=None,
+                    help="requests per concurrency slot, instead of the protocol's (InferenceMAX 10, "
+                         "AIConfigurator's collection 50)")
     ap.add_argument("--out", help="also write the per-row results (JSON)")
     ap.add_argument("--range-ratio", type=float, default=0.0,
                     help="benchmark lengths uniform in [L(1-r), L(1+r)] (vllm bench serve --random-range-ratio); "

@@ -123,15 +123,21 @@ def test_the_peer_gets_the_same_requests_and_the_published_server(tmp_path):
     assert w["timing"] == {"gemm_quant_mode": "fp8", "kvcache_quant_mode": "fp8"}
 
 
-def test_a_bf16_gap_analysis_row_runs_fixed_lengths_on_default_settings(tmp_path):
+def test_a_bf16_gap_analysis_row_runs_aiconfigurators_collection_client_and_server(tmp_path):
+    """AIConfigurator's own collection: aiperf with fixed lengths, 50 requests per slot after 2 per
+    slot of warm-up; its generator's server: a budget of concurrency + ISL + 1500 tokens, at least
+    512 sequences, no prefix caching."""
     case = sc.usable(row(backend="trtllm", system="h100_sxm", model_path="meta-llama/Llama-3.1-8B-Instruct",
                          gemm_quant_mode="", tp_size="2", isl="2048", osl="128",
                          silicon_data_source="source_file=/x/aic-auto-gap-analysis/y.csv"))
     data = sc.scenario_data(case, protocol="auto")
+    assert data["scheduler"] == {"max_num_batched_tokens": 8 + 2048 + 1500, "max_num_seqs": 512,
+                                 "enable_prefix_caching": False}
+    assert data["workload"]["benchmark"]["warmup"] == 2 * 8
     config = yaml.safe_load(sc.aisimulate_config(case, data, tmp_path).read_text())
     trace = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
     assert {(t["input_length"], t["output_length"]) for t in trace} == {(2048, 128)}
-    assert len(trace) == 4 * 8 + 8                                        # 4 per slot, and the warm-up
+    assert len(trace) == 50 * 8 + 2 * 8                                   # 50 per slot, and the warm-up
     w = config["engine"]["workers"]["aggregated"]
     assert "timing" not in w                                              # bf16 weights and KV
     cfg = parse_scenario(data).scheduler_config
