@@ -194,14 +194,15 @@ RECIPES = {
 }
 
 
-# AIConfigurator's own collection runs (its generator's rule_plugin/{vllm,trtllm}.rule and
-# bench_run.sh.j2): an aggregated worker's token budget is max_batch_size + ISL + 1500 (about one
-# prompt per step at ISL 1024 and 4096), at least 512 sequences, no prefix caching unless the
-# workload has a shared prefix (none here). With fewer prompts per step a wave of equal requests
-# is prefilled over several steps, so it finishes over several steps and drifts out of phase.
+# AIConfigurator's own collection runs (its generator's benchmark-mode rules,
+# rule_plugin/benchmark/{vllm,trtllm}.rule, and bench_run.sh.j2): an aggregated worker's token
+# budget is max_batch_size + ISL + 1500 (about one prompt per step at ISL 1024 and 4096) with
+# max_batch_size the row's concurrency, and no prefix caching unless the workload has a shared
+# prefix (none here). With so few prompts per step a wave of equal requests is prefilled over
+# several steps, so it finishes over several steps and drifts out of phase.
 def aic_collection_server(case: dict) -> dict:
     return {"max_num_batched_tokens": case["concurrency"] + case["isl"] + 1500,
-            "max_num_seqs": max(512, case["concurrency"]), "enable_prefix_caching": False}
+            "max_num_seqs": case["concurrency"], "enable_prefix_caching": False}
 
 
 def server(case: dict) -> tuple[dict, dict, dict]:

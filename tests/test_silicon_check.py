@@ -125,13 +125,13 @@ def test_the_peer_gets_the_same_requests_and_the_published_server(tmp_path):
 
 def test_a_bf16_gap_analysis_row_runs_aiconfigurators_collection_client_and_server(tmp_path):
     """AIConfigurator's own collection: aiperf with fixed lengths, 50 requests per slot after 2 per
-    slot of warm-up; its generator's server: a budget of concurrency + ISL + 1500 tokens, at least
-    512 sequences, no prefix caching."""
+    slot of warm-up; its generator's server (benchmark mode): a budget of concurrency + ISL + 1500
+    tokens, as many sequences as the concurrency, no prefix caching."""
     case = sc.usable(row(backend="trtllm", system="h100_sxm", model_path="meta-llama/Llama-3.1-8B-Instruct",
                          gemm_quant_mode="", tp_size="2", isl="2048", osl="128",
                          silicon_data_source="source_file=/x/aic-auto-gap-analysis/y.csv"))
     data = sc.scenario_data(case, protocol="auto")
-    assert data["scheduler"] == {"max_num_batched_tokens": 8 + 2048 + 1500, "max_num_seqs": 512,
+    assert data["scheduler"] == {"max_num_batched_tokens": 8 + 2048 + 1500, "max_num_seqs": 8,
                                  "enable_prefix_caching": False}
     assert data["workload"]["benchmark"]["warmup"] == 2 * 8
     config = yaml.safe_load(sc.aisimulate_config(case, data, tmp_path).read_text())
