@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+log = logging.getLogger(__name__)
+
 
 class _YamlConfig(argparse.Action):
     """vLLM's --config FILE: a YAML mapping of flag names (dashes or underscores) to values, parsed
@@ -193,7 +195,7 @@ def build_app(a):
         # forward pass, and clients see TTFT the server never logged.
         threads = a.threads or max(1, (os.cpu_count() or 1) - 1)
         torch.set_num_threads(threads)
-        logging.getLogger(__name__).info("engine: %d torch CPU thread(s)", threads)
+        log.info("engine: %d torch CPU thread(s)", threads)
     engine = LLMEngine(model=model, device=device, dtype=a.dtype,
                        max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                        max_model_len=a.max_model_len, block_size=a.block_size,
@@ -208,13 +210,13 @@ def build_app(a):
     for flag, value in (("--revision", a.revision), ("--tokenizer-revision", a.tokenizer_revision),
                         ("--code-revision", a.code_revision)):
         if value is not None:
-            logging.getLogger(__name__).warning("serve: %s %s ignored: the model is read from local files, "
+            log.warning("serve: %s %s ignored: the model is read from local files, "
                                                 "as they are", flag, value)
     if a.enable_prompt_embeds:
-        logging.getLogger(__name__).warning("serve: prompt embeddings are not supported; requests with "
+        log.warning("serve: prompt embeddings are not supported; requests with "
                                             "prompt_embeds get a 400")
     if a.enable_lora or a.lora_modules:
-        logging.getLogger(__name__).warning("serve: LoRA adapters are not supported; %s not loaded "
+        log.warning("serve: LoRA adapters are not supported; %s not loaded "
                                             "(requests naming them get a 404)", a.lora_modules or "none")
     served = a.served_model_name
     app = create_app(engine, model_name=served[0] if served else model, max_waiting=a.max_waiting,

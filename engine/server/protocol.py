@@ -171,7 +171,7 @@ class _Strict(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _json_bool_strings(cls, data: Any) -> Any:
+    def _lax_json_scalars(cls, data: Any) -> Any:
         """A boolean field also takes the strings "true" and "false" (vLLM's lax parsing takes
         them, and its own tests send `"logprobs": "true"`); any other string or a number stays a
         type error naming the field. An integer field, or a list of integers, takes a number
@@ -190,7 +190,7 @@ class _Strict(BaseModel):
 
     @classmethod
     def __get_pydantic_json_schema__(cls, core_schema, handler):
-        """The schema says what _json_bool_strings takes: a boolean field also "true" or "false"."""
+        """The schema says what _lax_json_scalars takes: a boolean field also "true" or "false"."""
         js = handler(core_schema)
         props = handler.resolve_ref_schema(js).get("properties", {})
         for name in _bool_fields(cls):
