@@ -4,7 +4,9 @@ For each public vLLM log below (H100 80GB; model, TP, gpu_memory_utilization, to
 max_num_seqs as the run had them, vLLM's defaults where it set none), the loaded model
 (ModelSpec.loaded_bytes_per_gpu against vLLM's "Model loading took X GiB") and the KV pool
 (memory_breakdown's kv_bytes_per_gpu against "Available KV cache memory: Y GiB"), signed
-relative errors. Prints JSON: every row, and the median |error| of each.
+relative errors. Each row's pool is sized as its vLLM release profiles memory (memory_breakdown's
+vllm_version; the llm-d-benchmark logs are of a release before 0.17, written 0.16, as their
+sampler warm-up shows). Prints JSON: every row, and the median |error| of each.
 
     python bench/memory_check.py
 
@@ -17,18 +19,18 @@ import json
 import statistics
 import warnings
 
-from sim.specs import GiB, get_device, get_model, memory_breakdown
+from sim.specs import GiB, get_device, get_model, memory_breakdown, vllm_version_tuple
 
 # (model, tp, util, max_num_batched_tokens, max_num_seqs, vLLM version, logged "Model loading
 # took" GiB or None, logged "Available KV cache memory" GiB or None, where the log is)
 LOGS = [
-    ("meta-llama/Llama-3.1-8B-Instruct", 1, 0.9, 8192, 1024, "<0.17", 14.99, 51.38,
+    ("meta-llama/Llama-3.1-8B-Instruct", 1, 0.9, 8192, 1024, "0.16", 14.99, 51.38,
      "llm-d/llm-d-benchmark config_explorer/empirical-vllm-memory-results.md"),
-    ("Qwen/Qwen3-32B", 1, 0.9, 8192, 1024, "<0.17", 61.03, 4.45, "llm-d-benchmark, same file"),
-    ("RedHatAI/Llama-3.3-70B-Instruct-FP8-dynamic", 2, 0.9, 8192, 1024, "<0.17", 33.88, 32.0,
+    ("Qwen/Qwen3-32B", 1, 0.9, 8192, 1024, "0.16", 61.03, 4.45, "llm-d-benchmark, same file"),
+    ("RedHatAI/Llama-3.3-70B-Instruct-FP8-dynamic", 2, 0.9, 8192, 1024, "0.16", 33.88, 32.0,
      "llm-d-benchmark, same file"),
-    ("openai/gpt-oss-20b", 1, 0.9, 8192, 1024, "<0.17", 13.47, 50.28, "llm-d-benchmark, same file"),
-    ("openai/gpt-oss-120b", 1, 0.95, 8192, 1024, "<0.17", 64.38, 3.33, "llm-d-benchmark, same file"),
+    ("openai/gpt-oss-20b", 1, 0.9, 8192, 1024, "0.16", 13.47, 50.28, "llm-d-benchmark, same file"),
+    ("openai/gpt-oss-120b", 1, 0.95, 8192, 1024, "0.16", 64.38, 3.33, "llm-d-benchmark, same file"),
     ("meta-llama/Llama-3.1-8B-Instruct", 1, 0.95, 8192, 1024, "0.19.0", 14.99, 58.11,
      "llm-d-incubation/llm-d-planner accuracy/results/v0.19.0"),
     ("RedHatAI/Llama-3.3-70B-Instruct-FP8-dynamic", 2, 0.95, 8192, 1024, "0.19.0", 33.88, 37.28,
@@ -36,7 +38,7 @@ LOGS = [
     ("openai/gpt-oss-20b", 2, 0.9, 8192, 1024, "0.19.0", 7.01, 59.32, "llm-d-planner v0.19.0 logs"),
     ("meta-llama/Llama-4-Scout-17B-16E-Instruct", 4, 0.95, 8192, 1024, "0.19.0", 53.12, 16.75,
      "llm-d-planner v0.19.0 logs"),
-    ("Qwen/Qwen3-235B-A22B-FP8", 4, 0.9, 8192, 1024, "~0.10", 55.13, 8.11,
+    ("Qwen/Qwen3-235B-A22B-FP8", 4, 0.9, 8192, 1024, "0.10", 55.13, 8.11,
      "vllm-project/vllm #21348 (KV) and #21429 (weights, same model and TP)"),
     ("RedHatAI/Llama-4-Scout-17B-16E-Instruct-FP8-dynamic", 2, 0.9, 2048, 128, "0.15.1", None,
      8253 * 16 * 98304 / GiB, "../shared/gpu-runs/vllm-h100-moe-runs.csv (8,253 blocks of 16 tokens)"),
@@ -50,7 +52,8 @@ def main() -> None:
         m = get_model(name)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            b = memory_breakdown(m, dev, tp, util, max_num_batched_tokens=budget, max_num_seqs=seqs)
+            b = memory_breakdown(m, dev, tp, util, max_num_batched_tokens=budget, max_num_seqs=seqs,
+                                 vllm_version=version)
         ours_loaded, ours_kv = b["loaded_bytes_per_gpu"] / GiB, b["kv_bytes_per_gpu"] / GiB
         rows.append({"model": name, "tp": tp, "gpu_memory_utilization": util, "max_num_batched_tokens": budget,
                      "max_num_seqs": seqs, "vllm": version, "source": source,
@@ -65,8 +68,8 @@ def main() -> None:
 
     print(json.dumps({"rows": rows, "median_abs_err": {
         "loaded": med("loaded_err"), "kv": med("kv_err"),
-        "kv_vllm_0.17_or_later": med("kv_err", lambda r: r["vllm"] in ("0.19.0",)),
-        "kv_before_0.17": med("kv_err", lambda r: r["vllm"] not in ("0.19.0",))}}, indent=1))
+        "kv_vllm_0.17_or_later": med("kv_err", lambda r: vllm_version_tuple(r["vllm"]) >= (0, 17)),
+        "kv_before_0.17": med("kv_err", lambda r: vllm_version_tuple(r["vllm"]) < (0, 17))}}, indent=1))
 
 
 if __name__ == "__main__":

@@ -122,6 +122,8 @@ def usable(r: dict) -> dict | None:
     case = {"backend": r["backend"], "system": r["system"], "model": model_name(r["model_path"]),
             "weight_dtype": None if native else QUANT[q], "tp": tp, "concurrency": conc, "isl": int(r["isl"]),
             "osl": int(r["osl"]), "ttft_ms": ttft, "tpot_ms": tpot, "source": source_family(r)}
+    if r["backend"] == "vllm" and re.fullmatch(r"\d+\.\d+(\.\d+)?", str(r.get("backend_version", "")).strip()):
+        case["vllm_version"] = str(r["backend_version"]).strip()  # its memory profiling sizes the pool
     if float(r.get("moe_ep_size") or 1) > 1:  # vLLM's --enable-expert-parallel
         case["expert_parallel"] = True
     dp = int(float(r.get("attention_dp_size") or 1))
@@ -243,7 +245,8 @@ def scenario_data(case: dict, prompts_per_slot: int | None = None, cost_model: d
             "deployment": {"model": case["model"], "device": DEVICES[case["system"]], "tp": case["tp"],
                            **({"weight_dtype": case["weight_dtype"]} if case["weight_dtype"] else {}), **dep,
                            **({"expert_parallel": True} if case.get("expert_parallel") else {}),
-                           **({"data_parallel": case["data_parallel"]} if case.get("data_parallel") else {})},
+                           **({"data_parallel": case["data_parallel"]} if case.get("data_parallel") else {}),
+                           **({"vllm_version": case["vllm_version"]} if case.get("vllm_version") else {})},
             "workload": {"benchmark": bench}}
     if case["tp"] * case.get("data_parallel", 1) > get_device(DEVICES[case["system"]]).gpus_per_node:
         data["deployment"]["interconnect"] = dict(INTER_NODE)

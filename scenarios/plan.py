@@ -235,13 +235,15 @@ def _check_grid_value(key: str, v) -> None:
 # ------------------------------------------------------------------------------ memory
 def memory_report(model: ModelSpec, device: DeviceSpec, tp: int = 1, gpu_memory_utilization: float = 0.9,
                   block_size: int = 16, activation_reserve_bytes: int | None = None, data_parallel: int = 1,
-                  max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None) -> dict:
+                  max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
+                  vllm_version: str | None = None) -> dict:
     """Per-GPU memory of one replica: the accounting sim.specs.kv_cache_blocks sizes pools with
     (sim.specs.memory_breakdown: memory x utilisation - the loaded model - vLLM's reserve profiled
     at the server's limits = KV bytes; KV per token per GPU is that GPU's share of the KV heads,
     replicated past TP > KV heads)."""
     return memory_breakdown(model, device, tp, gpu_memory_utilization, block_size, activation_reserve_bytes,
-                            max_num_batched_tokens, max_num_seqs, data_parallel=data_parallel)
+                            max_num_batched_tokens, max_num_seqs, data_parallel=data_parallel,
+                            vllm_version=vllm_version)
 
 
 def plan_model(data: dict, base_dir=None) -> ModelSpec:
@@ -279,7 +281,8 @@ def prune_reason(data: dict, cand: dict, longest: int, base_dir=None) -> str | N
                     "deployment.interconnect to plan it")
         m = memory_report(model, device, tp, util, bs, data_parallel=dp,
                           max_num_batched_tokens=cand.get("max_num_batched_tokens") or sch.get("max_num_batched_tokens"),
-                          max_num_seqs=cand.get("max_num_seqs") or sch.get("max_num_seqs"))
+                          max_num_seqs=cand.get("max_num_seqs") or sch.get("max_num_seqs"),
+                          vllm_version=dep.get("vllm_version"))
         if not m["fits"]:
             return (f"model {m['loaded_bytes_per_gpu'] / 1e9:.1f} GB per GPU at tp={tp} + reserve "
                     f"{m['reserve_bytes'] / 1e9:.1f} GB leave no KV cache in {m['usable_bytes'] / 1e9:.1f} GB "

@@ -4,7 +4,8 @@
     seed: 0
     deployment: {model, model_config, weight_dtype (or the old `dtype`: weights only), kv_dtype,
                  device, tp, expert_parallel, data_parallel (MoE), replicas, router,
-                 gpu_memory_utilization, num_gpu_blocks,
+                 gpu_memory_utilization, num_gpu_blocks, vllm_version (whose memory profiling
+                 sizes the pool; default sim.specs.DEFAULT_VLLM_VERSION),
                  interconnect: {bandwidth_gb_s, latency_s},  # required for tp beyond one node
                  pd: {prefill_replicas, decode_replicas, prefill_tp, decode_tp,
                       link_bandwidth_gb_s, link_latency_s}}     # disaggregated pools (sim/disagg.py)
@@ -44,7 +45,7 @@ from sim.kernel_model import KernelCostModel, cost_model_from_profile
 from sim.cpu_work import timing_model, timing_settings
 from sim.simulation import ROUTERS, SimResult, Simulation
 from sim.specmap import SpecError, SpecMap
-from sim.specs import DEVICES, MODELS, get_device, get_model, kv_cache_blocks
+from sim.specs import DEVICES, MODELS, get_device, get_model, kv_cache_blocks, vllm_version_tuple
 from sim.workload import Workload, build_workload
 
 
@@ -202,6 +203,17 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     replicas = dep.integer("replicas", 1, ge=1)
     router = dep.text("router", "round_robin", choices=ROUTERS)
     util = dep.number("gpu_memory_utilization", 0.9, gt=0, le=1)
+    # The vLLM release whose startup profiling sizes the pool (sim.specs.activation_reserve_bytes):
+    # the sampler warm-up before 0.17 and the CUDA-graph estimate from 0.21 differ by GiBs.
+    if isinstance(dep.raw("vllm_version", None), float):  # YAML reads 0.10 as 0.1
+        v = dep.raw("vllm_version")
+        raise ScenarioError(f"deployment.vllm_version={v!r}: quote the release (vllm_version: '{v}'); YAML "
+                            "reads an unquoted one as a number, and 0.10 as 0.1")
+    vllm_version = dep.text("vllm_version", None)
+    try:
+        vllm_version_tuple(vllm_version)
+    except ValueError as e:
+        raise ScenarioError(str(e)) from None
     blocks = dep.integer("num_gpu_blocks", None, ge=2)
     pd_m = dep.sub("pd")
     widest = max([tp * dp] + [pd_m.d.get(k) for k in ("prefill_tp", "decode_tp")
@@ -316,7 +328,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
             return int(meta["num_gpu_blocks"])
         try:
             return kv_cache_blocks(model, device, t, block_size, util, max_num_batched_tokens=budget,
-                                   max_num_seqs=max_seqs, data_parallel=dp)
+                                   max_num_seqs=max_seqs, data_parallel=dp, vllm_version=vllm_version)
         except ValueError as e:
             raise ScenarioError(str(e)) from None
 
@@ -401,6 +413,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
                                 "weight_dtype": model.weight_dtype, "kv_dtype": model.kv_dtype,
                                 "replicas": replicas, "router": router, "num_gpu_blocks": blocks,
                                 "gpu_memory_utilization": util,
+                                **({"vllm_version": vllm_version} if vllm_version else {}),
                                 **({"expert_parallel": True} if ep else {}),
                                 **({"data_parallel": dp} if dp > 1 else {}),
                                 **({"pd": {k: v for k, v in pd.items() if k not in ("prefill", "decode")}}

@@ -726,41 +726,76 @@ def get_device(value) -> DeviceSpec:
 
 
 # ----------------------------------------------------------------- memory accounting
+# The vLLM release whose memory profiling ServeTwin follows when a deployment names none
+# (deployment.vllm_version): the release its scheduler is checked against.
+DEFAULT_VLLM_VERSION = "0.33"
+
+
+def vllm_version_tuple(version: str | None) -> tuple[int, int]:
+    """(major, minor) of a vLLM release written "0.15.1", "v0.19" or "0.10"; None: the default.
+    ValueError naming deployment.vllm_version for anything else."""
+    v = DEFAULT_VLLM_VERSION if version is None else str(version)
+    m = re.fullmatch(r"v?(\d+)\.(\d+)(?:\.\d+)?(?:[.+-]?\w*)?", v.strip())
+    if not m:
+        raise ValueError(f"deployment.vllm_version={version!r}: expected a release such as '0.15.1' or '0.19'")
+    return int(m.group(1)), int(m.group(2))
+
+
 def activation_reserve_bytes(model: ModelSpec, device: DeviceSpec, tp: int = 1,
-                             max_num_batched_tokens: int = 8192, max_num_seqs: int = 1024) -> int:
-    """What vLLM's profiling run leaves outside the KV pool on each GPU: the peak of a dummy
-    forward over max_num_batched_tokens (MLP intermediate and attention activations) and of the
-    sampler over max_num_seqs rows of fp32 logits, plus non-torch memory (CUDA context share, NCCL
-    and custom all-reduce buffers, cuBLAS workspaces) and the CUDA graphs captured after it.
+                             max_num_batched_tokens: int = 8192, max_num_seqs: int = 1024,
+                             vllm_version: str | None = None) -> int:
+    """What vLLM's profiling run leaves outside the KV pool on each GPU, as the given release
+    (default DEFAULT_VLLM_VERSION) profiles it:
+
+    - torch peak: a dummy forward over max_num_batched_tokens (MLP intermediate or attention
+      activations, plus hidden states) and the sampler warm-up over min(max_num_seqs,
+      max_num_batched_tokens) rows of the vocabulary. Before 0.17 the warm-up ran the sort-based
+      top-k/top-p at about 38.5 bytes per row and vocabulary entry, and it alone sets the peak when
+      larger (the forward's activations are freed by then; five startup logs of 0.10-0.16 give
+      38.4-38.9 B). From 0.17 (Triton top-k/top-p) it adds about 8 bytes per entry (fp32 logits
+      and probabilities) to the forward's peak.
+    - non-torch memory (CUDA context share, NCCL and custom all-reduce buffers, cuBLAS
+      workspaces): 0.25 GiB on one GPU, 2.1 GiB per GPU with TP >= 2 (v0.19 startup logs at TP 1,
+      2 and 4; 2.04 GiB for Qwen3-235B TP4 on 0.10).
+    - CUDA graphs: not subtracted before 0.21; from 0.21 vLLM subtracts its estimate, 0.5 GiB here
+      (the low end of the 0.5-2.2 GiB its logs print).
+
     A CPU device keeps the old fixed half GiB."""
     if device.name.startswith("cpu"):
         return GiB // 2
+    version = vllm_version_tuple(vllm_version)
     a = model.act_dtype_bytes
     t = max_num_batched_tokens
     mlp = t * (2 * model.intermediate_size // tp) * a * 2           # gate_up output + activation
     attn = t * (model.num_heads // tp + 2 * model.kv_heads_per_gpu(tp)) * model.head_dim * a * 2
     hidden = 4 * t * model.hidden_size * a
-    sampler = max_num_seqs * model.vocab_size * 4 * 2                # fp32 logits + probs
-    non_torch = int(0.6 * GiB) + (int(0.4 * GiB) if tp > 1 else 0)
-    cuda_graphs = int(0.5 * GiB)
-    return int(max(mlp, attn) + hidden + sampler) + non_torch + cuda_graphs
+    forward = max(mlp, attn) + hidden
+    rows = min(max_num_seqs, t)
+    if version < (0, 17):
+        torch_peak = max(forward, rows * model.vocab_size * 38.5)
+    else:
+        torch_peak = forward + rows * model.vocab_size * 8
+    non_torch = int(0.25 * GiB) if tp == 1 else int(2.1 * GiB)
+    cuda_graphs = int(0.5 * GiB) if version >= (0, 21) else 0
+    return int(torch_peak) + non_torch + cuda_graphs
 
 
 def memory_breakdown(model: ModelSpec, device: DeviceSpec, tp: int = 1, gpu_memory_utilization: float = 0.9,
                      block_size: int = 16, activation_reserve: int | None = None,
                      max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
-                     data_parallel: int = 1) -> dict:
+                     data_parallel: int = 1, vllm_version: str | None = None) -> dict:
     """Per-GPU memory of one replica (one data-parallel rank) as vLLM sizes its pool: memory x
     utilisation - the loaded model (weight shard, ModelSpec.loaded_bytes_per_gpu) -
     activation/graph reserve = KV bytes; KV per token per GPU from
     that GPU's KV heads. With data-parallel attention the routed experts spread over tp x dp GPUs.
     The reserve is profiled at the server's max_num_batched_tokens and max_num_seqs (None: vLLM's
-    defaults on this GPU, DeviceSpec.serve_defaults)."""
+    defaults on this GPU, DeviceSpec.serve_defaults), as vllm_version profiles it
+    (activation_reserve_bytes)."""
     budget, seqs = device.serve_defaults()
     max_num_batched_tokens = max_num_batched_tokens or budget
     max_num_seqs = max_num_seqs or seqs
     reserve = activation_reserve if activation_reserve is not None else activation_reserve_bytes(
-        model, device, tp, max_num_batched_tokens, max_num_seqs)
+        model, device, tp, max_num_batched_tokens, max_num_seqs, vllm_version)
     usable = device.memory_bytes * gpu_memory_utilization
     weights = model.weight_bytes_per_gpu(tp, tp * data_parallel)
     loaded = model.loaded_bytes_per_gpu(tp, tp * data_parallel)
@@ -778,11 +813,11 @@ def memory_breakdown(model: ModelSpec, device: DeviceSpec, tp: int = 1, gpu_memo
 def kv_cache_blocks(model: ModelSpec, device: DeviceSpec, tp: int = 1, block_size: int = 16,
                     gpu_memory_utilization: float = 0.9, activation_reserve_bytes: int | None = None,
                     max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
-                    data_parallel: int = 1) -> int:
+                    data_parallel: int = 1, vllm_version: str | None = None) -> int:
     """KV blocks per replica (per data-parallel rank), as the engine sizes its pool
     (memory_breakdown). Returns num_gpu_blocks counting the null block, as vLLM does."""
     m = memory_breakdown(model, device, tp, gpu_memory_utilization, block_size, activation_reserve_bytes,
-                         max_num_batched_tokens, max_num_seqs, data_parallel)
+                         max_num_batched_tokens, max_num_seqs, data_parallel, vllm_version)
     if m["kv_blocks"] < 2:
         raise ValueError(
             f"deployment: {model.name} ({m['loaded_bytes_per_gpu'] / GiB:.1f} GiB loaded per GPU) at tp={tp} "

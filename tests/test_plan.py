@@ -55,11 +55,11 @@ def test_memory_llama8b_bf16_on_one_h100_matches_hand_calculation():
     assert m["weight_bytes_per_gpu"] == 2 * params                       # about 16 GB in bf16
     assert abs(m["weight_bytes_per_gpu"] / 1e9 - 16.06) < 0.01
     assert m["kv_bytes_per_token"] == 128 * 1024                          # 2 x 32 layers x 8 heads x 128 x 2 B
-    # An H100 reports 81559 MiB; vLLM's reserve: activations of an 8192-token dummy forward
-    # (gate_up out + SiLU: 8192 x 28672 x 2 B x 2; hidden states 4 x 8192 x 4096 x 2 B), fp32
-    # logits + probs of 1024 rows, 0.6 GiB non-torch and 0.5 GiB of CUDA graphs.
+    # An H100 reports 81559 MiB; vLLM's reserve (a recent release): activations of an 8192-token
+    # dummy forward (gate_up out + SiLU: 8192 x 28672 x 2 B x 2; hidden states 4 x 8192 x 4096 x
+    # 2 B), fp32 logits + probs of 1024 rows, 0.25 GiB non-torch on one GPU, 0.5 GiB of CUDA graphs.
     reserve = (8192 * 28672 * 2 * 2 + 4 * 8192 * 4096 * 2 + 1024 * 128256 * 4 * 2
-               + int(0.6 * GiB) + int(0.5 * GiB))
+               + int(0.25 * GiB) + int(0.5 * GiB))
     assert m["reserve_bytes"] == reserve
     # loaded with the weights: the rotary cos/sin cache, 131072 positions x 128 x 2 B
     rope = 131072 * 128 * 2
@@ -69,6 +69,31 @@ def test_memory_llama8b_bf16_on_one_h100_matches_hand_calculation():
     assert m["kv_tokens"] == m["kv_blocks"] * 16
     # The simulator sizes its pool the same way (plus vLLM's null block).
     assert kv_cache_blocks(get_model("llama-3.1-8b"), get_device("h100-sxm"), 1, 16, 0.9) == m["kv_blocks"] + 1
+
+
+def test_memory_reserve_follows_the_vllm_release():
+    model, dev = get_model("qwen3-32b"), get_device("h100-sxm")
+    forward = 8192 * 2 * 25600 * 2 * 2 + 4 * 8192 * 5120 * 2  # gate_up + SiLU, hidden states
+    # Before 0.17 the sampler warm-up (sort-based top-k/top-p over 1024 rows of the 151,936-entry
+    # vocabulary, 38.5 B each) is the peak by itself; no CUDA graphs are subtracted.
+    old = memory_report(model, dev, 1, 0.9, vllm_version="0.16.0")
+    assert 1024 * 151936 * 38.5 > forward
+    assert old["reserve_bytes"] == int(1024 * 151936 * 38.5) + int(0.25 * GiB)
+    # 0.17-0.20: the forward's peak plus 8 B per sampler entry; 0.21 on: its CUDA-graph estimate too.
+    mid = memory_report(model, dev, 1, 0.9, vllm_version="v0.19")
+    assert mid["reserve_bytes"] == forward + 1024 * 151936 * 8 + int(0.25 * GiB)
+    assert memory_report(model, dev, 1, 0.9)["reserve_bytes"] == mid["reserve_bytes"] + int(0.5 * GiB)
+    # TP >= 2 holds NCCL and custom all-reduce buffers: 2.1 GiB of non-torch memory per GPU.
+    tp2 = memory_report(model, dev, 2, 0.9, vllm_version="0.19")
+    # (the MLP's activations split by TP, the hidden states whole on every GPU)
+    assert tp2["reserve_bytes"] == (8192 * 25600 * 2 * 2 + 4 * 8192 * 5120 * 2 + 1024 * 151936 * 8
+                                    + int(2.1 * GiB))
+    # vLLM 0.16's own log for this deployment: "Available KV cache memory: 4.45 GiB"
+    # (llm-d-benchmark config_explorer/empirical-vllm-memory-results.md); 6.5 GiB as 0.19 profiles it.
+    assert old["kv_bytes_per_gpu"] / GiB == pytest.approx(4.45, rel=0.10)
+    assert mid["kv_bytes_per_gpu"] / GiB > 1.4 * 4.45
+    with pytest.raises(ValueError, match=r"deployment.vllm_version='latest'"):
+        memory_report(model, dev, 1, 0.9, vllm_version="latest")
 
 
 def test_memory_tp2_halves_weights_and_kv_per_token_per_gpu():
