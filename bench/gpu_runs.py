@@ -27,6 +27,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -58,6 +59,15 @@ def _num(x) -> float | None:
     return v if v == v else None
 
 
+def vllm_release(row: dict) -> str | None:
+    """The vLLM release a run served with: its `vllm_version` where that starts with one
+    ("0.15.1 (per ...)"), else the one its `vllm_image` note names ("... captions say vLLM v0.15.1
+    ..."; a fork's own version is not vLLM's), else None."""
+    m = re.match(r"v?(\d+\.\d+(?:\.\d+)?)\b", (row.get("vllm_version") or "").strip())
+    m = m or re.search(r"vLLM v(\d+\.\d+(?:\.\d+)?)\b", row.get("vllm_image") or "")
+    return m.group(1) if m else None
+
+
 def scenario_for(row: dict, overheads: dict | None = None, client: dict | None = None) -> dict:
     """The scenario of one published run (a row of the runs CSV); `overheads` / `client`: kernel
     cost-model overheads and client fields to try instead of the defaults."""
@@ -80,6 +90,9 @@ def scenario_for(row: dict, overheads: dict | None = None, client: dict | None =
            "gpu_memory_utilization": _num(row.get("gpu_memory_utilization")) or 0.9}
     if blocks:
         dep["num_gpu_blocks"] = int(blocks)
+    version = vllm_release(row)
+    if version:  # sizes the pool where no blocks were logged
+        dep["vllm_version"] = version
     prec = (row.get("precision") or "").lower()
     if "fp8" in prec:
         dep["weight_dtype"] = "fp8"

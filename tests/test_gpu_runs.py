@@ -14,7 +14,7 @@ from engine.core.features import BatchFeatures
 from sim.kernel_model import KernelCostModel, Overheads, derive_head_table
 from sim.metrics import request_table, stage_metrics
 from sim.scenario import parse_scenario, run_scenario
-from sim.specs import get_device, get_model
+from sim.specs import get_device, get_model, kv_cache_blocks
 from sim.workload import WorkloadError, build_workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -178,7 +178,17 @@ def test_a_published_run_becomes_a_scenario_that_does_what_it_did():
     assert w.client.http_s > 0 and w.client.output_s > 0  # the streaming HTTP path
     assert data["cost_model"]["overheads"]["tp_step_s"] > 0  # the runs' traced server build
     a100 = parse_scenario(scenario_for(_row(hardware="A100", gpu_kv_blocks_total="")))
-    assert a100.deployment["device"] == "a100-80g"
+    assert a100.deployment["device"] == "a100-80g" and "vllm_version" not in a100.deployment
+    # Without logged blocks the pool is sized as the run's vLLM release profiles memory: the
+    # release its notes name (a fork's own version is not vLLM's).
+    fork = {"vllm_version": "inference-sim fork 0.6.8 (base not stated)",
+            "vllm_image": "ghcr.io/inference-sim/vllm:0.6.8; sim-to-real captions say vLLM v0.15.1 for all runs"}
+    for notes in (fork, {"vllm_version": "0.15.1 (per results/figure_captions.md)"}):
+        run = parse_scenario(scenario_for(_row(hardware="A100", gpu_kv_blocks_total="", **notes)))
+        assert run.deployment["vllm_version"] == "0.15.1"
+        assert run.scheduler_config.num_gpu_blocks == kv_cache_blocks(
+            get_model("llama-2-7b"), get_device("a100-80g"), 1, 16, 0.9, max_num_batched_tokens=2048,
+            max_num_seqs=128, vllm_version="0.15.1") != a100.scheduler_config.num_gpu_blocks
     with pytest.raises(ValueError, match="hardware='TPU'"):
         scenario_for(_row(hardware="TPU"))
 
