@@ -4,7 +4,8 @@ The order follows vLLM V1's sampler:
 
 1. allowed_token_ids: every other token gets -inf; min_tokens: EOS and stop token ids get -inf
    while a request has fewer than min_tokens outputs (or, with min_characters, while its text is
-   shorter: `text_short`); then logit_bias: each request's per-token biases added;
+   shorter: `text_short`); then logit_bias: each request's per-token biases added; then a spent
+   thinking_token_budget leaves only the reasoning end marker's next token;
 2. penalties (OpenAI / vLLM semantics):
      repetition  r over prompt + output tokens: logit / r if logit > 0 else logit * r
      frequency   f over output tokens:          logit - f * count(token in output)
@@ -109,6 +110,48 @@ def apply_allowed_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> N
             mask = torch.ones(vocab, dtype=torch.bool, device=logits.device)
             mask[keep] = False
             logits[i].masked_fill_(mask, float("-inf"))
+
+
+def _rfind(seq: Sequence[int], sub: Sequence[int]) -> int:
+    """The start of sub's last occurrence in seq, or -1."""
+    n = len(sub)
+    for i in range(len(seq) - n, -1, -1):
+        if seq[i] == sub[0] and list(seq[i:i + n]) == list(sub):
+            return i
+    return -1
+
+
+def forced_thinking_token(row: SamplingRow) -> int | None:
+    """The token a row with a thinking_token_budget must take next, or None: once `budget` tokens
+    follow the last reasoning start marker (in the prompt or the output) with no end marker
+    after it, the end marker's tokens, one per step."""
+    sp = row.sampling_params
+    if sp.thinking_token_budget is None:
+        return None
+    start, end = sp.reasoning_start_ids, sp.reasoning_end_ids
+    seq = [*row.prompt_token_ids, *row.output_token_ids]
+    at = _rfind(seq, start)
+    if at < 0:
+        return None
+    after = seq[at + len(start):]
+    if _rfind(after, end) >= 0:
+        return None  # this reasoning has ended
+    over = len(after) - sp.thinking_token_budget  # tokens past the budget: the end marker's so far
+    if over < 0:
+        return None
+    if over < len(end) and list(after[len(after) - over:]) == list(end[:over]):
+        return end[over]
+    return end[0]
+
+
+def apply_thinking_budget(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place: a row whose thinking budget is spent can take only its end marker's next token."""
+    for i, row in enumerate(rows):
+        t = forced_thinking_token(row)
+        if t is not None:
+            keep = logits[i, t].clone()
+            logits[i].fill_(float("-inf"))
+            logits[i, t] = keep if torch.isfinite(keep) else 0.0
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -285,6 +328,7 @@ class Sampler:
         apply_allowed_tokens(logits, rows)
         apply_min_tokens(logits, rows)
         apply_logit_bias(logits, rows)
+        apply_thinking_budget(logits, rows)
         apply_penalties(logits, rows)
         greedy = [is_greedy(r.sampling_params) for r in rows]
         if all(greedy):

@@ -226,11 +226,15 @@ def test_logprobs_match_transformers(srv, client, hf_model):
 def test_cached_tokens_and_reset_prefix_cache(srv):
     p = "A long shared preamble about the history of the bicycle, from the draisine onwards. " * 4
     n_prompt = len(srv["engine"].tokenizer(p).input_ids)
-    complete(srv, prompt=p, max_tokens=2)
+    first = complete(srv, prompt=p, max_tokens=2)["usage"]
     again = complete(srv, prompt=p, max_tokens=2)["usage"]
     bs = srv["engine"].block_size
     assert again["prompt_tokens_details"]["cached_tokens"] == (n_prompt - 1) // bs * bs
-    assert again["cache_read_input_tokens"] == again["prompt_tokens_details"]["cached_tokens"]  # vLLM's name
+    # vLLM's created_cache_tokens: the prompt's tokens in full blocks that were not read from the
+    # cache (a hit stops one token short of the prompt, whose last token is always computed)
+    assert first["prompt_tokens_details"]["created_cache_tokens"] == n_prompt // bs * bs
+    assert again["prompt_tokens_details"]["created_cache_tokens"] == n_prompt // bs * bs - (n_prompt - 1) // bs * bs
+    assert "cache_read_input_tokens" not in again  # vLLM's Anthropic usage, not OpenAI's
     deadline = time.time() + 30
     while True:  # refused (409) only while a request holds blocks
         r = post(srv, "/reset_prefix_cache")
@@ -239,7 +243,7 @@ def test_cached_tokens_and_reset_prefix_cache(srv):
         time.sleep(0.1)
     assert r.status_code == 200
     cold = complete(srv, prompt=p, max_tokens=2)["usage"]
-    assert cold["prompt_tokens_details"]["cached_tokens"] == 0 and cold["cache_read_input_tokens"] == 0
+    assert cold["prompt_tokens_details"] == {"cached_tokens": 0, "created_cache_tokens": n_prompt // bs * bs}
 
 
 def test_cache_salt_keeps_tenants_apart(srv):

@@ -57,6 +57,12 @@ class SamplingParams:
     # the most alternatives logprobs / prompt_logprobs may ask for (vLLM's max_logprobs, a server
     # setting: MAX_LOGPROBS by default; -1: no limit, up to the whole vocabulary)
     max_logprobs: int = MAX_LOGPROBS
+    # vLLM's thinking_token_budget: after the last reasoning start marker (reasoning_start_ids, in
+    # the prompt or the output) at most this many tokens, then the end marker (reasoning_end_ids)
+    # is forced, token by token; None: no limit
+    thinking_token_budget: int | None = None
+    reasoning_start_ids: tuple[int, ...] = ()
+    reasoning_end_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,6 +110,12 @@ class SamplingParams:
             if self.logprobs is None:
                 bad("logprob_token_ids", "`logprobs` must be set when using `logprob_token_ids` (their "
                     "log-probabilities are the alternatives reported)")
+        if self.thinking_token_budget is not None:
+            if not _is_int(self.thinking_token_budget) or self.thinking_token_budget < 0:
+                bad("thinking_token_budget", "must be an integer >= 0, or None for no limit")
+            if not self.reasoning_start_ids or not self.reasoning_end_ids:
+                bad("thinking_token_budget", "needs the reasoning markers' token ids (reasoning_start_ids "
+                    "and reasoning_end_ids)")
         if not _is_int(self.max_logprobs) or self.max_logprobs < -1:
             bad("max_logprobs", "must be an integer >= 0, or -1 for no limit")
         cap = self.max_logprobs

@@ -180,7 +180,8 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
                hidden_metrics: bool = False, root_path: str = "", token_ids_only: bool = False,
                chat_template_content_format: str = "auto", fingerprint_mode: str = "full",
                fingerprint_value: str | None = None, dev_mode: bool = False,
-               sleep_mode: bool = False) -> FastAPI:
+               sleep_mode: bool = False, per_request_metrics: bool = False,
+               trust_request_chat_template: bool = False, reasoning=None) -> FastAPI:
     """`engine` is an LLMEngine; the app owns its loop thread (started with the app). The routes
     live in routes_openai.py and routes_misc.py, the state they share in context.py. vLLM's
     server options: `api_key` (the /v1/ routes need it), `max_logprobs` (the most a request may
@@ -194,13 +195,18 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
     `chat_template_content_format` (how message content reaches the chat template: "string", one
     string; "openai", a list of content parts; "auto", read from the template as vLLM does),
     `fingerprint_mode` / `fingerprint_value` (the answers' system_fingerprint: system_fingerprint()),
-    `dev_mode` (vLLM's VLLM_SERVER_DEV_MODE routes: /sleep, /wake_up, /is_sleeping) and
-    `sleep_mode` (--enable-sleep-mode: /sleep may pause the engine)."""
+    `dev_mode` (vLLM's VLLM_SERVER_DEV_MODE routes: /sleep, /wake_up, /is_sleeping),
+    `sleep_mode` (--enable-sleep-mode: /sleep may pause the engine), `per_request_metrics`
+    (--enable-per-request-metrics: a `metrics` object of the request's timings on a single
+    answer, or on a stream's usage chunk), `trust_request_chat_template` (a request's own
+    `chat_template` is used; without it, refused) and `reasoning` (a reasoning parser,
+    engine.server.reasoning: chat replies' thinking in message.reasoning)."""
     ctx = ServerContext(engine, model_name, max_waiting, request_timeout_s, request_log,
                         served_model_names, max_body_bytes, tokenizer_workers, max_logprobs,
                         prompt_tokens_details, return_tokens_as_token_ids, force_include_usage,
                         hidden_metrics, token_ids_only, chat_template_content_format,
-                        system_fingerprint(engine, fingerprint_mode, fingerprint_value))
+                        system_fingerprint(engine, fingerprint_mode, fingerprint_value),
+                        per_request_metrics, trust_request_chat_template, reasoning)
     metrics = ctx.metrics
 
     @asynccontextmanager

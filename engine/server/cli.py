@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,22 @@ def add_serve_args(sub) -> None:
     # steps are scheduled one after another here, as vLLM's --no-async-scheduling
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help=argparse.SUPPRESS)
+    p.add_argument("--enable-per-request-metrics", action="store_true",
+                   help="vLLM's: a `metrics` object with the request's queue time, time to first token, "
+                        "generation time, mean ITL and tokens per second (ms) on answers with one choice, "
+                        "and on a stream's usage chunk")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="vLLM's: a request's own `chat_template` is used (without this flag it is refused)")
+    p.add_argument("--reasoning-parser", default=None,
+                   help="vLLM's: a reply's thinking between <think> and </think> goes to message.reasoning: "
+                        "deepseek_r1 or qwen3 (engine/server/reasoning.py)")
+    p.add_argument("--reasoning-config", default=None,
+                   help="vLLM's: JSON {reasoning_start_str, reasoning_end_str}: other reasoning markers")
+    # multimodal limits: this engine serves text-only models, for which vLLM ignores them too
+    p.add_argument("--limit-mm-per-prompt", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--runner", choices=("auto", "generate", "pooling", "draft"), default="auto",
+                   help="vLLM's: 'auto' and 'generate' serve text generation; pooling and draft runners "
+                        "are not supported")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for the engine (CPU only; default: one per core but one, "
                         "which is left to the HTTP side: event loop, tokenizer workers, SSE)")
@@ -187,6 +204,18 @@ def build_app(a):
     if a.fingerprint_mode == "custom" and not a.fingerprint_value:
         raise SystemExit("serve: --fingerprint-mode custom needs --fingerprint-value")
     prefix_caching = not a.no_prefix_caching if a.enable_prefix_caching is None else a.enable_prefix_caching
+    if a.runner not in ("auto", "generate"):
+        raise SystemExit(f"serve: --runner={a.runner}: this server runs text generation only (auto or generate)")
+    reasoning_config = None
+    if a.reasoning_config is not None:
+        try:
+            reasoning_config = json.loads(a.reasoning_config)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"serve: --reasoning-config={a.reasoning_config!r}: not JSON ({e})") from None
+        if not isinstance(reasoning_config, dict):
+            raise SystemExit(f"serve: --reasoning-config={a.reasoning_config!r}: must be a JSON object")
+        if a.reasoning_parser is None:
+            raise SystemExit("serve: --reasoning-config needs --reasoning-parser")
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":
@@ -218,6 +247,15 @@ def build_app(a):
     if a.enable_lora or a.lora_modules:
         log.warning("serve: LoRA adapters are not supported; %s not loaded "
                                             "(requests naming them get a 404)", a.lora_modules or "none")
+    if a.limit_mm_per_prompt is not None:
+        log.warning("serve: --limit-mm-per-prompt %s ignored: the model is text-only", a.limit_mm_per_prompt)
+    reasoning = None
+    if a.reasoning_parser is not None:
+        from engine.server.reasoning import ReasoningParser
+        try:
+            reasoning = ReasoningParser.build(a.reasoning_parser, reasoning_config, engine.tokenizer)
+        except ValueError as e:
+            raise SystemExit(f"serve: {e}") from None
     served = a.served_model_name
     app = create_app(engine, model_name=served[0] if served else model, max_waiting=a.max_waiting,
                       request_timeout_s=a.request_timeout_s, request_log=a.request_log,
@@ -233,7 +271,9 @@ def build_app(a):
                       root_path=a.root_path or "", token_ids_only=a.skip_tokenizer_init,
                       chat_template_content_format=a.chat_template_content_format,
                       fingerprint_mode=a.fingerprint_mode, fingerprint_value=a.fingerprint_value,
-                      dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1", sleep_mode=a.enable_sleep_mode)
+                      dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1", sleep_mode=a.enable_sleep_mode,
+                      per_request_metrics=a.enable_per_request_metrics,
+                      trust_request_chat_template=a.trust_request_chat_template, reasoning=reasoning)
     for name in a.middleware:
         add_middleware(app, name)
     return app

@@ -161,8 +161,12 @@ class ServerContext:
                  prompt_tokens_details: bool = True, return_tokens_as_token_ids: bool = False,
                  force_include_usage: bool = False, hidden_metrics: bool = False,
                  token_ids_only: bool = False, chat_template_content_format: str = "auto",
-                 system_fingerprint: str | None = None) -> None:
+                 system_fingerprint: str | None = None, per_request_metrics: bool = False,
+                 trust_request_chat_template: bool = False, reasoning=None) -> None:
         self.engine = engine
+        self.reasoning = reasoning  # the reasoning parser (engine.server.reasoning), or None
+        self.trust_request_chat_template = trust_request_chat_template  # a request's own template is used
+        self.per_request_metrics = per_request_metrics  # vLLM's `metrics` object on single answers
         self.system_fingerprint = system_fingerprint  # of non-streamed answers (None: left out)
         self.prompt_tokens_details = prompt_tokens_details          # usage carries cached_tokens
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # the default of the request field
@@ -305,7 +309,7 @@ class ServerContext:
             field = f"prompt[{p}]" if len(prompts) > 1 else "prompt"
             mt = self.limits(req, len(ids), field if isinstance(req, CompletionRequest) else "messages")
             for i in range(req.n):
-                params = req.sampling_params(mt, _child_seed(req.seed, i), logprobs, biases)
+                params = req.sampling_params(mt, _child_seed(req.seed, i), logprobs, biases, self.reasoning)
                 cid = f"{rid}-{p * req.n + i}" if many else rid
                 out.append(Child(cid, ids, params, text, req.priority, req.cache_salt))
         return out

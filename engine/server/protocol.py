@@ -135,7 +135,6 @@ UNSUPPORTED = {
     "logits_processors": _off(None, []),
     "bad_words": _off(None, []),
     "documents": _off(None, []),
-    "chat_template": _off(None),
     "prompt_embeds": _off(None, []),
     "length_penalty": _off(None, 1.0, 1),
     # vLLM's KV-connector parameters: without a connector they mean nothing and are ignored, as
@@ -285,8 +284,22 @@ class _Common(_Strict):
     # written "token_id:ID" (for tokens that do not decode to text on their own)
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: after the reasoning start marker at most this many tokens before the end marker is
+    # forced (a server with --reasoning-parser; -1 or null: no limit)
+    thinking_token_budget: I64 | None = None
     # max_tokens when the request gives none (None: as many as fit); see engine.core.admission
     default_max_tokens: ClassVar[int | None] = None
+
+    @field_validator("thinking_token_budget", mode="before")
+    @classmethod
+    def _budget(cls, v):
+        """vLLM's thinking_token_budget: an integer >= 0, or -1 (or null) for no limit."""
+        if v is None or v == -1 and not isinstance(v, bool):
+            return None
+        if isinstance(v, bool) or not _is_int(v) or v < 0:
+            raise APIError(400, f"thinking_token_budget={_short(v)}: `thinking_token_budget` must be a "
+                                "non-negative integer or -1 for unlimited.", "thinking_token_budget")
+        return int(v)
 
     @model_validator(mode="before")
     @classmethod
@@ -371,10 +384,18 @@ class _Common(_Strict):
         return self.prompt_logprobs
 
     def sampling_params(self, max_tokens: int, seed: int | None, logprobs: int | None,
-                        logit_bias: dict[int, float] | None = None) -> SamplingParams:
-        """Raises APIError(400) naming the field for invalid values."""
+                        logit_bias: dict[int, float] | None = None, reasoning=None) -> SamplingParams:
+        """Raises APIError(400) naming the field for invalid values. `reasoning`: the server's
+        reasoning parser (engine.server.reasoning), whose markers a thinking_token_budget counts."""
         def d(v, default):
             return default if v is None else v
+        budget = {}
+        if self.thinking_token_budget is not None:
+            if reasoning is None:
+                raise APIError(400, f"thinking_token_budget={self.thinking_token_budget}: needs a server started "
+                                    "with --reasoning-parser", "thinking_token_budget")
+            budget = {"thinking_token_budget": self.thinking_token_budget,
+                      "reasoning_start_ids": reasoning.start_ids, "reasoning_end_ids": reasoning.end_ids}
         try:
             return SamplingParams(
                 max_tokens=max_tokens, min_tokens=self.min_tokens, min_characters=self.min_characters,
@@ -387,7 +408,7 @@ class _Common(_Strict):
                 repetition_penalty=d(self.repetition_penalty, 1.0), logprobs=logprobs, logit_bias=logit_bias,
                 prompt_logprobs=self.wanted_prompt_logprobs(), min_p=d(self.min_p, 0.0),
                 allowed_token_ids=self.allowed_token_ids, logprob_token_ids=self.logprob_token_ids,
-                max_logprobs=-1)  # bounded by the server
+                max_logprobs=-1, **budget)  # bounded by the server
         except ValueError as e:
             msg = str(e)
             field = msg.split("SamplingParams.", 1)[-1].split("=", 1)[0] if "SamplingParams." in msg else None
@@ -531,6 +552,11 @@ class _ChatFields(_Common):
     # templated text gets the tokenizer's special tokens too (the template writes its own)
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
+    # vLLM's: the request's own Jinja chat template (with --trust-request-chat-template only)
+    chat_template: str | None = None
+    # vLLM's: the reply's reasoning (a server with --reasoning-parser) in message.reasoning; false
+    # leaves it out (its tokens still count in usage)
+    include_reasoning: bool = True
 
     def conversations(self) -> list[list[ChatMessage]]:
         raise NotImplementedError
@@ -573,7 +599,8 @@ class ChatCompletionRequest(_ChatFields):
 
     # the template's options: none of them applies to prompt_token_ids
     TEMPLATE_OPTIONS: ClassVar[tuple[str, ...]] = ("add_generation_prompt", "continue_final_message",
-                                                   "chat_template_kwargs", "add_special_tokens", "echo")
+                                                   "chat_template_kwargs", "add_special_tokens", "echo",
+                                                   "chat_template")
 
     def token_in(self, vocab_size: int) -> list[int] | None:
         """prompt_token_ids checked (or None), or a 400 naming what conflicts with them."""
@@ -589,6 +616,20 @@ class ChatCompletionRequest(_ChatFields):
                 raise APIError(400, f"{name}: a chat template option, but prompt_token_ids are already "
                                     "templated", name)
         return token_ids(self.prompt_token_ids, vocab_size, "prompt_token_ids")
+
+    def reused_ids(self, vocab_size: int) -> list[int] | None:
+        """vLLM's decode-side token reuse: the prompt token ids a disaggregated prefill stage
+        forwarded in kv_transfer_params.prompt_token_ids, generated from as they are (the
+        messages are not templated); None without them or with echo (which needs the messages);
+        a 400 naming the field when they are not a non-empty list of token ids."""
+        kv = (self.model_extra or {}).get("kv_transfer_params")
+        if not isinstance(kv, dict) or kv.get("prompt_token_ids") is None or self.echo:
+            return None
+        ids = kv["prompt_token_ids"]
+        name = "kv_transfer_params.prompt_token_ids"
+        if not isinstance(ids, list) or not ids or any(type(x) is not int or x < 0 for x in ids):
+            raise APIError(400, f"{name}={_short(ids)}: must be a non-empty list of non-negative integers", name)
+        return token_ids(ids, vocab_size, name)
 
     def conversations(self) -> list[list[ChatMessage]]:
         return [self.messages]
@@ -633,6 +674,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     return_token_strs: bool = False
 
 
@@ -642,19 +684,30 @@ class DetokenizeRequest(_Strict):
     tokens: list[I64]
 
 
-def template_kwargs(req) -> dict:
+def template_kwargs(req, trust_request_chat_template: bool = False) -> dict:
     """A chat or tokenize request's chat_template_kwargs, after vLLM's checks: not both
     add_generation_prompt and continue_final_message, and none of the names the server sets
-    itself (each a 400 naming the field)."""
+    itself (each a 400 naming the field). A template of the request's own (`chat_template`, or
+    chat_template_kwargs.chat_template) is used only on a server started with
+    --trust-request-chat-template, and refused otherwise in vLLM's words."""
     if req.add_generation_prompt and req.continue_final_message:
         raise APIError(400, "continue_final_message: not with add_generation_prompt=true (set it false)",
                        "continue_final_message")
     kw = dict(req.chat_template_kwargs or {})
     for name in ("conversation", "messages", "add_generation_prompt", "continue_final_message",
-                 "tokenize", "chat_template", "tools", "documents"):
+                 "tokenize", "tools", "documents"):
         if name in kw:
             raise APIError(400, f"chat_template_kwargs.{name}: set by the server (or not supported)",
                            f"chat_template_kwargs.{name}")
+    own = req.chat_template if req.chat_template is not None else kw.get("chat_template")
+    if own is not None:
+        if not trust_request_chat_template:
+            raise APIError(400, "chat_template: Chat template is passed with request, but "
+                                "--trust-request-chat-template is not set. Refused request with untrusted "
+                                "chat template.", "chat_template")
+        if not isinstance(own, str):
+            raise APIError(400, f"chat_template={_short(own)}: must be a string (a Jinja template)", "chat_template")
+        kw["chat_template"] = own
     return kw
 
 
@@ -694,13 +747,15 @@ def now_s() -> int:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
-          cache_read_tokens: int | None = None) -> dict:
-    """OpenAI's usage; cached_tokens: prompt_tokens_details (vLLM: --enable-prompt-tokens-details);
-    cache_read_tokens: vLLM's cache_read_input_tokens, the prompt tokens read from the prefix cache."""
+          created_cache_tokens: int | None = None, reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage. With cached_tokens (vLLM: --enable-prompt-tokens-details), its
+    prompt_tokens_details: `cached_tokens`, the prompt tokens read from the prefix cache, and vLLM's
+    `created_cache_tokens`, those the request wrote to it. reasoning_tokens (a reasoning parser):
+    completion_tokens_details.reasoning_tokens."""
     u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
          "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens is not None:
-        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
-    if cache_read_tokens is not None:
-        u["cache_read_input_tokens"] = cache_read_tokens
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens, "created_cache_tokens": created_cache_tokens}
+    if reasoning_tokens is not None:
+        u["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return u

@@ -38,6 +38,12 @@ class ErrorResponse(_Body):
 # ------------------------------------------------------------------ shared parts
 class PromptTokensDetails(_Body):
     cached_tokens: int = Field(description="prompt tokens served from the prefix cache")
+    created_cache_tokens: int | None = Field(None, description="vLLM's: prompt tokens this request wrote to "
+                                             "the prefix cache (its full blocks not read from it)")
+
+
+class CompletionTokensDetails(_Body):
+    reasoning_tokens: int = Field(description="generated tokens of the reasoning (with a reasoning parser)")
 
 
 class Usage(_Body):
@@ -45,8 +51,17 @@ class Usage(_Body):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
-    cache_read_input_tokens: int | None = Field(None, description="vLLM's: the prompt tokens read from the "
-                                                "prefix cache (each prompt once)")
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+
+class RequestMetrics(_Body):
+    """vLLM's per-request metrics (--enable-per-request-metrics), in ms; a value whose times are
+    missing (mean ITL of a one-token reply) is left out."""
+    time_to_first_token_ms: float | None = Field(None, description="first scheduled to first token")
+    generation_time_ms: float | None = Field(None, description="first token to last token")
+    queue_time_ms: float | None = Field(None, description="arrival to first scheduled")
+    mean_itl_ms: float | None = Field(None, description="generation time over the tokens after the first")
+    tokens_per_second: float | None = Field(None, description="tokens over first scheduled to last token")
 
 
 class PromptLogprob(_Body):
@@ -107,6 +122,7 @@ class Completion(_Body):
     system_fingerprint: str | None = Field(None, description="the server's configuration (vLLM's "
                                                                 "--fingerprint-mode; left out with none)")
     usage: Usage
+    metrics: RequestMetrics | None = Field(None, description="with --enable-per-request-metrics, one choice")
 
 
 class CompletionChunkChoice(CompletionChoice):
@@ -122,6 +138,8 @@ class CompletionChunk(_Body):
     choices: list[CompletionChunkChoice]
     usage: Usage | None = Field(None, description="with stream_options.include_usage: on the last chunk "
                                                    "(and on every chunk with continuous_usage_stats)")
+    metrics: RequestMetrics | None = Field(None, description="with --enable-per-request-metrics: on the usage "
+                                                             "chunk of a stream with one choice")
 
 
 # ------------------------------------------------------------------ chat
@@ -145,6 +163,8 @@ class ChatMessageOut(_Body):
     content: str | None
     refusal: None = Field(description="always null: this server never refuses by policy")
     tool_calls: list[dict] = Field(description="always empty: tools are not supported")
+    reasoning: str | None = Field(None, description="vLLM's: the reply's thinking, with --reasoning-parser "
+                                                    "(null without one, or with include_reasoning false)")
 
 
 class ChatChoice(_Extensions):
@@ -168,6 +188,7 @@ class ChatCompletion(_Body):
     system_fingerprint: str | None = Field(None, description="the server's configuration (vLLM's "
                                                                 "--fingerprint-mode; left out with none)")
     usage: Usage
+    metrics: RequestMetrics | None = Field(None, description="with --enable-per-request-metrics, one choice")
     prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids (vLLM)")
     prompt_logprobs: PromptLogprobs | None = Field(None, description="with prompt_logprobs (vLLM): the prompt's, "
                                                                      "as a completion choice's")
@@ -176,6 +197,7 @@ class ChatCompletion(_Body):
 class ChatDelta(_Body):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = Field(None, description="vLLM's: new thinking text, with --reasoning-parser")
 
 
 class ChatChunkChoice(_Extensions):
@@ -196,6 +218,8 @@ class ChatCompletionChunk(_Body):
                                                                  "only (vLLM)")
     usage: Usage | None = Field(None, description="with stream_options.include_usage: on the last chunk "
                                                    "(and on every chunk with continuous_usage_stats)")
+    metrics: RequestMetrics | None = Field(None, description="with --enable-per-request-metrics: on the usage "
+                                                             "chunk of a stream with one choice")
 
 
 # ------------------------------------------------------------------ models, tokenizer, health

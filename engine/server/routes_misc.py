@@ -126,7 +126,7 @@ def add_misc_routes(app: FastAPI, ctx: ServerContext, tokenizer_info: bool = Fal
             check_chars("".join(m.text(f"messages[{i}]") for i, m in enumerate(req.messages)), "messages")
             conv = [{"role": m.role, "content": m.template_content(f"messages[{i}]", ctx.content_format == "openai")}
                     for i, m in enumerate(req.messages)]
-            kw = template_kwargs(req)
+            kw = template_kwargs(req, ctx.trust_request_chat_template)
             try:
                 _, ids = await pool.run(_apply_template, conv, req.add_generation_prompt, req.continue_final_message,
                                         kw, bool(req.add_special_tokens), ctx.content_format)

@@ -30,6 +30,30 @@ def _response_error(e: Exception) -> APIError:
     return APIError(500, f"Internal server error: {e}", None, type="server_error")
 
 
+def request_metrics(out) -> dict:
+    """vLLM's per-request metrics (--enable-per-request-metrics) of a finished request, in ms from
+    its engine record: queue time (arrival to first scheduled), time to first token (first
+    scheduled to first token), generation time (first to last token), mean ITL (over the tokens
+    after the first) and tokens per second (all its tokens over first scheduled to last token);
+    a value whose times are missing is left out."""
+    rec, n = out.metrics, len(out.outputs[0].token_ids)
+    if rec is None:
+        return {}
+    queued, sched, first, last = rec.arrival_s, rec.first_scheduled_s, rec.first_token_s, rec.last_token_s
+    m = {}
+    if sched is not None and first is not None:
+        m["time_to_first_token_ms"] = max(0.0, first - sched) * 1e3
+    if first is not None and last is not None:
+        m["generation_time_ms"] = max(0.0, last - first) * 1e3
+        if n > 1:
+            m["mean_itl_ms"] = max(0.0, last - first) / (n - 1) * 1e3
+    if queued is not None and sched is not None:
+        m["queue_time_ms"] = max(0.0, sched - queued) * 1e3
+    if sched is not None and last is not None and last > sched:
+        m["tokens_per_second"] = n / (last - sched)
+    return m
+
+
 def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     engine, aeng, tokenizer, pool, vocab_size = ctx.engine, ctx.aeng, ctx.tokenizer, ctx.pool, ctx.vocab_size
     parse, check_chars, children = ctx.parse, ctx.check_chars, ctx.children
@@ -80,6 +104,8 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         if batch and req.stream:
             raise APIError(400, "stream: a batch of conversations is not streamed", "stream")
         ids_in = None if batch else req.token_in(ctx.vocab_size)
+        if ids_in is None and not batch:  # a prefill stage's ids, forwarded for the decode stage
+            ids_in = req.reused_ids(ctx.vocab_size)
         if ids_in is not None:  # token-in: the conversation arrives templated
             templated = [(None, ids_in)]
         else:
@@ -87,7 +113,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                 check_chars("".join(m["content"] for m in conv), f"messages[{k}]" if batch else "messages")
             # the template's view: content parts as sent (their other fields too) under "openai"
             convs = req.chat_turns(parts=ctx.content_format == "openai")
-            kw = template_kwargs(req)
+            kw = template_kwargs(req, ctx.trust_request_chat_template)
             try:
                 templated = await pool.run(lambda tok: [_apply_template(tok, conv, req.add_generation_prompt,
                                                                          req.continue_final_message, kw,
@@ -142,6 +168,9 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                       if req.return_token_ids else None,
                       tokens_as_ids=tokens_as_ids, packed_k=req.logprobs if packed else None,
                       cached_details=ctx.prompt_tokens_details,
+                      cache_block=(engine.block_size if engine.scheduler_config.enable_prefix_caching else None),
+                      reasoning=ctx.reasoning if chat else None,
+                      include_reasoning=bool(getattr(req, "include_reasoning", True)), tokenizer=tokenizer,
                       first_ids=[kids[p * req.n].prompt_token_ids[0] if kids[p * req.n].prompt_token_ids else None
                                  for p in range(n_prompts)])
         if req.stream:
@@ -190,6 +219,8 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                 "usage": shape.usage(outs)}
         if ctx.system_fingerprint is None:
             del body["system_fingerprint"]
+        if ctx.per_request_metrics and n == 1:  # one generation's timings (vLLM: none for n > 1)
+            body["metrics"] = request_metrics(outs[0])
         if shape.chat:
             one = len(shape.prompt_lens) == 1  # several conversations (batch): on each choice instead
             body["prompt_token_ids"] = shape.prompt_ids[0] if shape.prompt_ids is not None and one else None
@@ -205,10 +236,11 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         first_sent: set[int] = set()  # choices whose first token has been sent
         prompt_sent: set[int] = set()  # choices whose prompt (echo, prompt logprobs) has been sent
         sent_ids: dict[int, int] = {}  # choice index -> token ids already sent (return_token_ids)
+        sent_parts: dict[int, tuple[str, str]] = {}  # with a reasoning parser: reasoning, content sent
 
         first_event = True
 
-        def event(choices: list[dict], usage_body=None) -> str:
+        def event(choices: list[dict], usage_body=None, metrics=None) -> str:
             nonlocal first_event
             if not shape.chat:  # vLLM's completion chunks carry its extension fields, null when unused
                 for ch in choices:
@@ -221,13 +253,15 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
             first_event = False
             if usage_body is not None:
                 body["usage"] = usage_body
+            if metrics is not None:
+                body["metrics"] = metrics
             return f"data: {json.dumps(body)}\n\n"
 
         try:
             # vLLM: usage in a chunk only with include_usage; with continuous_usage_stats too, in
             # every chunk (the counts so far)
             continuous = continuous and include_usage
-            first_usage = usage(sum(shape.prompt_lens), 0, None, 0) if continuous else None
+            first_usage = usage(sum(shape.prompt_lens), 0) if continuous else None
             for i in range(shape.num_choices):
                 if shape.chat:
                     content = shape.echo[i // shape.n] if shape.echo is not None else ""
@@ -247,10 +281,21 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                     yield event([shape.prompt_chunk(i, out.prompt_logprobs)], first_usage)
                 if shape.echo_only:
                     c = shape.nothing_generated(c)
-                prev = sent.get(i, "")
-                delta = c.text[len(prev):] if c.text.startswith(prev) else ""
-                if delta:
-                    sent[i] = c.text
+                thought = ""
+                if shape.reasoning is not None:  # the new text split into reasoning and content
+                    r, a, _ = shape.reasoning.split(c.text, final=c.finish_reason is not None)
+                    pr, pa = sent_parts.get(i, ("", ""))
+                    r, a = r or "", a or ""
+                    thought = r[len(pr):] if r.startswith(pr) else ""
+                    delta = a[len(pa):] if a.startswith(pa) else ""
+                    sent_parts[i] = (r if r.startswith(pr) else pr, a if a.startswith(pa) else pa)
+                    if not shape.include_reasoning:
+                        thought = ""
+                else:
+                    prev = sent.get(i, "")
+                    delta = c.text[len(prev):] if c.text.startswith(prev) else ""
+                    if delta:
+                        sent[i] = c.text
                 lp = None
                 if c.logprobs is not None and len(c.logprobs) > sent_lp.get(i, 0):
                     # text_offset counts the tokens' texts (as without a stream), not the text sent
@@ -263,15 +308,20 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                 if shape.prompt_ids is not None:
                     new_ids = list(c.token_ids[sent_ids.get(i, 0):])
                     sent_ids[i] = len(c.token_ids)
-                if delta or c.finish_reason is not None or lp is not None:
-                    chunk = event([shape.delta(i, delta, c, lp, new_ids, first=i not in first_sent)],
+                # with return_token_ids a chunk carries every new token id, also those whose text is
+                # held back (a character not complete yet, a stop string forming), as vLLM's
+                if delta or thought or c.finish_reason is not None or lp is not None or new_ids:
+                    chunk = event([shape.delta(i, delta, c, lp, new_ids, first=i not in first_sent,
+                                               reasoning=thought)],
                                   shape.usage(list(latest.values())) if continuous else None)
                     if i not in first_sent:  # the log's first token time: handed to the connection
                         first_sent.add(i)
                         aeng.first_token_sent(out.request_id)
                     yield chunk
-            if include_usage:
-                yield event([], shape.usage([latest[i] for i in sorted(latest)]))
+            if include_usage:  # the last chunk; vLLM's per-request metrics ride on it
+                metrics = (request_metrics(latest[0]) if ctx.per_request_metrics and shape.num_choices == 1
+                           else None)
+                yield event([], shape.usage([latest[i] for i in sorted(latest)]), metrics)
             yield "data: [DONE]\n\n"
         except (ValueError, EngineDead, RequestFailed) as e:
             yield f"data: {json.dumps(_response_error(e).body())}\n\n"
@@ -288,7 +338,8 @@ class Shape:
                  echo_only: bool = False, first_tokens: list[str] | None = None,
                  prompt_ids: list[list[int]] | None = None, tokens_as_ids: bool = False,
                  cached_details: bool = True, first_ids: list[int] | None = None,
-                 packed_k: int | None = None) -> None:
+                 packed_k: int | None = None, cache_block: int | None = None, reasoning=None,
+                 include_reasoning: bool = True, tokenizer=None) -> None:
         self.rid, self.created, self.model, self.chat, self.n = rid, created, model, chat, n
         self.prompt_lens, self.echo = prompt_lens, echo
         self.num_choices = n * len(prompt_lens)
@@ -304,6 +355,10 @@ class Shape:
         self.prompt_ids = prompt_ids            # return_token_ids: each prompt's token ids
         self.tokens_as_ids = tokens_as_ids      # return_tokens_as_token_ids
         self.cached_details = cached_details    # usage.prompt_tokens_details.cached_tokens
+        self.cache_block = cache_block          # the block size, with prefix caching on (else None)
+        self.reasoning = reasoning              # a chat's reasoning parser (engine.server.reasoning)
+        self.include_reasoning = include_reasoning  # message.reasoning written (else left null)
+        self.tokenizer = tokenizer              # counts reasoning tokens when markers are not one token
         self.packed_k = packed_k                # packed_top_logprobs: this many alternatives a token
 
     @staticmethod
@@ -436,7 +491,13 @@ class Shape:
         if self.chat:
             # (no annotations / audio / function_call: OpenAI's schema has no null for the first
             # and the last, and a client's SDK fills in what is absent)
-            choice["message"] = {"role": "assistant", "content": head + c.text, "refusal": None, "tool_calls": []}
+            content, reasoning = head + c.text, None
+            if self.reasoning is not None:  # the thinking to message.reasoning, the rest to content
+                reasoning, answer, _ = self.reasoning.split(c.text)
+                content = head + answer if answer is not None else (head or None)
+                reasoning = (reasoning or None) if self.include_reasoning else None
+            choice["message"] = {"role": "assistant", "content": content, "refusal": None, "tool_calls": [],
+                                 "reasoning": reasoning}
             if self.prompt_ids is not None and len(self.prompt_lens) > 1:  # a batch: each its conversation's
                 choice["prompt_token_ids"] = self.prompt_ids[i // self.n]
         else:
@@ -445,9 +506,12 @@ class Shape:
         choice["token_ids"] = list(c.token_ids) if self.prompt_ids is not None else None
         return choice
 
-    def delta(self, i: int, text: str, c, lp, token_ids: list[int] | None = None, first: bool = False) -> dict:
+    def delta(self, i: int, text: str, c, lp, token_ids: list[int] | None = None, first: bool = False,
+              reasoning: str = "") -> dict:
         if self.chat:
             d = {"content": text}  # "" on a last chunk with no text left, as vLLM
+            if reasoning:  # a reasoning parser's share of the new text (content only when it has some)
+                d = {"reasoning": reasoning, **({"content": text} if text else {})}
             out = {"index": i, "delta": d, "logprobs": lp, "finish_reason": c.finish_reason}
         else:
             out = {"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
@@ -461,14 +525,28 @@ class Shape:
 
     def usage(self, outs) -> dict:
         """Prompt tokens count each prompt once (not once per choice); cached tokens are the
-        prefix-cache hits of each prompt's first choice."""
+        prefix-cache hits of each prompt's first choice, and created ones (vLLM's
+        created_cache_tokens) the rest of its tokens in full blocks, which the prefix cache holds
+        once it is prefilled (none with prefix caching off)."""
         completion = 0 if self.echo_only else sum(len(o.outputs[0].token_ids) for o in outs)
         firsts = {}
         for o in outs:
-            k = o.request_id
-            firsts.setdefault(self._prompt_of(k), o)
-        cached = sum((o.num_cached_tokens or 0) for o in firsts.values())
-        return usage(sum(self.prompt_lens), completion, cached if self.cached_details else None, cached)
+            firsts.setdefault(self._prompt_of(o.request_id), o)
+        reasoning = None
+        if self.reasoning is not None:  # every choice's reasoning tokens
+            reasoning = 0 if self.echo_only else sum(
+                self.reasoning.count_tokens(list(o.outputs[0].token_ids), self.reasoning.split(o.outputs[0].text)[0],
+                                            self.tokenizer) for o in outs)
+        if not self.cached_details:
+            return usage(sum(self.prompt_lens), completion, reasoning_tokens=reasoning)
+        cached = created = 0
+        for p, o in firsts.items():
+            hit = o.num_cached_tokens or 0
+            cached += hit
+            if self.cache_block:
+                full = self.prompt_lens[p] // self.cache_block * self.cache_block
+                created += max(0, full - hit)
+        return usage(sum(self.prompt_lens), completion, cached, created, reasoning)
 
     def _prompt_of(self, request_id: str) -> int:
         if self.num_choices == 1:
