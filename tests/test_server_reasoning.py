@@ -1,10 +1,11 @@
 """vLLM entrypoint behaviours that vLLM's own tests of its OpenAI server check (issue 38): a
 reasoning parser (message.reasoning, thinking_token_budget, reasoning_tokens), per-request
 metrics, a request's own chat template, decode-side token reuse (kv_transfer_params), prompt
-tokens written to the prefix cache, and streamed token ids of text held back."""
+tokens written to the prefix cache, streamed token ids of text held back, and the Decisions API."""
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import pytest
@@ -197,3 +198,41 @@ def test_created_cache_tokens_count_the_blocks_a_request_wrote(srv):
     batch = httpx.post(srv["url"] + "/v1/chat/completions/batch",
                        json={"model": MODEL, "messages": [msgs, msgs], "max_tokens": 1}, timeout=120).json()["usage"]
     assert batch["prompt_tokens_details"] == {k: 2 * v for k, v in again["prompt_tokens_details"].items()}
+
+
+def test_decisions_are_the_option_letters_next_token_probabilities(srv):
+    """vLLM's POST /v1/decisions: a choice's probabilities are the softmax of its option letters'
+    log-probabilities as the reply's first token, the same as /v1/completions reports for that
+    prompt; a predicate is false/true, a score the expected level; one token per question."""
+    tok = srv["engine"].tokenizer
+    choice = {"type": "choice", "name": "dept", "instructions": "Which department should handle it?",
+              "choices": [{"value": "returns"}, {"value": "billing", "description": "money matters"}]}
+    body = {"model": MODEL, "input": "The package arrived with a broken screen.",
+            "questions": [choice, {"type": "predicate", "instructions": "Is the screen broken?"},
+                          {"type": "score", "instructions": "Rate the damage.",
+                           "levels": [{"label": "none"}, {"label": "some"}, {"label": "total"}]}]}
+    r = httpx.post(srv["url"] + "/v1/decisions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    content = ("The package arrived with a broken screen.\n\nQuestion: Which department should handle it?\n"
+               'A: "returns"\nB: "billing" - money matters\nAnswer with the letter of one option only.')
+    ids = httpx.post(srv["url"] + "/tokenize", json={"model": MODEL, "messages": chat(content)},
+                     timeout=60).json()["tokens"]
+    a, b = tok.convert_tokens_to_ids(["A", "B"])
+    lp = httpx.post(srv["url"] + "/v1/completions", json={
+        "model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 2,
+        "logprob_token_ids": [a, b]}, timeout=60).json()["choices"][0]["logprobs"]["top_logprobs"][0]
+    za, zb = math.exp(lp["A"]), math.exp(lp["B"])
+    dept, pred, score = got["answers"]
+    assert [p["probability"] for p in dept["probabilities"]] == pytest.approx([za / (za + zb), zb / (za + zb)], abs=1e-4)
+    assert dept["choice"] == ("returns" if za >= zb else "billing") and dept["name"] == "dept"
+    assert dept["confidence"] == pytest.approx(max(za, zb), abs=1e-4)
+    assert pred["name"] is None and 0 <= pred["probability"] <= 1
+    assert score["score"] == pytest.approx(sum(p["value"] * p["probability"] for p in score["probabilities"]))
+    assert got["usage"]["output_tokens"] == 3
+    assert got["usage"]["total_tokens"] == got["usage"]["input_tokens"] + 3
+    image = {**body, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}
+    e = httpx.post(srv["url"] + "/v1/decisions", json=image, timeout=60)
+    assert e.status_code == 400 and "text input only" in e.json()["error"]["message"]
+    same = {**body, "questions": [{"type": "choice", "instructions": "?", "choices": [{"value": "x"}, {"value": "x"}]}]}
+    assert httpx.post(srv["url"] + "/v1/decisions", json=same, timeout=60).status_code == 400

@@ -44,6 +44,7 @@ from engine.server.context import RequestLog, ServerContext, TokenizerPool, _err
 from engine.server.openapi import install_openapi
 from engine.server.protocol import APIError
 from engine.server.routes_misc import VERSION, add_misc_routes
+from engine.server.routes_decisions import add_decision_routes
 from engine.server.routes_openai import Shape, add_openai_routes
 
 __all__ = ["RequestLog", "Shape", "TokenizerPool", "VERSION", "create_app"]
@@ -251,6 +252,7 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
 
     add_misc_routes(app, ctx, tokenizer_info=tokenizer_info, dev_mode=dev_mode, sleep_mode=sleep_mode)
     add_openai_routes(app, ctx)
+    add_decision_routes(app, ctx)
     if load_tracking:
         app.state.server_load = 0
         app.add_middleware(_LoadCounter, state=app.state)

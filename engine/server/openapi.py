@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from engine.server import responses as R
 from engine.server.protocol import (BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, TokenizeRequest)
+from engine.server.routes_decisions import DecisionRequest, DecisionResponse
 
 # POST path -> the models its body may be (several: one of them)
 BODIES = {
@@ -24,6 +25,7 @@ BODIES = {
     "/invocations": (ChatCompletionRequest, CompletionRequest),  # by the body: messages or prompt
     "/tokenize": (TokenizeRequest,),
     "/detokenize": (DetokenizeRequest,),
+    "/v1/decisions": (DecisionRequest,),
 }
 
 # POST paths that need no body: an empty object may come
@@ -52,6 +54,14 @@ RESPONSES: dict[tuple[str, str], dict[int, tuple]] = {
     ("/invocations", "post"): {200: ("a chat completion for a body with messages, else a completion",
                                      (R.ChatCompletion, R.Completion), (R.ChatCompletionChunk, R.CompletionChunk)), **{
         s: (d, (R.ErrorResponse,), None) for s, d in _GEN_ERRORS.items()}},
+    ("/v1/decisions", "post"): {200: (_OK, (DecisionResponse,), None),
+                                400: ("a field is invalid, or the input and a question do not fit",
+                                      (R.ErrorResponse,), None),
+                                404: ("no such model", (R.ErrorResponse,), None),
+                                413: ("the body is larger than the server's limit", (R.ErrorResponse,), None),
+                                501: ("the model cannot answer decisions (no chat template, or an option "
+                                      "letter is not one token after it)", (R.ErrorResponse,), None),
+                                503: (_GEN_ERRORS[503], (R.ErrorResponse,), None)},
     ("/tokenize", "post"): {200: (_OK, (R.TokenizeResponse,), None),
                             400: ("a field is invalid", (R.ErrorResponse,), None),
                             404: ("no such model", (R.ErrorResponse,), None),
