@@ -274,6 +274,17 @@ def _first_line(text: str | None) -> str:
     return ""
 
 
+def _last_error(text: str | None) -> str:
+    """First line of the last block of pytest's `E   ...` lines (the exception finally raised)."""
+    first, prev_e = "", False
+    for line in (text or "").splitlines():
+        is_e = line.startswith("E ")
+        if is_e and not prev_e:
+            first = line[1:].strip()[:300]
+        prev_e = is_e
+    return first
+
+
 def parse_junit(xml: Path, module: str) -> list[dict]:
     """Per test {nodeid, outcome, message}; a module that failed to collect is one error."""
     path = f"{TESTS}/{module}"
@@ -294,9 +305,8 @@ def parse_junit(xml: Path, module: str) -> list[dict]:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
                 message = _first_line(child.get("message"))
-                if message in ("", "collection failure"):  # the text's own error line says more
-                    errs = [ln[1:].strip() for ln in (child.text or "").splitlines() if ln.startswith("E ")]
-                    message = (errs[-1][:300] if errs else message) or _first_line(child.text)
+                if message in ("", "collection failure"):  # the text's own error says more
+                    message = _last_error(child.text) or message or _first_line(child.text)
                 break
         prev = tests.get(nodeid)
         if prev is None or (prev["outcome"] in ("passed", "skipped") and outcome in ("failed", "error")):

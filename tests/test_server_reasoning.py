@@ -236,3 +236,17 @@ def test_decisions_are_the_option_letters_next_token_probabilities(srv):
     assert e.status_code == 400 and "text input only" in e.json()["error"]["message"]
     same = {**body, "questions": [{"type": "choice", "instructions": "?", "choices": [{"value": "x"}, {"value": "x"}]}]}
     assert httpx.post(srv["url"] + "/v1/decisions", json=same, timeout=60).status_code == 400
+
+
+def test_an_assistant_messages_reasoning_reaches_the_template(srv):
+    """vLLM hands an assistant message's `reasoning` (or `reasoning_content`) to the chat template;
+    anything but text there is a 400 naming the field."""
+    template = ("{% for m in messages %}{{ m['role'] }}:{{ m.get('reasoning_content') or '' }}|"
+                "{{ m['content'] }}\n{% endfor %}")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "reasoning": "thought"}]
+    r = post(srv, {"messages": msgs, "max_tokens": 1, "return_token_ids": True, "chat_template": template}).json()
+    tok = srv["engine"].tokenizer
+    assert tok.decode(r["prompt_token_ids"]) == "user:|hi\nassistant:thought|ok\n"
+    for bad in ({"type": "prompt_embeds"}, {"type": "prompt_embeds", "data": ""}, 3):
+        e = post(srv, {"messages": [{"role": "assistant", "reasoning": bad, "content": ""}], "chat_template": template})
+        assert e.status_code == 400 and e.json()["error"]["param"] == "messages[0].reasoning"

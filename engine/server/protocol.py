@@ -532,6 +532,30 @@ class ChatMessage(_Strict):
             parts.append(part["text"])
         return "".join(parts)
 
+    def reasoning_text(self, where: str) -> str | None:
+        """An assistant message's earlier reasoning (vLLM's `reasoning`, or its old name
+        `reasoning_content`), which the chat template may render; only text (a prompt_embeds part
+        is a 400, as any other non-string)."""
+        extra = self.model_extra or {}
+        value = extra.get("reasoning", extra.get("reasoning_content"))
+        if value is None:
+            return None
+        name = f"{where}.reasoning"
+        if isinstance(value, dict) and value.get("type") == "prompt_embeds":
+            raise APIError(400, f"{name}: prompt_embeds parts are not supported by this server", name)
+        if not isinstance(value, str):
+            raise APIError(400, f"{name}={_short(value)}: must be a string", name)
+        return value
+
+    def template_turn(self, where: str, parts: bool = False) -> dict:
+        """The message as the chat template takes it: role, content (template_content) and, for
+        the assistant, its earlier reasoning as `reasoning` and `reasoning_content` (as vLLM)."""
+        turn = {"role": self.role, "content": self.template_content(where, parts)}
+        thought = self.reasoning_text(where)
+        if thought is not None and self.role == "assistant":
+            turn["reasoning"] = turn["reasoning_content"] = thought
+        return turn
+
     def template_content(self, where: str, parts: bool = False) -> str | list[dict]:
         """The content as the chat template takes it: one string, or with `parts` (content format
         "openai") the text parts as sent, their other fields kept (a template may read them, e.g.
@@ -585,8 +609,7 @@ class _ChatFields(_Common):
                 if m.model_extra and m.model_extra.get("tool_calls"):
                     raise APIError(400, f"{where}[{i}].tool_calls: not supported by this server",
                                    f"{where}[{i}].tool_calls")
-            out.append([{"role": m.role, "content": m.template_content(f"{where}[{i}]", parts)}
-                        for i, m in enumerate(msgs)])
+            out.append([m.template_turn(f"{where}[{i}]", parts) for i, m in enumerate(msgs)])
         return out
 
 

@@ -124,8 +124,8 @@ def add_misc_routes(app: FastAPI, ctx: ServerContext, tokenizer_info: bool = Fal
             ids = await pool.run(_encode, req.prompt, special)
         else:
             check_chars("".join(m.text(f"messages[{i}]") for i, m in enumerate(req.messages)), "messages")
-            conv = [{"role": m.role, "content": m.template_content(f"messages[{i}]", ctx.content_format == "openai")}
-                    for i, m in enumerate(req.messages)]
+            parts = ctx.content_format == "openai"
+            conv = [m.template_turn(f"messages[{i}]", parts) for i, m in enumerate(req.messages)]
             kw = template_kwargs(req, ctx.trust_request_chat_template)
             try:
                 _, ids = await pool.run(_apply_template, conv, req.add_generation_prompt, req.continue_final_message,
