@@ -200,6 +200,14 @@ class ServerContext:
         # in max_model_len tokens, and is refused before tokenizing. x2 for normalisers that drop text.
         self.max_chars = (2 * self.max_model_len * max(len(t) for t in tok.get_vocab())) if tok is not None else 0
 
+    def created_cache_tokens(self, num_prompt_tokens: int, num_cached_tokens: int | None) -> int:
+        """vLLM's created_cache_tokens of a prefilled prompt: its tokens in full blocks that were not
+        read from the prefix cache (the cache holds them now); none with prefix caching off."""
+        if not self.engine.scheduler_config.enable_prefix_caching:
+            return 0
+        bs = self.engine.block_size
+        return max(0, num_prompt_tokens // bs * bs - (num_cached_tokens or 0))
+
     def start(self) -> None:
         self.aeng.start()
 

@@ -273,16 +273,13 @@ def add_decision_routes(app: FastAPI, ctx: ServerContext) -> None:
             if out.finished:
                 finals[i] = out
         answers, cached, created = [], 0, 0
-        bs = engine.block_size if engine.scheduler_config.enable_prefix_caching else None
         for k, q in enumerate(req.questions):
             out = finals[k]
             entry = out.outputs[0].logprobs[0]
             by_id = {t: v for t, _, v in entry.top}
             answers.append(answer(q, [by_id[t] for t in ids[:len(options(q))]]))
-            hit = out.num_cached_tokens or 0
-            cached += hit
-            if bs:
-                created += max(0, len(out.prompt_token_ids) // bs * bs - hit)
+            cached += out.num_cached_tokens or 0
+            created += ctx.created_cache_tokens(len(out.prompt_token_ids), out.num_cached_tokens)
         input_tokens = sum(len(finals[k].prompt_token_ids) for k in finals)
         output_tokens = sum(len(finals[k].outputs[0].token_ids) for k in finals)
         return JSONResponse({"model": req.model or ctx.model_name, "answers": answers,

@@ -168,7 +168,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                       if req.return_token_ids else None,
                       tokens_as_ids=tokens_as_ids, packed_k=req.logprobs if packed else None,
                       cached_details=ctx.prompt_tokens_details,
-                      cache_block=(engine.block_size if engine.scheduler_config.enable_prefix_caching else None),
+                      created_cache_tokens=ctx.created_cache_tokens,
                       reasoning=ctx.reasoning if chat else None,
                       include_reasoning=bool(getattr(req, "include_reasoning", True)), tokenizer=tokenizer,
                       first_ids=[kids[p * req.n].prompt_token_ids[0] if kids[p * req.n].prompt_token_ids else None
@@ -338,7 +338,7 @@ class Shape:
                  echo_only: bool = False, first_tokens: list[str] | None = None,
                  prompt_ids: list[list[int]] | None = None, tokens_as_ids: bool = False,
                  cached_details: bool = True, first_ids: list[int] | None = None,
-                 packed_k: int | None = None, cache_block: int | None = None, reasoning=None,
+                 packed_k: int | None = None, created_cache_tokens=None, reasoning=None,
                  include_reasoning: bool = True, tokenizer=None) -> None:
         self.rid, self.created, self.model, self.chat, self.n = rid, created, model, chat, n
         self.prompt_lens, self.echo = prompt_lens, echo
@@ -355,7 +355,7 @@ class Shape:
         self.prompt_ids = prompt_ids            # return_token_ids: each prompt's token ids
         self.tokens_as_ids = tokens_as_ids      # return_tokens_as_token_ids
         self.cached_details = cached_details    # usage.prompt_tokens_details.cached_tokens
-        self.cache_block = cache_block          # the block size, with prefix caching on (else None)
+        self.created_cache_tokens = created_cache_tokens  # (prompt tokens, cache hits) -> tokens written
         self.reasoning = reasoning              # a chat's reasoning parser (engine.server.reasoning)
         self.include_reasoning = include_reasoning  # message.reasoning written (else left null)
         self.tokenizer = tokenizer              # counts reasoning tokens when markers are not one token
@@ -526,8 +526,7 @@ class Shape:
     def usage(self, outs) -> dict:
         """Prompt tokens count each prompt once (not once per choice); cached tokens are the
         prefix-cache hits of each prompt's first choice, and created ones (vLLM's
-        created_cache_tokens) the rest of its tokens in full blocks, which the prefix cache holds
-        once it is prefilled (none with prefix caching off)."""
+        created_cache_tokens, ServerContext.created_cache_tokens) those it wrote to the cache."""
         completion = 0 if self.echo_only else sum(len(o.outputs[0].token_ids) for o in outs)
         firsts = {}
         for o in outs:
@@ -539,13 +538,9 @@ class Shape:
                                             self.tokenizer) for o in outs)
         if not self.cached_details:
             return usage(sum(self.prompt_lens), completion, reasoning_tokens=reasoning)
-        cached = created = 0
-        for p, o in firsts.items():
-            hit = o.num_cached_tokens or 0
-            cached += hit
-            if self.cache_block:
-                full = self.prompt_lens[p] // self.cache_block * self.cache_block
-                created += max(0, full - hit)
+        cached = sum(o.num_cached_tokens or 0 for o in firsts.values())
+        created = sum(self.created_cache_tokens(self.prompt_lens[p], o.num_cached_tokens)
+                      for p, o in firsts.items()) if self.created_cache_tokens else 0
         return usage(sum(self.prompt_lens), completion, cached, created, reasoning)
 
     def _prompt_of(self, request_id: str) -> int:
