@@ -18,8 +18,9 @@ What it does:
      --served-model-name MODEL --device cpu ARGS` (the servetwin beside this interpreter unless
      --servetwin is given), every vLLM flag passed through, so one servetwin refuses fails its module;
   4. runs each selected module with pytest in WORKDIR/src, one module at a time, with the plugin
-     bench/vllm_entrypoints/servetwin_plugin.py (no hub downloads; the test model's tokenizer, config
-     and files are servetwin's default model's local folder, found with
+     bench/vllm_entrypoints/servetwin_plugin.py (no hub downloads; the test model's tokenizer, config,
+     files and the tests' own reference model (HfRunner, e.g. the embeddings the prompt-embeds tests
+     send) are servetwin's default model's local folder, found with
      engine.model.loader.resolve_model; LoRA adapter downloads are empty folders), a per-test timeout
      (--timeout, raised per module by the selection) and a junit XML per module; afterwards it kills
      any `servetwin serve` process the module left running (only processes this run started);
@@ -34,8 +35,7 @@ The selection (bench/vllm_entrypoints/selection.txt, each exclusion with its rea
 whose tests talk to a server started by vLLM's RemoteOpenAIServer. Left out, as whole modules or as
 tests inside a run module: the Responses API, multimodal input, tools / tool-call parsers, LoRA,
 structured output / guided decoding, embeddings / pooling, unit tests that start no server (protocol
-objects, mocked engines, renderers), and tests that need the HF hub (lm-eval, tensorizer; the
-prompt-embeds completion module is run but cannot collect offline: one collection error). Tests of a
+objects, mocked engines, renderers), and tests that need the HF hub (lm-eval, tensorizer). Tests of a
 run module that are outside the selection still run (the module runs whole, as in vLLM's CI); they
 are reported as "excluded", with the reason, outside the totals. Modules of the sdist that the
 selection does not name (a newer vLLM) are listed under "unlisted_modules" and not run.

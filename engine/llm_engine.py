@@ -41,6 +41,7 @@ from engine.core.records import RequestRecord, StepRecord
 from engine.core.request import Request
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model.loader import load_model
+from engine.prompt_embeds import PLACEHOLDER_ID, PromptEmbeds, salted
 from engine.runner import ModelRunner
 
 logger = logging.getLogger("servetwin.engine")
@@ -334,12 +335,34 @@ class LLMEngine:
     def add_tokenized_request(self, request_id: str, prompt_token_ids: list[int],
                               sampling_params: SamplingParams, prompt_text: str | None = None,
                               arrival_time: float | None = None, priority: int = 0,
-                              cache_salt: str | None = None) -> None:
+                              cache_salt: str | None = None,
+                              prompt_embeds: PromptEmbeds | None = None) -> None:
         """add_request for a prompt tokenized elsewhere (the server), keeping its text.
-        `cache_salt` (vLLM's): its prefix-cache blocks match only requests with the same salt."""
+        `cache_salt` (vLLM's): its prefix-cache blocks match only requests with the same salt.
+        `prompt_embeds`: vectors given for some prompt positions (engine.prompt_embeds); the ids
+        at those positions are ignored (PLACEHOLDER_ID is kept in their place)."""
         ids = list(prompt_token_ids)
+        if prompt_embeds is not None:
+            ids = self._embed_positions(ids, prompt_embeds, sampling_params)
         self.validate(ids, sampling_params)
-        self._add(str(request_id), prompt_text, ids, sampling_params, arrival_time, priority, cache_salt)
+        self._add(str(request_id), prompt_text, ids, sampling_params, arrival_time, priority,
+                  salted(cache_salt, prompt_embeds), prompt_embeds)
+
+    def _embed_positions(self, ids: list[int], pe: PromptEmbeds, sp: SamplingParams) -> list[int]:
+        """The prompt's ids with PLACEHOLDER_ID at the embedded positions, or a ValueError naming
+        what does not fit."""
+        hidden = self.model.config.hidden_size
+        if pe.values.dim() != 2 or pe.values.shape[1] != hidden or pe.values.shape[0] != len(pe):
+            raise ValueError(f"prompt_embeds: shape {tuple(pe.values.shape)} for {len(pe)} positions; "
+                             f"expected ({len(pe)}, {hidden}) (the model's hidden_size)")
+        if len(pe) and not (0 <= int(pe.positions.min()) and int(pe.positions.max()) < len(ids)):
+            raise ValueError(f"prompt_embeds: positions outside the prompt's {len(ids)} tokens")
+        if sp.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not with prompt_embeds (an embedded position has no token)")
+        out = list(ids)
+        for p in pe.positions.tolist():
+            out[p] = PLACEHOLDER_ID
+        return out
 
     def partial_output(self, request_id: str) -> RequestOutput | None:
         """What an unfinished request produced so far (None if it is not live), as if it had
@@ -353,7 +376,8 @@ class LLMEngine:
                              True, live.record, live.record.num_cached_tokens, live.prompt_logprobs)
 
     def _add(self, request_id: str, text: str | None, ids: list[int], sp: SamplingParams,
-             arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
+             arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+             prompt_embeds: PromptEmbeds | None = None) -> None:
         """Queue an already validated request."""
         if request_id in self._live:
             raise ValueError(f"request_id={request_id!r} is already in use")
@@ -367,7 +391,12 @@ class LLMEngine:
         self.scheduler.add_request(req)  # may raise (e.g. pool too small): nothing is kept then
         record = self.book.open(RequestRecord(request_id, arrival, len(ids)), sp.max_tokens)
         self.request_records[request_id] = record
-        self._live[request_id] = _Live(text, ids, sp, IncrementalDetokenizer(self.tokenizer, ids, sp), Entry(record),
+        context = ids
+        if prompt_embeds is not None:  # the runner drops them when the scheduler finishes the request
+            self.runner.add_prompt_embeds(request_id, prompt_embeds, len(ids))
+            embedded = set(prompt_embeds.positions.tolist())
+            context = [t for i, t in enumerate(ids) if i not in embedded]  # the detokenizer's text context
+        self._live[request_id] = _Live(text, ids, sp, IncrementalDetokenizer(self.tokenizer, context, sp), Entry(record),
                                        logprobs=[] if sp.logprobs is not None else None,
                                        prompt_logprobs=[None] * len(ids) if sp.prompt_logprobs is not None else None)
 
@@ -647,17 +676,21 @@ class LLM:
                 raise ValueError(f"sampling_params: {len(params)} given for {len(items)} prompts")
         prepared = []
         for (prompt, ids), sp in zip(items, params):
-            if ids is None:
+            pe = None
+            if isinstance(prompt, PromptEmbeds):  # a prompt given as vectors: placeholders for the scheduler
+                pe, text = prompt, None
+                ids = eng._embed_positions([PLACEHOLDER_ID] * len(pe), pe, sp)
+            elif ids is None:
                 text, ids = eng.encode(prompt)
             else:
                 text = prompt
             eng.validate(ids, sp)  # all checked before anything is queued
-            prepared.append((text, ids, sp))
+            prepared.append((text, ids, sp, pe))
         req_ids: list[str] = []
         try:
-            for text, ids, sp in prepared:
+            for text, ids, sp, pe in prepared:
                 rid = self._next_id()
-                eng._add(rid, text, ids, sp)
+                eng._add(rid, text, ids, sp, cache_salt=salted(None, pe), prompt_embeds=pe)
                 req_ids.append(rid)
         except Exception:
             eng.abort_request(req_ids)
@@ -684,7 +717,8 @@ class LLM:
 
 
 def _normalise_prompts(prompts) -> list[Any]:
-    """str | list[int] | list[str | list[int] | {"prompt"|"prompt_token_ids": ...}] -> list."""
+    """str | list[int] | list[str | list[int] | {"prompt"|"prompt_token_ids"|"prompt_embeds": ...}]
+    -> list; a {"prompt_embeds": [num_tokens, hidden_size] tensor} prompt is given as vectors."""
     if isinstance(prompts, str):
         return [prompts]
     prompts = list(prompts)
@@ -692,6 +726,12 @@ def _normalise_prompts(prompts) -> list[Any]:
         return [prompts]  # one prompt of token ids
     out = []
     for p in prompts:
+        if isinstance(p, dict) and "prompt_embeds" in p:
+            t = p["prompt_embeds"]
+            if not isinstance(t, torch.Tensor) or t.dim() != 2:
+                raise ValueError(f"prompt_embeds: a (num_tokens, hidden_size) tensor, got {type(t).__name__}")
+            out.append(PromptEmbeds.from_spans([(0, t)]))
+            continue
         if isinstance(p, dict):
             p = p["prompt_token_ids"] if "prompt_token_ids" in p else p["prompt"]
         if not isinstance(p, str):

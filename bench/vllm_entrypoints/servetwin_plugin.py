@@ -6,8 +6,9 @@ without the HF hub. Nothing under tests/ is edited; this only monkeypatches harn
     the test model's weights and tokenizer from the hub through vLLM's EngineArgs; servetwin serves
     its default model under the test's model name (see vllm_shim.sh).
   * SERVETWIN_BENCH_TOKENIZER_ALIAS=1 (the default): tests that build a tokenizer of the test model
-    (vllm.tokenizers.get_tokenizer, transformers.AutoTokenizer.from_pretrained), its vLLM
-    ModelConfig (through maybe_model_redirect, vLLM's own model-redirect hook) or fetch its files
+    (vllm.tokenizers.get_tokenizer, transformers.AutoTokenizer.from_pretrained), read its config
+    (transformers.AutoConfig.from_pretrained), its vLLM ModelConfig or the tests' reference model
+    (HfRunner; both through maybe_model_redirect, vLLM's own model-redirect hook) or fetch its files
     (download_weights_from_hf) get the local folder of the model the server really serves,
     SERVETWIN_BENCH_MODEL_DIR, instead. =0 leaves them alone (they then fail for want of the hub).
     Every substitution is listed at the end of the module's pytest output.
@@ -97,6 +98,18 @@ def pytest_configure(config):
     # redirect vLLM offers through VLLM_MODEL_REDIRECT_PATH, for any hub name
     import vllm.config.model as vcm
     vcm.maybe_model_redirect = lambda model: str(_alias(model))
+    # ... and the test model's config and weights in the tests' own reference runner (HfRunner,
+    # e.g. the prompt_embeds tests' embeddings) and AutoConfig look-ups: the served model's
+    import vllm.transformers_utils.utils as vtu
+    vtu.maybe_model_redirect = lambda model: str(_alias(model))
+    import tests.conftest as tc
+    tc.maybe_model_redirect = vtu.maybe_model_redirect
+    orig_config = transformers.AutoConfig.from_pretrained.__func__
+
+    def config_from_pretrained(cls, name, *args, **kwargs):
+        return orig_config(cls, _alias(name), *args, **kwargs)
+
+    transformers.AutoConfig.from_pretrained = classmethod(config_from_pretrained)
 
     import vllm.model_executor.model_loader.weight_utils as wu
 

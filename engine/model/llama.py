@@ -403,13 +403,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
+        attn_metadata: AttentionMetadata, given_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`given_embeds` (rows, vectors): these rows of the batch take the vectors as their input
+        instead of their token's embedding (prompt embeddings)."""
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, model has num_layers={self.config.num_layers}")
         if self.attn_backend is None:
             self.attn_backend = get_attention_backend(input_ids.device)
         hidden, residual = self.model.embed_tokens(input_ids), None
+        if given_embeds is not None:
+            hidden = hidden.index_copy(0, given_embeds[0], given_embeds[1].to(hidden.dtype))
         cos_sin = self.model.layers[0].self_attn.rotary_emb.cos_sin(positions, hidden.dtype) if len(kv_caches) else None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata, self.attn_backend, cos_sin)

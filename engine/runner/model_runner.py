@@ -25,6 +25,7 @@ from engine.attention import allocate_kv_cache, build_metadata, build_positions
 from engine.core.output import SchedulerOutput
 from engine.core.sampling_params import SamplingParams
 from engine.model.llama import LlamaForCausalLM
+from engine.prompt_embeds import PromptEmbeds
 from engine.sampler import Sampler, TokenLogprobs, compute_logprobs, make_generator
 
 
@@ -46,6 +47,9 @@ class RequestState:
     token_ids: list[int] = field(default_factory=list)  # prompt + outputs
     # min_characters not yet reached by the output text (the engine clears it: `text_reached`)
     text_short: bool = False
+    # prompt embeddings (engine.prompt_embeds): per prompt position, its row of embeds or -1
+    embeds_index: torch.Tensor | None = None
+    embeds: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +85,12 @@ class ModelRunner:
         self.logprobs: dict[str, TokenLogprobs] = {}
         self.prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         self._cuda = self.device.type == "cuda"
+        # req_id -> (row index per prompt position, vectors on the device): kept from the engine's
+        # add until the scheduler reports the request finished (a preempted request needs them again)
+        self.embeds: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def add_prompt_embeds(self, req_id: str, pe: PromptEmbeds, prompt_len: int) -> None:
+        self.embeds[req_id] = (pe.row_index(prompt_len), pe.values.to(self.device, self.dtype))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         c = self.model.config
@@ -99,11 +109,13 @@ class ModelRunner:
             gen = old.generator  # a seeded request keeps its random stream across preemption
         else:
             gen = make_generator(sp.seed, self.device) if sp.seed is not None else None
+        index, vectors = self.embeds.get(d.req_id, (None, None))
         self.requests[d.req_id] = RequestState(
             req_id=d.req_id, prompt_token_ids=list(d.prompt_token_ids), output_token_ids=out_ids,
             sampling_params=sp, block_ids=list(d.block_ids), num_computed_tokens=d.num_computed_tokens,
             min_tokens_stop_ids=stop_ids, generator=gen, token_ids=list(d.prompt_token_ids) + out_ids,
-            text_short=old.text_short if old is not None else sp.min_characters > 0)
+            text_short=old.text_short if old is not None else sp.min_characters > 0,
+            embeds_index=index, embeds=vectors)
 
     def text_reached(self, req_id: str) -> None:
         """The request's output text has min_characters characters: EOS and stop ids unmasked."""
@@ -115,6 +127,7 @@ class ModelRunner:
         reqs = self.requests
         for rid in out.finished_req_ids:
             reqs.pop(rid, None)
+            self.embeds.pop(rid, None)
         for rid in out.preempted_req_ids:
             st = reqs.get(rid)
             if st is not None:
@@ -150,6 +163,8 @@ class ModelRunner:
         sample_rows: list[int] = []        # flattened row of each sampling request's last token
         sampling: list[RequestState] = []
         prompt_lp: list[tuple[RequestState, int, int, int]] = []  # (request, first row, first pos, rows)
+        embed_rows: list[torch.Tensor] = []  # batch rows that take given vectors, and the vectors
+        embed_values: list[torch.Tensor] = []
         row = 0
         # Which requests sample this step is the scheduler's call (final prefill chunks and
         # decodes); an output built by hand may leave it out, then it is derived the same way.
@@ -158,6 +173,12 @@ class ModelRunner:
             st = reqs[rid]
             c = st.num_computed_tokens
             ids.extend(st.token_ids[c:c + n])
+            if st.embeds is not None and c < len(st.prompt_token_ids):
+                idx = st.embeds_index[c:c + n]
+                hit = (idx >= 0).nonzero().squeeze(1)
+                if hit.numel():
+                    embed_rows.append(hit + row)
+                    embed_values.append(st.embeds[idx[hit].to(st.embeds.device)])
             block_ids.append(st.block_ids)
             computed.append(c)
             new.append(n)
@@ -181,7 +202,9 @@ class ModelRunner:
         if self._cuda:
             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             ev0.record()
-        hidden = self.model(input_ids, positions, self.kv_caches, md)
+        given = ((torch.cat(embed_rows).to(dev, non_blocking=True), torch.cat(embed_values))
+                 if embed_rows else None)
+        hidden = self.model(input_ids, positions, self.kv_caches, md, given)
         logits = self.model.compute_logits(hidden[rows_t]) if sampling else None
         if self._cuda:
             ev1.record()

@@ -182,7 +182,8 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
                chat_template_content_format: str = "auto", fingerprint_mode: str = "full",
                fingerprint_value: str | None = None, dev_mode: bool = False,
                sleep_mode: bool = False, per_request_metrics: bool = False,
-               trust_request_chat_template: bool = False, reasoning=None) -> FastAPI:
+               trust_request_chat_template: bool = False, reasoning=None,
+               enable_prompt_embeds: bool = False) -> FastAPI:
     """`engine` is an LLMEngine; the app owns its loop thread (started with the app). The routes
     live in routes_openai.py and routes_misc.py, the state they share in context.py. vLLM's
     server options: `api_key` (the /v1/ routes need it), `max_logprobs` (the most a request may
@@ -200,14 +201,16 @@ def create_app(engine, model_name: str = "default", max_waiting: int = 256,
     `sleep_mode` (--enable-sleep-mode: /sleep may pause the engine), `per_request_metrics`
     (--enable-per-request-metrics: a `metrics` object of the request's timings on a single
     answer, or on a stream's usage chunk), `trust_request_chat_template` (a request's own
-    `chat_template` is used; without it, refused) and `reasoning` (a reasoning parser,
-    engine.server.reasoning: chat replies' thinking in message.reasoning)."""
+    `chat_template` is used; without it, refused), `reasoning` (a reasoning parser,
+    engine.server.reasoning: chat replies' thinking in message.reasoning) and
+    `enable_prompt_embeds` (--enable-prompt-embeds: completions' prompt_embeds and chat's
+    prompt_embeds content parts are served; without it, a 400)."""
     ctx = ServerContext(engine, model_name, max_waiting, request_timeout_s, request_log,
                         served_model_names, max_body_bytes, tokenizer_workers, max_logprobs,
                         prompt_tokens_details, return_tokens_as_token_ids, force_include_usage,
                         hidden_metrics, token_ids_only, chat_template_content_format,
                         system_fingerprint(engine, fingerprint_mode, fingerprint_value),
-                        per_request_metrics, trust_request_chat_template, reasoning)
+                        per_request_metrics, trust_request_chat_template, reasoning, enable_prompt_embeds)
     metrics = ctx.metrics
 
     @asynccontextmanager

@@ -64,6 +64,7 @@ class Child:
     prompt_text: str | None = None
     priority: int = 0
     cache_salt: str | None = None
+    prompt_embeds: object = None  # engine.prompt_embeds.PromptEmbeds: vectors for some prompt positions
 
 
 @dataclass
@@ -278,7 +279,7 @@ class AsyncEngine:
                 for c in group.children:
                     eng.add_tokenized_request(c.request_id, c.prompt_token_ids, c.params, c.prompt_text,
                                               arrival_time=arrival, priority=c.priority,
-                                              cache_salt=c.cache_salt)
+                                              cache_salt=c.cache_salt, prompt_embeds=c.prompt_embeds)
                     added.append(c.request_id)
             except Exception as e:  # refused (ValueError) or broken: none of the group stays queued
                 eng.abort_request(added)

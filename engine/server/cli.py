@@ -156,9 +156,10 @@ def add_serve_args(sub) -> None:
     # a Hugging Face hub revision: this server reads local files only (nothing is downloaded)
     for flag in ("--revision", "--tokenizer-revision", "--code-revision"):
         p.add_argument(flag, default=None, help=argparse.SUPPRESS)
-    # prompt embeddings are not supported: accepted so the command line starts; requests with
-    # prompt_embeds get a 400
-    p.add_argument("--enable-prompt-embeds", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="vLLM's: prompts given as vectors are served (completions' prompt_embeds, chat's "
+                        "prompt_embeds content parts: base64 of a torch.save'd (num_tokens, hidden_size) "
+                        "tensor); without it, such requests get a 400")
     # steps are scheduled one after another here, as vLLM's --no-async-scheduling
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help=argparse.SUPPRESS)
@@ -241,9 +242,6 @@ def build_app(a):
         if value is not None:
             log.warning("serve: %s %s ignored: the model is read from local files, "
                                                 "as they are", flag, value)
-    if a.enable_prompt_embeds:
-        log.warning("serve: prompt embeddings are not supported; requests with "
-                                            "prompt_embeds get a 400")
     if a.enable_lora or a.lora_modules:
         log.warning("serve: LoRA adapters are not supported; %s not loaded "
                                             "(requests naming them get a 404)", a.lora_modules or "none")
@@ -273,7 +271,8 @@ def build_app(a):
                       fingerprint_mode=a.fingerprint_mode, fingerprint_value=a.fingerprint_value,
                       dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1", sleep_mode=a.enable_sleep_mode,
                       per_request_metrics=a.enable_per_request_metrics,
-                      trust_request_chat_template=a.trust_request_chat_template, reasoning=reasoning)
+                      trust_request_chat_template=a.trust_request_chat_template, reasoning=reasoning,
+                      enable_prompt_embeds=a.enable_prompt_embeds)
     for name in a.middleware:
         add_middleware(app, name)
     return app

@@ -23,10 +23,11 @@ from fastapi.responses import JSONResponse
 from engine.core.admission import AdmissionError, admit
 from engine.core.records import RequestRecord
 from engine.core.sampling_params import MAX_LOGPROBS
+from engine.prompt_embeds import PLACEHOLDER_ID, PromptEmbeds, load_prompt_embeds
 from engine.server.async_engine import AsyncEngine, Child
 from engine.server.metrics import ServerMetrics
-from engine.server.protocol import (APIError, CompletionRequest, check_json_values, check_unsupported, loads,
-                                    new_id, validate_model)
+from engine.server.protocol import (APIError, CompletionRequest, EmbedSlots, check_json_values,
+                                    check_unsupported, loads, new_id, validate_model)
 
 MASK64 = (1 << 64) - 1
 
@@ -140,16 +141,70 @@ def _as_parts(conv: list[dict]) -> list[dict]:
 
 def _apply_template(tok, conv: list[dict], add_generation_prompt: bool, continue_final: bool,
                     template_kwargs: dict | None = None, add_special_tokens: bool = False,
-                    content_format: str = "string") -> tuple[str, list[int]]:
-    """The conversation templated and tokenized; `content_format` "openai" hands the template each
-    message's content as a list of content parts (as sent, or one text part for a string),
-    "string" as one string."""
+                    content_format: str = "string", slots: EmbedSlots | None = None):
+    """The conversation templated and tokenized, (text, ids); `content_format` "openai" hands the
+    template each message's content as a list of content parts (as sent, or one text part for a
+    string), "string" as one string. With `slots` (the request's prompt_embeds parts, as markers
+    in `conv`): (text without the markers, ids, [(first position, slot) of each marker kept by the
+    template]), each marker's position holding one PLACEHOLDER_ID (split_markers)."""
     if content_format == "openai":
         conv = _as_parts(conv)
     kw = {"continue_final_message": True} if continue_final else {}
     text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt and not continue_final,
                                    tokenize=False, **kw, **(template_kwargs or {}))
-    return text, _encode(tok, text, add_special_tokens)
+    if slots is None:
+        return text, _encode(tok, text, add_special_tokens)
+    return split_markers(tok, text, slots, add_special_tokens)
+
+
+def split_markers(tok, text: str, slots: EmbedSlots, add_special_tokens: bool):
+    """A rendered prompt with prompt_embeds markers -> (text without them, ids, [(position, slot)]).
+    The text between markers is tokenized piece by piece, as a tokenizer with the marker as a
+    special token would (vLLM registers one); each marker is one PLACEHOLDER_ID here, which the
+    route widens to its tensor's rows. A marker the template dropped drops its part (as vLLM); one
+    it rendered twice is a 400."""
+    found = []
+    for i in range(len(slots.data)):
+        tag = slots.tag(i)
+        k = text.count(tag)
+        if k > 1:
+            raise APIError(400, f"{slots.names[i]}: the chat template rendered this prompt_embeds part {k} "
+                                "times; each may appear at most once", slots.names[i])
+        if k == 1:
+            found.append((text.index(tag), i, tag))
+    found.sort()
+    ids: list[int] = []
+    pieces: list[str] = []
+    spans: list[tuple[int, int]] = []
+    at = 0
+    for start, i, tag in found:
+        piece = text[at:start]
+        ids += _encode(tok, piece, add_special_tokens and not ids and not spans) if piece else []
+        pieces.append(piece)
+        spans.append((len(ids), i))
+        ids.append(PLACEHOLDER_ID)
+        at = start + len(tag)
+    rest = text[at:]
+    ids += _encode(tok, rest, add_special_tokens and not ids) if rest else []
+    pieces.append(rest)
+    return "".join(pieces), ids, spans
+
+
+def with_embeds(ids: list[int], spans: list[tuple[int, int]], tensors: list) -> tuple[list[int], PromptEmbeds | None]:
+    """Each one-token marker of `spans` [(position, slot)] widened to its tensor's rows: the ids
+    and the PromptEmbeds of the prompt."""
+    if not spans:
+        return ids, None
+    out: list[int] = []
+    given = []
+    at = 0
+    for p, i in spans:
+        out += ids[at:p]
+        given.append((len(out), tensors[i]))
+        out += [PLACEHOLDER_ID] * tensors[i].shape[0]
+        at = p + 1
+    out += ids[at:]
+    return out, PromptEmbeds.from_spans(given)
 
 
 class ServerContext:
@@ -162,8 +217,10 @@ class ServerContext:
                  force_include_usage: bool = False, hidden_metrics: bool = False,
                  token_ids_only: bool = False, chat_template_content_format: str = "auto",
                  system_fingerprint: str | None = None, per_request_metrics: bool = False,
-                 trust_request_chat_template: bool = False, reasoning=None) -> None:
+                 trust_request_chat_template: bool = False, reasoning=None,
+                 enable_prompt_embeds: bool = False) -> None:
         self.engine = engine
+        self.enable_prompt_embeds = enable_prompt_embeds  # vLLM's --enable-prompt-embeds
         self.reasoning = reasoning  # the reasoning parser (engine.server.reasoning), or None
         self.trust_request_chat_template = trust_request_chat_template  # a request's own template is used
         self.per_request_metrics = per_request_metrics  # vLLM's `metrics` object on single answers
@@ -306,12 +363,40 @@ class ServerContext:
             raise APIError(400, f"{name}={mt}: {problem}", name)
         return mt
 
+    async def decode_embeds(self, payloads: list[str], names: list[str]) -> list:
+        """prompt_embeds payloads -> tensors (engine.prompt_embeds.load_prompt_embeds, off the event
+        loop), or a 400 naming the field: the server must have been started with
+        --enable-prompt-embeds, and each must be a (num_tokens, hidden_size) float tensor."""
+        if not payloads:
+            return []
+        if not self.enable_prompt_embeds:
+            raise APIError(400, "You must set `--enable-prompt-embeds` to input `prompt_embeds`.", names[0])
+        hidden, dtype = self.engine.model.config.hidden_size, self.engine.runner.dtype
+
+        def load(_tok):
+            return [load_prompt_embeds(d, hidden, dtype, n) for d, n in zip(payloads, names)]
+        try:
+            return await self.pool.run(load) if self.pool is not None else load(None)
+        except ValueError as e:  # its message starts with the field
+            raise APIError(400, str(e), str(e).split(":", 1)[0]) from None
+
     def children(self, req, rid: str, prompts: list[tuple[str | None, list[int]]],
-                 logprobs: int | None) -> list[Child]:
+                 logprobs: int | None, embeds: list[PromptEmbeds | None] | None = None) -> list[Child]:
+        """The engine requests of an HTTP request: n of each prompt; `embeds`, parallel to
+        `prompts`, the vectors given for some of their positions."""
         out = []
         biases = req.token_biases(self.vocab_size)
         req.check_allowed_ids(self.vocab_size)
-        prompts = [(text, req.truncated(ids, self.max_model_len)) for text, ids in prompts]
+        embeds = embeds or [None] * len(prompts)
+        cut = []
+        for (text, ids), pe in zip(prompts, embeds):
+            kept = req.truncated(ids, self.max_model_len)
+            if pe is not None and len(kept) < len(ids):  # truncated: the vectors of the kept positions
+                first = 0 if req.truncation_side == "right" else len(ids) - len(kept)
+                pe = pe.window(first, first + len(kept))
+            cut.append((text, kept, pe))
+        prompts = [(text, ids) for text, ids, _ in cut]
+        embeds = [pe for _, _, pe in cut]
         many = len(prompts) * req.n > 1
         for p, (text, ids) in enumerate(prompts):
             field = f"prompt[{p}]" if len(prompts) > 1 else "prompt"
@@ -319,7 +404,7 @@ class ServerContext:
             for i in range(req.n):
                 params = req.sampling_params(mt, _child_seed(req.seed, i), logprobs, biases, self.reasoning)
                 cid = f"{rid}-{p * req.n + i}" if many else rid
-                out.append(Child(cid, ids, params, text, req.priority, req.cache_salt))
+                out.append(Child(cid, ids, params, text, req.priority, req.cache_salt, embeds[p]))
         return out
 
     def request_id(self, request: Request, prefix: str) -> str:

@@ -2,7 +2,8 @@
 
 Validation is strict: a field of the wrong JSON type is refused, never coerced ("5" is not 5,
 "yes" is not true, 1.5 is not an integer, Infinity and NaN are not numbers; 1.0 is the integer 1,
-as in JSON Schema), integers are bounded to 64 bits, and every
+as in JSON Schema; as vLLM's lax parsing, a boolean field takes "true" and "false", and a
+how-many-logprobs field true and false as 1 and 0), integers are bounded to 64 bits, and every
 string must be valid Unicode (no lone surrogates). Fields OpenAI or vLLM define that this server
 does not implement are refused with a 400 naming them, unless they hold the value that means
 "off" (UNSUPPORTED). Unknown fields are ignored, as vLLM does.
@@ -36,11 +37,22 @@ PromptField = Annotated[Any, WithJsonSchema({
     "anyOf": [{"type": "string"}, _TOKEN_IDS,
               {"type": "array", "minItems": 1, "items": {"anyOf": [{"type": "string"}, _TOKEN_IDS]}}],
     "description": "a text, a list of token ids, or a list of either (one completion each)"})]
+EmbedsField = Annotated[Any, WithJsonSchema({
+    "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}],
+    "default": None,
+    "description": "prompts given as vectors (servers started with --enable-prompt-embeds): each the base64 "
+                   "of a torch.save'd (num_tokens, hidden_size) floating-point tensor; prompt may then be "
+                   "null"})]
 ContentField = Annotated[Any, WithJsonSchema({
     "anyOf": [{"type": "string"}, {"type": "null"},
-              {"type": "array", "items": {"type": "object", "required": ["type", "text"],
-                                          "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}],
-    "default": None, "description": "a text, or a list of text parts"})]
+              {"type": "array", "items": {"anyOf": [
+                  {"type": "object", "required": ["type", "text"],
+                   "properties": {"type": {"const": "text"}, "text": {"type": "string"}}},
+                  {"type": "object", "required": ["type", "data"],
+                   "properties": {"type": {"const": "prompt_embeds"}, "data": {"type": "string"}}}]}}],
+    "default": None,
+    "description": "a text, or a list of text parts (and, on a server started with --enable-prompt-embeds, "
+                   "prompt_embeds parts: the base64 of a torch.save'd (num_tokens, hidden_size) tensor)"})]
 
 
 class APIError(Exception):
@@ -135,7 +147,6 @@ UNSUPPORTED = {
     "logits_processors": _off(None, []),
     "bad_words": _off(None, []),
     "documents": _off(None, []),
-    "prompt_embeds": _off(None, []),
     "length_penalty": _off(None, 1.0, 1),
     # vLLM's KV-connector parameters: without a connector they mean nothing and are ignored, as
     # vLLM ignores them; the one that asks for an output (the prompt's last hidden state) is refused
@@ -179,6 +190,9 @@ class _Strict(BaseModel):
             for name in _bool_fields(cls):
                 if data.get(name) in ("true", "false"):
                     data = {**data, name: data[name] == "true"}
+            for name in _COUNT_FIELDS.intersection(_int_fields(cls)):
+                if isinstance(data.get(name), bool):  # vLLM's lax parsing: true is 1, false 0
+                    data = {**data, name: int(data[name])}
             for name in _int_fields(cls):
                 v = data.get(name)
                 if _integral(v):
@@ -192,6 +206,10 @@ class _Strict(BaseModel):
         """The schema says what _lax_json_scalars takes: a boolean field also "true" or "false"."""
         js = handler(core_schema)
         props = handler.resolve_ref_schema(js).get("properties", {})
+        for name in _COUNT_FIELDS.intersection(_int_fields(cls)):
+            prop = props.get(name)
+            if prop is not None and {"type": "boolean"} not in prop.get("anyOf", [{"type": "boolean"}]):
+                prop["anyOf"].insert(1, {"type": "boolean"})
         for name in _bool_fields(cls):
             prop = props.get(name)
             if prop is None:
@@ -206,6 +224,9 @@ class _Strict(BaseModel):
 
 
 _BOOL_STRINGS = {"type": "string", "enum": ["true", "false"]}
+# how-many-logprobs fields that also take a boolean, as vLLM's lax parsing does (its own tests send
+# `"prompt_logprobs": true`): true is 1, false 0
+_COUNT_FIELDS = frozenset({"prompt_logprobs", "logprobs", "top_logprobs"})
 
 
 def _integral(v: Any) -> bool:
@@ -432,6 +453,9 @@ def _required(js: dict, name: str) -> None:
 class CompletionRequest(_Common):
     model_config = ConfigDict(json_schema_extra=lambda js: _required(js, "prompt"))
     prompt: PromptField = None        # str | list[int] | list[str] | list[list[int]], see prompts()
+    # vLLM's (with --enable-prompt-embeds): each a prompt given as vectors, base64 of a torch.save'd
+    # (num_tokens, hidden_size) tensor; they come before the text prompts' choices
+    prompt_embeds: EmbedsField = None
     echo: bool | None = False
     logprobs: LogprobCount | None = None
     default_max_tokens: ClassVar[int | None] = 16  # OpenAI's and vLLM's completions (chat has none)
@@ -474,10 +498,34 @@ class CompletionRequest(_Common):
             return max(self.logprobs, self.prompt_logprobs or 0)
         return self.prompt_logprobs
 
+    def embeds_prompts(self) -> list[str]:
+        """The prompts given as vectors (prompt_embeds: base64 payloads, not yet decoded), a 400
+        naming the field and the combinations vLLM refuses."""
+        e = self.prompt_embeds
+        if e is None or e == []:
+            return []
+        items = [e] if isinstance(e, str) else e
+        if not isinstance(items, list):
+            raise APIError(400, f"prompt_embeds={_short(e)}: must be a base64 string or a list of them",
+                           "prompt_embeds")
+        for i, x in enumerate(items):
+            if not isinstance(x, str) or not x:
+                name = "prompt_embeds" if isinstance(e, str) else f"prompt_embeds[{i}]"
+                raise APIError(400, f"{name}={_short(x)}: must be a non-empty base64 string", name)
+        if self.echo:
+            raise APIError(400, "echo: Echo is unsupported with prompt embeds.", "echo")
+        if self.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs: prompt_logprobs is not compatible with prompt embeds.",
+                           "prompt_logprobs")
+        return items
+
     def prompts(self, vocab_size: int) -> list[str | list[int]]:
-        """The prompts of this request: texts, or lists of token ids in [0, vocab_size)."""
+        """The prompts of this request: texts, or lists of token ids in [0, vocab_size); none
+        (prompt null or []) only beside prompt_embeds."""
         p = self.prompt
-        if p is None or (isinstance(p, list) and not p):  # vLLM's words (prompt_embeds: not supported)
+        if p is None or (isinstance(p, list) and not p):  # vLLM's words
+            if self.embeds_prompts():
+                return []
             raise APIError(400, "prompt: required. Either prompt or prompt_embeds must be provided and "
                                 "non-empty.", "prompt")
         if isinstance(p, str):
@@ -507,8 +555,32 @@ class ChatMessage(_Strict):
     content: ContentField = None      # str | list of content parts | None, see text()
     name: str | None = None
 
-    def text(self, where: str) -> str:
-        """The message's text; only text content parts are supported."""
+    def _part_texts(self, where: str, slots: "EmbedSlots | None") -> list[str]:
+        """Each content part's text (a prompt_embeds part: its marker in `slots`); a 400 naming
+        the part that is not a text part (or, without `slots`, a prompt_embeds one)."""
+        out = []
+        for j, part in enumerate(self.content):
+            name = f"{where}.content[{j}]"
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise APIError(400, f"{name}={_short(part)}: a content part is an object with a string "
+                                    "'type'", name)
+            if part["type"] == "prompt_embeds" and slots is not None:
+                out.append(slots.marker(name, part.get("data")))
+                continue
+            if part["type"] != "text":
+                raise APIError(400, f"{name}.type={part['type']!r}: only text content parts are supported "
+                                    "by this server" + (" (prompt_embeds: in chat and completions only)"
+                                                        if part["type"] == "prompt_embeds" else ""),
+                               f"{name}.type")
+            if not isinstance(part.get("text"), str):
+                raise APIError(400, f"{name}.text={_short(part.get('text'))}: must be a string",
+                               f"{name}.text")
+            out.append(part["text"])
+        return out
+
+    def text(self, where: str, slots: "EmbedSlots | None" = None) -> str:
+        """The message's text; only text content parts are supported, and prompt_embeds parts
+        when `slots` collects them (each is its marker in the text)."""
         c = self.content
         if c is None:
             return ""
@@ -517,51 +589,73 @@ class ChatMessage(_Strict):
         if not isinstance(c, list):
             raise APIError(400, f"{where}.content={_short(c)}: must be a string or a list of content parts",
                            f"{where}.content")
-        parts = []
-        for j, part in enumerate(c):
-            name = f"{where}.content[{j}]"
-            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise APIError(400, f"{name}={_short(part)}: a content part is an object with a string "
-                                    "'type'", name)
-            if part["type"] != "text":
-                raise APIError(400, f"{name}.type={part['type']!r}: only text content parts are supported "
-                                    "by this server", f"{name}.type")
-            if not isinstance(part.get("text"), str):
-                raise APIError(400, f"{name}.text={_short(part.get('text'))}: must be a string",
-                               f"{name}.text")
-            parts.append(part["text"])
-        return "".join(parts)
+        return "".join(self._part_texts(where, slots))
 
-    def reasoning_text(self, where: str) -> str | None:
+    def reasoning_text(self, where: str, slots: "EmbedSlots | None" = None) -> str | None:
         """An assistant message's earlier reasoning (vLLM's `reasoning`, or its old name
-        `reasoning_content`), which the chat template may render; only text (a prompt_embeds part
-        is a 400, as any other non-string)."""
+        `reasoning_content`), which the chat template may render: a string, or a prompt_embeds
+        part when `slots` collects them (its marker)."""
         extra = self.model_extra or {}
         value = extra.get("reasoning", extra.get("reasoning_content"))
         if value is None:
             return None
         name = f"{where}.reasoning"
         if isinstance(value, dict) and value.get("type") == "prompt_embeds":
-            raise APIError(400, f"{name}: prompt_embeds parts are not supported by this server", name)
+            if slots is None:
+                raise APIError(400, f"{name}: prompt_embeds parts are not supported here", name)
+            return slots.marker(name, value.get("data"))
         if not isinstance(value, str):
             raise APIError(400, f"{name}={_short(value)}: must be a string", name)
         return value
 
-    def template_turn(self, where: str, parts: bool = False) -> dict:
+    def template_turn(self, where: str, parts: bool = False, slots: "EmbedSlots | None" = None) -> dict:
         """The message as the chat template takes it: role, content (template_content) and, for
         the assistant, its earlier reasoning as `reasoning` and `reasoning_content` (as vLLM)."""
-        turn = {"role": self.role, "content": self.template_content(where, parts)}
-        thought = self.reasoning_text(where)
+        turn = {"role": self.role, "content": self.template_content(where, parts, slots)}
+        thought = self.reasoning_text(where, slots)
         if thought is not None and self.role == "assistant":
             turn["reasoning"] = turn["reasoning_content"] = thought
         return turn
 
-    def template_content(self, where: str, parts: bool = False) -> str | list[dict]:
+    def template_content(self, where: str, parts: bool = False,
+                         slots: "EmbedSlots | None" = None) -> str | list[dict]:
         """The content as the chat template takes it: one string, or with `parts` (content format
         "openai") the text parts as sent, their other fields kept (a template may read them, e.g.
-        a translation template's language codes); a string content stays a string."""
-        text = self.text(where)  # checks the parts
-        return [dict(p) for p in self.content] if parts and isinstance(self.content, list) else text
+        a translation template's language codes), a prompt_embeds part as a text part holding its
+        marker; a string content stays a string."""
+        text = self.text(where, slots)  # checks the parts
+        if not (parts and isinstance(self.content, list)):
+            return text
+        texts = self._part_texts(where, slots)
+        return [dict(p) if p["type"] == "text" else {"type": "text", "text": t}
+                for p, t in zip(self.content, texts)]
+
+
+class EmbedSlots:
+    """The prompt_embeds parts of one chat request, in the order met: each stands in the text
+    the chat template renders as a marker no text can hold by accident (a random nonce per
+    request); the route finds the markers in the rendered prompt (see context.split_markers)."""
+
+    def __init__(self) -> None:
+        self.nonce = uuid.uuid4().hex
+        self.data: list[str] = []       # each slot's base64 payload
+        self.names: list[str] = []      # each slot's field (messages[i].content[j] / .reasoning)
+        self._by_name: dict[str, int] = {}
+
+    def marker(self, name: str, data: Any) -> str:
+        """The marker of the part at field `name` (the same one each time it is asked), or a 400
+        when its `data` is not a base64 string."""
+        if name not in self._by_name:
+            if not isinstance(data, str) or not data:
+                raise APIError(400, f"{name}.data={_short(data)}: a prompt_embeds part needs `data`, the "
+                                    "base64 of a torch.save'd (num_tokens, hidden_size) tensor", f"{name}.data")
+            self._by_name[name] = len(self.data)
+            self.data.append(data)
+            self.names.append(name)
+        return self.tag(self._by_name[name])
+
+    def tag(self, i: int) -> str:
+        return f"<|prompt_embeds:{self.nonce}:{i}|>"
 
 
 class _ChatFields(_Common):
@@ -599,9 +693,9 @@ class _ChatFields(_Common):
             out.append(last.text(f"{self._where(k)}[{len(msgs) - 1}]") if last.role == "assistant" else "")
         return out if any(m[-1].role == "assistant" for m in self.conversations()) else None
 
-    def chat_turns(self, parts: bool = False) -> list[list[dict]]:
+    def chat_turns(self, parts: bool = False, slots: EmbedSlots | None = None) -> list[list[dict]]:
         """Each conversation as the chat template takes it ({role, content} dicts; `parts`: see
-        ChatMessage.template_content)."""
+        ChatMessage.template_content; `slots`: collects prompt_embeds parts, else they are a 400)."""
         out = []
         for k, msgs in enumerate(self.conversations()):
             where = self._where(k)
@@ -609,7 +703,7 @@ class _ChatFields(_Common):
                 if m.model_extra and m.model_extra.get("tool_calls"):
                     raise APIError(400, f"{where}[{i}].tool_calls: not supported by this server",
                                    f"{where}[{i}].tool_calls")
-            out.append([m.template_turn(f"{where}[{i}]", parts) for i, m in enumerate(msgs)])
+            out.append([m.template_turn(f"{where}[{i}]", parts, slots) for i, m in enumerate(msgs)])
         return out
 
 

@@ -13,9 +13,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.server.async_engine import Child, EngineDead, RequestFailed
-from engine.server.context import ServerContext, _apply_template, _encode, _field_of
+from engine.prompt_embeds import PLACEHOLDER_ID, PromptEmbeds
+from engine.server.context import ServerContext, _apply_template, _encode, _field_of, with_embeds
 from engine.server.protocol import (APIError, BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest,
-                                    now_s, template_kwargs, usage)
+                                    EmbedSlots, now_s, template_kwargs, usage)
 from engine.server.receipt import received_elapsed_s
 
 
@@ -67,6 +68,9 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         arrival = engine.now() - received_elapsed_s(request.scope)
         req = await parse(request, CompletionRequest, body)
         prompts = req.prompts(vocab_size)
+        payloads = req.embeds_prompts()
+        tensors = await ctx.decode_embeds(payloads, [f"prompt_embeds[{i}]" if isinstance(req.prompt_embeds, list)
+                                                     else "prompt_embeds" for i in range(len(payloads))])
         texts = [(k, p) for k, p in enumerate(prompts) if isinstance(p, str)]
         for k, t in texts:
             check_chars(t, f"prompt[{k}]" if len(prompts) > 1 else "prompt")
@@ -80,9 +84,12 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                 decoded = await pool.run(lambda tok: [tok.decode(p) for _, p in id_prompts])
                 for (k, p), t in zip(id_prompts, decoded):
                     prompts[k] = (t, p)
-        prompts = [p if isinstance(p, tuple) else (None, p) for p in prompts]
+        # the prompts given as vectors first (vLLM's order), then the text and token-id ones
+        prompts = [(None, [PLACEHOLDER_ID] * t.shape[0]) for t in tensors] + [
+            p if isinstance(p, tuple) else (None, p) for p in prompts]
+        embeds = [PromptEmbeds.from_spans([(0, t)]) for t in tensors] + [None] * (len(prompts) - len(tensors))
         rid = request_id(request, "cmpl")
-        kids = children(req, rid, prompts, req.logprobs)
+        kids = children(req, rid, prompts, req.logprobs, embeds)
         first = None
         if req.echo and req.logprobs is not None and tokenizer is not None:  # the first prompt token's text
             first = await pool.run(lambda tok: [tok.decode(ids[:1]) for _, ids in prompts])
@@ -106,24 +113,37 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         ids_in = None if batch else req.token_in(ctx.vocab_size)
         if ids_in is None and not batch:  # a prefill stage's ids, forwarded for the decode stage
             ids_in = req.reused_ids(ctx.vocab_size)
+        embeds = None
         if ids_in is not None:  # token-in: the conversation arrives templated
             templated = [(None, ids_in)]
         else:
-            for k, conv in enumerate(req.chat_turns()):
+            slots = EmbedSlots()  # prompt_embeds parts become markers in the text the template renders
+            for k, conv in enumerate(req.chat_turns(slots=slots)):
                 check_chars("".join(m["content"] for m in conv), f"messages[{k}]" if batch else "messages")
+            tensors = await ctx.decode_embeds(slots.data, slots.names)
             # the template's view: content parts as sent (their other fields too) under "openai"
-            convs = req.chat_turns(parts=ctx.content_format == "openai")
+            convs = req.chat_turns(parts=ctx.content_format == "openai", slots=slots)
             kw = template_kwargs(req, ctx.trust_request_chat_template)
             try:
-                templated = await pool.run(lambda tok: [_apply_template(tok, conv, req.add_generation_prompt,
-                                                                         req.continue_final_message, kw,
-                                                                         req.add_special_tokens,
-                                                                         ctx.content_format)
-                                                        for conv in convs])
+                rendered = await pool.run(lambda tok: [_apply_template(tok, conv, req.add_generation_prompt,
+                                                                        req.continue_final_message, kw,
+                                                                        req.add_special_tokens,
+                                                                        ctx.content_format, slots if tensors else None)
+                                                       for conv in convs])
+            except APIError:
+                raise
             except Exception as e:  # the template refused a conversation (e.g. role order)
                 raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
+            if tensors:  # each marker's one placeholder widened to its tensor's rows
+                templated, embeds = [], []
+                for text, ids, spans in rendered:
+                    ids, pe = with_embeds(ids, spans, tensors)
+                    templated.append((text, ids))
+                    embeds.append(pe)
+            else:
+                templated = rendered
         rid = request_id(request, "chatcmpl")
-        kids = children(req, rid, templated, (req.top_logprobs or 0) if req.logprobs else None)
+        kids = children(req, rid, templated, (req.top_logprobs or 0) if req.logprobs else None, embeds)
         return await respond(request, req, rid, kids, arrival, chat=True, echo=req.echo_texts())
 
     @app.post("/v1/chat/completions/batch")
