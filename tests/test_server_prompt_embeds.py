@@ -246,3 +246,32 @@ def test_offline_generate_takes_prompt_embeds():
     assert by_vectors.outputs[0].token_ids == by_ids.outputs[0].token_ids
     with pytest.raises(ValueError, match="prompt_embeds"):
         llm.generate([{"prompt_embeds": emb[0]}], sp)
+
+
+def test_preempted_requests_recompute_from_their_vectors():
+    """A pool too small for three requests at once preempts them (recompute): a resumed request's
+    prompt is computed again from its vectors. Given as the tokens' own embeddings, the requests
+    schedule exactly as the same prompts given as ids, so their greedy tokens are equal."""
+    eng = LLMEngine(model=MODEL, device="cpu", max_num_batched_tokens=64, max_num_seqs=4, num_gpu_blocks=13,
+                    max_model_len=192)
+    texts = [TEXT, OTHER, "Water boils at a temperature that depends on"]
+    prompts = [eng.tokenizer(t).input_ids for t in texts]
+    sp = SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True)  # 3 x ~100 tokens > 12 x 16
+
+    def serve(vectors: bool) -> tuple[list[list[int]], int]:
+        for i, ids in enumerate(prompts):
+            pe = PromptEmbeds.from_spans([(0, token_embeds(eng, ids))]) if vectors else None
+            eng.add_tokenized_request(f"{vectors}-{i}", [0] * len(ids) if vectors else ids, sp, prompt_embeds=pe)
+        out = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    out[o.request_id] = o.outputs[0].token_ids
+        preempted = sum(eng.request_records[f"{vectors}-{i}"].num_preemptions for i in range(len(prompts)))
+        return [out[f"{vectors}-{i}"] for i in range(len(prompts))], preempted
+
+    by_ids, preempted_ids = serve(False)
+    eng.reset_prefix_cache()
+    by_vectors, preempted_vectors = serve(True)
+    assert preempted_vectors > 0 and preempted_vectors == preempted_ids
+    assert by_vectors == by_ids
