@@ -142,6 +142,10 @@ def test_completions_prompt_embeds_as_vllm_serves_them(srv):
     hello = post(srv, "/v1/completions", {"prompt": "Hello", "max_tokens": 8, "temperature": 0}).json()
     assert [c["text"] for c in both["choices"]] == [text["choices"][0]["text"]] * 2 + [hello["choices"][0]["text"]]
     assert len(both["choices"][0]["logprobs"]["tokens"]) == 8
+    # return_token_ids: a prompt given wholly as vectors has no token ids (vLLM's null)
+    ids_back = post(srv, "/v1/completions", {"prompt": "Hello", "prompt_embeds": emb, "max_tokens": 1,
+                                             "return_token_ids": True}).json()["choices"]
+    assert [c["prompt_token_ids"] for c in ids_back] == [None, engine.tokenizer("Hello").input_ids]
     # streamed, the same text
     with httpx.stream("POST", srv["url"] + "/v1/completions", timeout=120,
                       json={"model": MODEL, "prompt_embeds": emb, "max_tokens": 8, "temperature": 0,
@@ -275,3 +279,25 @@ def test_preempted_requests_recompute_from_their_vectors():
     by_vectors, preempted_vectors = serve(True)
     assert preempted_vectors > 0 and preempted_vectors == preempted_ids
     assert by_vectors == by_ids
+
+
+def test_split_markers_tokenizes_as_the_whole_text_with_its_special_tokens_once():
+    """Pieces between prompt_embeds markers are tokenized apart; the tokenizer's own special tokens
+    (a BOS here) wrap the whole prompt once, also when the prompt starts with a marker."""
+    from engine.server.context import split_markers
+    from engine.server.protocol import EmbedSlots
+
+    class BosTokenizer:  # one id per character, BOS (1) first, as a Llama tokenizer adds it
+        def __call__(self, text, add_special_tokens=True):
+            class R:
+                input_ids = ([1] if add_special_tokens else []) + [100 + ord(c) for c in text]
+            return R()
+
+    slots = EmbedSlots()
+    m0, m1 = slots.marker("a", "x"), slots.marker("b", "y")
+    tok = BosTokenizer()
+    text, ids, spans = split_markers(tok, m0 + "hi" + m1 + "!", slots, add_special_tokens=True)
+    assert text == "hi!"
+    assert ids == [1, 0, 100 + ord("h"), 100 + ord("i"), 0, 100 + ord("!")] and spans == [(1, 0), (4, 1)]
+    text, ids, spans = split_markers(tok, "hi" + m1, slots, add_special_tokens=False)  # m0 dropped by the template
+    assert ids == [100 + ord("h"), 100 + ord("i"), 0] and spans == [(2, 1)]

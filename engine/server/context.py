@@ -173,21 +173,32 @@ def split_markers(tok, text: str, slots: EmbedSlots, add_special_tokens: bool):
         if k == 1:
             found.append((text.index(tag), i, tag))
     found.sort()
-    ids: list[int] = []
+    head, tail = _special_wrap(tok) if add_special_tokens else ([], [])
+    ids: list[int] = list(head)
     pieces: list[str] = []
     spans: list[tuple[int, int]] = []
     at = 0
     for start, i, tag in found:
         piece = text[at:start]
-        ids += _encode(tok, piece, add_special_tokens and not ids and not spans) if piece else []
+        ids += _encode(tok, piece, False) if piece else []
         pieces.append(piece)
         spans.append((len(ids), i))
         ids.append(PLACEHOLDER_ID)
         at = start + len(tag)
     rest = text[at:]
-    ids += _encode(tok, rest, add_special_tokens and not ids) if rest else []
+    ids += (_encode(tok, rest, False) if rest else []) + tail
     pieces.append(rest)
     return "".join(pieces), ids, spans
+
+
+def _special_wrap(tok) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer puts before and after a text (e.g. BOS), read from how it
+    wraps one: the whole prompt gets them once, around its pieces."""
+    plain, full = _encode(tok, "a", False), _encode(tok, "a", True)
+    for i in range(len(full) - len(plain) + 1):
+        if full[i:i + len(plain)] == plain:
+            return full[:i], full[i + len(plain):]
+    return [], []
 
 
 def with_embeds(ids: list[int], spans: list[tuple[int, int]], tensors: list) -> tuple[list[int], PromptEmbeds | None]:

@@ -184,7 +184,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                       prompt_logprobs=req.prompt_logprobs,
                       echo_logprobs=req.logprobs if not chat and echo is not None else None,
                       echo_only=bool(getattr(req, "echo_only", False)), first_tokens=first_tokens,
-                      prompt_ids=[kids[p * req.n].prompt_token_ids for p in range(n_prompts)]
+                      prompt_ids=[_given_ids(kids[p * req.n]) for p in range(n_prompts)]
                       if req.return_token_ids else None,
                       tokens_as_ids=tokens_as_ids, packed_k=req.logprobs if packed else None,
                       cached_details=ctx.prompt_tokens_details,
@@ -348,6 +348,13 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
             yield "data: [DONE]\n\n"
         finally:
             await gen.aclose()  # on disconnect: aborts the requests in the engine
+
+
+def _given_ids(kid) -> list[int] | None:
+    """A prompt's token ids as return_token_ids reports them: none for a prompt given wholly as
+    vectors (vLLM's null), else its ids (an embedded position's placeholder included)."""
+    pe = kid.prompt_embeds
+    return None if pe is not None and len(pe) == len(kid.prompt_token_ids) else kid.prompt_token_ids
 
 
 class Shape:
