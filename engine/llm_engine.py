@@ -346,7 +346,7 @@ class LLMEngine:
             ids = self._embed_positions(ids, prompt_embeds, sampling_params)
         self.validate(ids, sampling_params)
         self._add(str(request_id), prompt_text, ids, sampling_params, arrival_time, priority,
-                  salted(cache_salt, prompt_embeds), prompt_embeds)
+                  cache_salt, prompt_embeds)
 
     def _embed_positions(self, ids: list[int], pe: PromptEmbeds, sp: SamplingParams) -> list[int]:
         """The prompt's ids with PLACEHOLDER_ID at the embedded positions, or a ValueError naming
@@ -378,7 +378,8 @@ class LLMEngine:
     def _add(self, request_id: str, text: str | None, ids: list[int], sp: SamplingParams,
              arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
              prompt_embeds: PromptEmbeds | None = None) -> None:
-        """Queue an already validated request."""
+        """Queue an already validated request; one with `prompt_embeds` gets their digest in its
+        cache salt (engine.prompt_embeds.salted)."""
         if request_id in self._live:
             raise ValueError(f"request_id={request_id!r} is already in use")
         if self.extra_eos_ids and not sp.ignore_eos:
@@ -387,7 +388,7 @@ class LLMEngine:
                 sp = dataclasses.replace(sp, stop_token_ids=list(sp.stop_token_ids) + extra)
         arrival = self.now() if arrival_time is None else float(arrival_time)
         req = Request(request_id, ids, sp, arrival_time=arrival, priority=priority,
-                      eos_token_id=self.eos_token_id, cache_salt=cache_salt)
+                      eos_token_id=self.eos_token_id, cache_salt=salted(cache_salt, prompt_embeds))
         self.scheduler.add_request(req)  # may raise (e.g. pool too small): nothing is kept then
         record = self.book.open(RequestRecord(request_id, arrival, len(ids)), sp.max_tokens)
         self.request_records[request_id] = record
@@ -690,7 +691,7 @@ class LLM:
         try:
             for text, ids, sp, pe in prepared:
                 rid = self._next_id()
-                eng._add(rid, text, ids, sp, cache_salt=salted(None, pe), prompt_embeds=pe)
+                eng._add(rid, text, ids, sp, prompt_embeds=pe)
                 req_ids.append(rid)
         except Exception:
             eng.abort_request(req_ids)
