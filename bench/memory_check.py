@@ -6,7 +6,10 @@ max_num_seqs as the run had them, vLLM's defaults where it set none), the loaded
 (memory_breakdown's kv_bytes_per_gpu against "Available KV cache memory: Y GiB"), signed
 relative errors. Each row's pool is sized as its vLLM release profiles memory (memory_breakdown's
 vllm_version; the llm-d-benchmark logs are of a release before 0.17, written 0.16, as their
-sampler warm-up shows). Prints JSON: every row, and the median |error| of each.
+sampler warm-up shows). Then, where ../shared/gpu-runs (or $SERVETWIN_GPU_RUNS) is present, each
+published run there that logged its KV blocks, sized through the run's own scenario
+(bench/gpu_runs.scenario_for, without the logged blocks) against vLLM's count. Prints JSON: every
+row, and the median |error| of each.
 
     python bench/memory_check.py
 
@@ -15,11 +18,17 @@ beside the rows in docs/reports/2026-12-05-loaded-model-memory.md.
 """
 from __future__ import annotations
 
+import csv
 import json
 import statistics
+import sys
 import warnings
+from pathlib import Path
 
-from sim.specs import GiB, get_device, get_model, memory_breakdown, vllm_version_tuple
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.gpu_runs import _num, default_runs, scenario_for  # noqa: E402
+from sim.scenario import parse_scenario  # noqa: E402
+from sim.specs import GiB, get_device, get_model, memory_breakdown, vllm_version_tuple  # noqa: E402
 
 # (model, tp, util, max_num_batched_tokens, max_num_seqs, vLLM version, logged "Model loading
 # took" GiB or None, logged "Available KV cache memory" GiB or None, where the log is)
@@ -39,10 +48,36 @@ LOGS = [
     ("meta-llama/Llama-4-Scout-17B-16E-Instruct", 4, 0.95, 8192, 1024, "0.19.0", 53.12, 16.75,
      "llm-d-planner v0.19.0 logs"),
     ("Qwen/Qwen3-235B-A22B-FP8", 4, 0.9, 8192, 1024, "0.10", 55.13, 8.11,
-     "vllm-project/vllm #21348 (KV) and #21429 (weights, same model and TP)"),
+     "vllm-project/vllm #21348 (KV; served with an LMCache KV connector) and #21429 (weights, same model and TP)"),
     ("RedHatAI/Llama-4-Scout-17B-16E-Instruct-FP8-dynamic", 2, 0.9, 2048, 128, "0.15.1", None,
      8253 * 16 * 98304 / GiB, "../shared/gpu-runs/vllm-h100-moe-runs.csv (8,253 blocks of 16 tokens)"),
 ]
+
+
+def gpu_run_rows() -> list[dict]:
+    """The published runs' logged KV blocks against the pool their scenario sizes (vLLM's count,
+    null block included, is the scheduler's num_gpu_blocks less the one the simulator adds)."""
+    folder = default_runs()[0].parent
+    rows = []
+    for name in ("vllm-h100-runs.csv", "vllm-h100-moe-runs.csv"):
+        path = folder / name
+        if not path.exists():
+            continue
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                logged = _num(row.get("gpu_kv_blocks_total"))
+                if not logged:
+                    continue
+                sc = scenario_for(row)
+                del sc["deployment"]["num_gpu_blocks"]
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    ours = parse_scenario(sc).scheduler_config.num_gpu_blocks - 1
+                rows.append({"run": row["exp_id"], "model": row["model"], "tp": int(_num(row["tp"])),
+                             "max_num_batched_tokens": int(_num(row["max_num_batched_tokens"])),
+                             "vllm": sc["deployment"].get("vllm_version"), "kv_blocks": ours,
+                             "vllm_kv_blocks": int(logged), "kv_err": round(ours / logged - 1, 4)})
+    return rows
 
 
 def main() -> None:
@@ -66,10 +101,14 @@ def main() -> None:
         vals = [abs(r[key]) for r in rows if r[key] is not None and pick(r)]
         return round(statistics.median(vals), 4) if vals else None
 
-    print(json.dumps({"rows": rows, "median_abs_err": {
+    runs = gpu_run_rows()
+    print(json.dumps({"rows": rows, "gpu_runs": runs, "median_abs_err": {
         "loaded": med("loaded_err"), "kv": med("kv_err"),
         "kv_vllm_0.17_or_later": med("kv_err", lambda r: vllm_version_tuple(r["vllm"]) >= (0, 17)),
-        "kv_before_0.17": med("kv_err", lambda r: vllm_version_tuple(r["vllm"]) < (0, 17))}}, indent=1))
+        "kv_before_0.17": med("kv_err", lambda r: vllm_version_tuple(r["vllm"]) < (0, 17)),
+        "gpu_runs_kv": round(statistics.median(abs(r["kv_err"]) for r in runs), 4) if runs else None},
+        "max_abs_err": {"kv": max(abs(r["kv_err"]) for r in rows),
+                        "gpu_runs_kv": max((abs(r["kv_err"]) for r in runs), default=None)}}, indent=1))
 
 
 if __name__ == "__main__":

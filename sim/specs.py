@@ -494,10 +494,14 @@ def hf_config_fields(cfg: dict) -> dict:
     return kw
 
 
+def _gib(x: float) -> int:
+    return int(round(x * GiB))
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceSpec:
     name: str
-    memory_bytes: int
+    memory_bytes: int             # total as CUDA reports it (what vLLM multiplies by gpu_memory_utilization)
     mem_bandwidth: float          # bytes/s
     flops: float                  # dense bf16 tensor-core FLOP/s
     interconnect_bandwidth: float  # bytes/s per direction between GPUs of one TP group
@@ -600,15 +604,18 @@ _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-
                   "llama-4-scout": "llama-4-scout-17b-16e", "kimi-k2-thinking": "kimi-k2.5", "qwen3-30b-a3b-thinking": "qwen3-30b-a3b"}
 
 DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
-    DeviceSpec("h100-sxm", 81559 * MiB, 3.35e12, 989e12, 450e9, fp8_flops=1979e12, kernel_tables="h100_sxm"),
-    DeviceSpec("h200", 143771 * MiB, 4.8e12, 989e12, 450e9, fp8_flops=1979e12, kernel_tables="h200_sxm"),
-    DeviceSpec("b200", 183359 * MiB, 8.0e12, 2250e12, 900e9, fp8_flops=4500e12, kernel_tables="b200_sxm"),
-    DeviceSpec("a100-80g", 80 * GiB, 2.039e12, 312e12, 300e9, kernel_tables="a100_sxm"),
-    DeviceSpec("a100-40g", 40 * GiB, 1.555e12, 312e12, 300e9),
-    # memory as nvidia-smi reports it (memory.total, ECC on), which is what vLLM's pool is sized
-    # from: an L40S holds 46068 MiB of its 48 GB, an A10G 23028 MiB of its 24 GB
-    DeviceSpec("l40s", 46068 * MiB, 0.864e12, 362e12, 32e9, 10e-6, fp8_flops=733e12, kernel_tables="l40s"),
-    DeviceSpec("a10g", 23028 * MiB, 0.6e12, 125e12, 16e9, 10e-6),
+    # memory_bytes: the total CUDA reports (torch.cuda.mem_get_info), which vLLM multiplies by
+    # gpu_memory_utilization; it is nvidia-smi's memory.total less what the driver keeps (0.4-0.7
+    # GiB). H100: vLLM's own startup logs print 79.18-79.19 GiB (nvidia-smi: 81559 MiB); the
+    # others as torch's out-of-memory messages print it (H200 139.80, B200 178.35, A100 79.15 and
+    # 39.59, L40S 44.39 of nvidia-smi's 46068 MiB, A10G 22.03 of 23028 MiB).
+    DeviceSpec("h100-sxm", _gib(79.19), 3.35e12, 989e12, 450e9, fp8_flops=1979e12, kernel_tables="h100_sxm"),
+    DeviceSpec("h200", _gib(139.80), 4.8e12, 989e12, 450e9, fp8_flops=1979e12, kernel_tables="h200_sxm"),
+    DeviceSpec("b200", _gib(178.35), 8.0e12, 2250e12, 900e9, fp8_flops=4500e12, kernel_tables="b200_sxm"),
+    DeviceSpec("a100-80g", _gib(79.15), 2.039e12, 312e12, 300e9, kernel_tables="a100_sxm"),
+    DeviceSpec("a100-40g", _gib(39.59), 1.555e12, 312e12, 300e9),
+    DeviceSpec("l40s", _gib(44.39), 0.864e12, 362e12, 32e9, 10e-6, fp8_flops=733e12, kernel_tables="l40s"),
+    DeviceSpec("a10g", _gib(22.03), 0.6e12, 125e12, 16e9, 10e-6),
     DeviceSpec("cpu-2core", 24 * GiB, 20e9, 100e9, 10e9, 20e-6),
 ]}
 _DEVICE_ALIASES = {"h100": "h100-sxm", "h100-sxm5": "h100-sxm", "h100-80gb": "h100-sxm",
@@ -741,6 +748,17 @@ def vllm_version_tuple(version: str | None) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+# The forward's torch peak per scheduled token of a mixture of experts in vLLM's profiling run
+# (routing, the fused-MoE kernels' workspaces, and what torch.compile keeps alive around them):
+# vLLM 0.19's startup logs give a torch peak of 2.87 GiB for gpt-oss-20b at TP2 and 2.47 GiB for
+# Qwen1.5-MoE-A2.7B at TP1 (8192 tokens, 1024 sequences; llm-d-planner accuracy/results/v0.19.0),
+# of which the sampler's 8 B x 1024 rows x vocabulary leaves 1.34 and 1.31 GiB for the forward:
+# 175 and 172 KB per token, where the dense estimate gives about a third. An empirical figure from
+# two logs, not a count of buffers; Llama-4-Scout TP4 (1.65 GiB on the same release) was kept out
+# of it to check it.
+MOE_FORWARD_BYTES_PER_TOKEN = 173_000
+
+
 def activation_reserve_bytes(model: ModelSpec, device: DeviceSpec, tp: int = 1,
                              max_num_batched_tokens: int = 8192, max_num_seqs: int = 1024,
                              vllm_version: str | None = None) -> int:
@@ -748,15 +766,20 @@ def activation_reserve_bytes(model: ModelSpec, device: DeviceSpec, tp: int = 1,
     (default DEFAULT_VLLM_VERSION) profiles it:
 
     - torch peak: a dummy forward over max_num_batched_tokens (MLP intermediate or attention
-      activations, plus hidden states) and the sampler warm-up over min(max_num_seqs,
+      activations, plus hidden states; for a mixture of experts at least MOE_FORWARD_BYTES_PER_TOKEN
+      per token) and the sampler warm-up over min(max_num_seqs,
       max_num_batched_tokens) rows of the vocabulary. Before 0.17 the warm-up ran the sort-based
       top-k/top-p at about 38.5 bytes per row and vocabulary entry, and it alone sets the peak when
       larger (the forward's activations are freed by then; five startup logs of 0.10-0.16 give
       38.4-38.9 B). From 0.17 (Triton top-k/top-p) it adds about 8 bytes per entry (fp32 logits
       and probabilities) to the forward's peak.
     - non-torch memory (CUDA context share, NCCL and custom all-reduce buffers, cuBLAS
-      workspaces): 0.25 GiB on one GPU, 2.1 GiB per GPU with TP >= 2 (v0.19 startup logs at TP 1,
-      2 and 4; 2.04 GiB for Qwen3-235B TP4 on 0.10).
+      workspaces), per GPU. From 0.17: 0.25 GiB on one GPU, 2.1 GiB with TP >= 2 (v0.19 startup
+      logs: 0.24-0.27 and 2.07-2.17). Before: 0.13 GiB on one GPU (v0.16 logs: 0.13-0.14); with
+      TP >= 2, 0.55 GiB for a dense model (v0.16's Llama-3.3-70B FP8 TP2 log; the pools the
+      0.15.1 runs of ../shared/gpu-runs logged at TP2 and TP4 imply about as much) and 2.1 GiB for
+      a mixture of experts (Qwen3-235B FP8 TP4's 0.10 log: 2.04; Llama-4-Scout FP8 TP2's 0.15.1
+      pool implies about 2.1).
     - CUDA graphs: not subtracted before 0.21; from 0.21 vLLM subtracts its estimate, 0.5 GiB here
       (the low end of the 0.5-2.2 GiB its logs print).
 
@@ -770,12 +793,18 @@ def activation_reserve_bytes(model: ModelSpec, device: DeviceSpec, tp: int = 1,
     attn = t * (model.num_heads // tp + 2 * model.kv_heads_per_gpu(tp)) * model.head_dim * a * 2
     hidden = 4 * t * model.hidden_size * a
     forward = max(mlp, attn) + hidden
+    if model.is_moe:
+        forward = max(forward, MOE_FORWARD_BYTES_PER_TOKEN * t)
     rows = min(max_num_seqs, t)
     if version < (0, 17):
         torch_peak = max(forward, rows * model.vocab_size * 38.5)
     else:
         torch_peak = forward + rows * model.vocab_size * 8
-    non_torch = int(0.25 * GiB) if tp == 1 else int(2.1 * GiB)
+    if version >= (0, 17):
+        non_torch = 2.1 if tp > 1 else 0.25
+    else:
+        non_torch = (2.1 if model.is_moe else 0.55) if tp > 1 else 0.13
+    non_torch = int(non_torch * GiB)
     cuda_graphs = int(0.5 * GiB) if version >= (0, 21) else 0
     return int(torch_peak) + non_torch + cuda_graphs
 
