@@ -589,6 +589,11 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("llama-4-scout-17b-16e", 48, 5120, 40, 8, 128, 16384, 202048, False, 10485760, qk_norm=True,
               num_experts=16, num_experts_per_tok=1, moe_intermediate_size=8192, shared_intermediate_size=8192,
               num_moe_layers=48, vision_params=llama4_vision_params(LLAMA4_VISION_CONFIG, 5120)),
+    # Maverick: 128 experts in every other layer (interleave_moe_layer_step 2), dense MLPs of
+    # intermediate_size_mlp 16384 in the others, no QK norm
+    ModelSpec("llama-4-maverick-17b-128e", 48, 5120, 40, 8, 128, 16384, 202048, False, 1048576,
+              num_experts=128, num_experts_per_tok=1, moe_intermediate_size=8192, shared_intermediate_size=8192,
+              num_moe_layers=24, vision_params=llama4_vision_params(LLAMA4_VISION_CONFIG, 5120)),
 ]}
 _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-3.1-8b",
                   "meta-llama-3.1-70b": "llama-3.1-70b", "meta-llama-3.1-405b": "llama-3.1-405b",
@@ -601,7 +606,7 @@ _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-
                   "mixtral-8x7b-v0.1": "mixtral-8x7b", "mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
                   "mixtral-8x22b-v0.1": "mixtral-8x22b", "mixtral-8x22b-instruct-v0.1": "mixtral-8x22b",
                   "deepseek-r1": "deepseek-v3", "deepseek-v3-0324": "deepseek-v3", "minimax-m2.5": "minimax-m2",
-                  "llama-4-scout": "llama-4-scout-17b-16e", "kimi-k2-thinking": "kimi-k2.5", "qwen3-30b-a3b-thinking": "qwen3-30b-a3b"}
+                  "llama-4-scout": "llama-4-scout-17b-16e", "llama-4-maverick": "llama-4-maverick-17b-128e", "kimi-k2-thinking": "kimi-k2.5", "qwen3-30b-a3b-thinking": "qwen3-30b-a3b"}
 
 DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
     # memory_bytes: the total CUDA reports (torch.cuda.mem_get_info), which vLLM multiplies by

@@ -125,7 +125,9 @@ def test_kimi_k2_5_int4_experts_in_groups_of_32_by_hand():
     ("deepseek-ai/DeepSeek-V3", "deepseek-v3"), ("deepseek-ai/DeepSeek-R1", "deepseek-v3"),
     ("moonshotai/Kimi-K2-Instruct", "kimi-k2"), ("MiniMaxAI/MiniMax-M2", "minimax-m2"),
     ("moonshotai/Kimi-K2.5", "kimi-k2.5"), ("moonshotai/Kimi-K2-Thinking", "kimi-k2.5"),
-    ("meta-llama/Llama-4-Scout-17B-16E-Instruct", "llama-4-scout-17b-16e")])
+    ("meta-llama/Llama-4-Scout-17B-16E-Instruct", "llama-4-scout-17b-16e"),
+    ("meta-llama/Llama-4-Maverick-17B-128E-Instruct", "llama-4-maverick-17b-128e"),
+    ("meta-llama/Llama-4-Maverick-17B-128E-Instruct-FP8", "llama-4-maverick-17b-128e")])
 def test_moe_catalog_names(name, family):
     m = get_model(name)
     assert m.name == family and m.is_moe and m.num_experts_per_tok >= 1
@@ -566,3 +568,27 @@ def test_llama4_fp8_dynamic_keeps_attention_in_16_bits_and_loads_its_vision_enco
     assert m.vision_params == vit + 4 * h * 4096 + 4096 * 4096 + 4096 * 5120 == 871_932_416
     assert m.weight_read_bytes_per_gpu(2) + m.vision_bytes_per_gpu(2) + 202048 // 2 * 5120 * 2 == \
         m.weight_bytes_per_gpu(2)
+
+
+def test_llama4_maverick_by_name_equals_its_config_and_a_hand_count():
+    """Maverick's public config.json (text part; vision_config as Scout's) read by the loader is the
+    catalog entry, and its weights are a hand count: 400B parameters."""
+    text = {"model_type": "llama4_text", "num_hidden_layers": 48, "hidden_size": 5120, "num_attention_heads": 40,
+            "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+            "vocab_size": 202048, "max_position_embeddings": 1048576, "num_local_experts": 128,
+            "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "use_qk_norm": False,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    from sim.specs import LLAMA4_VISION_CONFIG
+    cfg = {"model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"], "text_config": text,
+           "vision_config": LLAMA4_VISION_CONFIG, "torch_dtype": "bfloat16"}
+    m, c = ModelSpec.from_hf_config(cfg), get_model("llama-4-maverick")
+    for f in ("num_layers", "hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+              "shared_intermediate_size", "num_moe_layers", "intermediate_size", "qk_norm", "vision_params"):
+        assert getattr(m, f) == getattr(c, f), f
+    h, L = 5120, 48
+    attn = h * (40 + 2 * 8) * 128 + 40 * 128 * h
+    moe = 128 * 3 * h * 8192 + 3 * h * 8192 + h * 128       # routed experts, the shared one, the router
+    dense = 3 * h * 16384
+    params = L * (attn + 2 * h) + 24 * moe + 24 * dense + 2 * 202048 * h + h
+    assert c.weight_bytes - 2 * c.vision_params == 2 * params
+    assert 398e9 < params + c.vision_params < 402e9               # "400B total parameters"
