@@ -101,6 +101,15 @@ def model_name(path: str) -> str | None:
         return None
 
 
+def client_concurrency(r: dict) -> int:
+    """The benchmark client's concurrency for one engine: batch_size x attention_dp_size. The
+    sample's batch_size is per data-parallel rank: every allowed row with attention DP (82 vLLM, 71
+    TensorRT-LLM) records a client concurrency (`silicon_concurrency=` in its source) of batch_size
+    x dp, every other aggregated vLLM row batch_size itself. (Rows whose recorded concurrency is a
+    multiple of that ran several engines; one engine sees batch_size x dp.)"""
+    return int(float(r["batch_size"])) * max(1, int(float(r.get("attention_dp_size") or 1)))
+
+
 def usable(r: dict) -> dict | None:
     """The simulator's case for a row, or None (disaggregated, pipeline parallel, attention DP of a
     dense model, fp4/int4 other than a checkpoint's native experts, an unknown model or GPU)."""
@@ -113,7 +122,7 @@ def usable(r: dict) -> dict | None:
     if float(r["pp_size"] or 1) != 1:
         return None
     try:
-        conc, tp = int(float(r["batch_size"])), int(float(r["tp_size"]))
+        conc, tp = client_concurrency(r), int(float(r["tp_size"]))
         ttft, tpot = float(r["silicon_ttft_ms"]), float(r["silicon_tpot_ms"])
     except ValueError:
         return None
@@ -128,15 +137,17 @@ def usable(r: dict) -> dict | None:
         case["expert_parallel"] = True
     dp = int(float(r.get("attention_dp_size") or 1))
     if dp > 1:
-        # Data-parallel attention. Read as InferenceMAX's recipes run it: tp_size GPUs in all,
-        # dp ranks of tp_size / dp each (its `tp: 4, dp-attn: true` is vLLM's -dp 4 -tp 1 on 4
-        # GPUs), not dp x tp_size GPUs as moe_tp x moe_ep would say (tp 4 x dp 4 with moe_ep 16):
-        # so read, MiniMax-M2.5's DP rows have the errors of its non-DP rows (docs/reports).
+        # Data-parallel attention. Where tp_size is a multiple of dp, read as InferenceMAX's
+        # recipes run it: tp_size GPUs in all, dp ranks of tp_size / dp each (its `tp: 4, dp-attn:
+        # true` is vLLM's -dp 4 -tp 1 on 4 GPUs), not dp x tp_size GPUs as moe_tp x moe_ep would
+        # say (tp 4 x dp 4 with moe_ep 16): so read, MiniMax-M2.5's DP rows have the errors of its
+        # non-DP rows (docs/reports). Otherwise (tp_size 1 with dp 8, as TensorRT-LLM's rows write
+        # it) dp ranks of tp_size GPUs each, dp x tp_size in all, which is moe_tp x moe_ep there.
         from sim.specs import get_model
-        if tp % dp or not get_model(case["model"]).is_moe:  # (a dense model's DP: replicas)
+        if not get_model(case["model"]).is_moe:  # (a dense model's DP: replicas)
             return None
         case["data_parallel"] = dp
-        case["tp"] = tp // dp
+        case["tp"] = tp // dp if tp % dp == 0 else tp
     return case
 
 

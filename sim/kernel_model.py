@@ -287,11 +287,13 @@ class Overheads:
       unchanged) and MiniMax-M2.5's from -26.4% to -25.7%; the published H100 runs
       (`bench/gpu_runs.py`) move by 0.2 points or less.
     - dp_dispatch_s: per MoE layer and step under data-parallel attention, the dispatch and
-      combine beyond their bytes over the link (KernelCostModel._dispatch_roof): two collectives
-      across the ranks and the ranks' per-step synchronisation. 60 us, chosen among 0 / 30 / 60 us
-      on the allowed vLLM B200 rows with attention DP (`bench/silicon_check.py`: MiniMax-M2.5 on
-      2 and 4 GPUs, DP 2 and 4, 23 rows): median TPOT error -32% / -20% / -12%, the last as the
-      same model's rows without DP (-15%); see docs/reports.
+      combine beyond their bytes over the link (KernelCostModel._dispatch_roof) and the link's two
+      latencies: the ranks' per-step synchronisation. 0 by default. Chosen among 0 / 30 / 60 us on
+      the allowed vLLM B200 rows with attention DP (`bench/silicon_check.py`: MiniMax-M2.5 on 2
+      and 4 GPUs, DP 2 and 4, 23 rows, each at its client's concurrency, batch_size x dp): median
+      TPOT error -5.2% / +5.9% / +16.1% at DP 2 and -4.6% / +8.9% / +19.3% at DP 4, where the same
+      model's rows without DP read -5.4%. (It was 60 us while those rows ran at batch_size alone,
+      a dp-th of their clients' concurrency.)
     - tp_step_s: per step and per GPU of a TP group beyond the first, coordination that no kernel
       table holds. 0 by default: stock vLLM shows none beyond its kernels (the allowed B200 rows
       of `bench/silicon_check.py`, TP 1-8, lose their TPOT accuracy with any: +60% at TP 8 with
@@ -311,7 +313,7 @@ class Overheads:
     eager_layer_launch_s: float = 1.0e-3
     serving_slowdown: float = 1.0
     tp_step_s: float = 0.0
-    dp_dispatch_s: float = 60e-6
+    dp_dispatch_s: float = 0.0
     gemm_compute_slowdown: float = 1.13
 
     def gemm_factor(self, m: float) -> float:

@@ -81,6 +81,12 @@ def test_a_row_becomes_its_case_and_unsupported_rows_are_skipped():
                        moe_ep_size="16", moe_tp_size="1"))
     assert (dp["tp"], dp["data_parallel"]) == (1, 4)          # InferenceMAX's tp 4 + dp-attn: 4 GPUs
     assert sc.scenario_data(dp)["deployment"]["data_parallel"] == 4
+    # batch_size is per DP rank: the client ran 8 x 4 (as the source's silicon_concurrency says)
+    assert dp["concurrency"] == 32 and sc.scenario_data(dp)["workload"]["benchmark"]["concurrency"] == 32
+    # TensorRT-LLM writes tp 1 with dp 8: eight ranks of one GPU (moe_tp x moe_ep = 8)
+    trt = sc.usable(row(backend="trtllm", system="h200_sxm", model_path="deepseek-ai/DeepSeek-R1", tp_size="1",
+                        attention_dp_size="8", moe_ep_size="8", moe_tp_size="1"))
+    assert (trt["tp"], trt["data_parallel"], trt["concurrency"]) == (1, 8, 64)
     assert sc.usable(row(silicon_ttft_ms="")) is None
 
 
