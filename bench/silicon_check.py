@@ -144,10 +144,11 @@ def usable(r: dict) -> dict | None:
         # non-DP rows (docs/reports). Otherwise (tp_size 1 with dp 8, as TensorRT-LLM's rows write
         # it) dp ranks of tp_size GPUs each, dp x tp_size in all, which is moe_tp x moe_ep there.
         from sim.specs import get_model
-        if not get_model(case["model"]).is_moe:  # (a dense model's DP: replicas)
-            return None
-        case["data_parallel"] = dp
         case["tp"] = tp // dp if tp % dp == 0 else tp
+        if get_model(case["model"]).is_moe:
+            case["data_parallel"] = dp
+        else:  # a dense model's data parallelism is dp engines behind vLLM's own balancer
+            case["replicas"] = dp
     return case
 
 
@@ -257,9 +258,12 @@ def scenario_data(case: dict, prompts_per_slot: int | None = None, cost_model: d
                            **({"weight_dtype": case["weight_dtype"]} if case["weight_dtype"] else {}), **dep,
                            **({"expert_parallel": True} if case.get("expert_parallel") else {}),
                            **({"data_parallel": case["data_parallel"]} if case.get("data_parallel") else {}),
+                           # vLLM's data-parallel balancer sends each request to the least loaded engine
+                           **({"replicas": case["replicas"], "router": "least_outstanding"}
+                              if case.get("replicas") else {}),
                            **({"vllm_version": case["vllm_version"]} if case.get("vllm_version") else {})},
             "workload": {"benchmark": bench}}
-    if case["tp"] * case.get("data_parallel", 1) > get_device(DEVICES[case["system"]]).gpus_per_node:
+    if case["tp"] * case.get("data_parallel", 1) > get_device(DEVICES[case["system"]]).gpus_per_node:  # one engine
         data["deployment"]["interconnect"] = dict(INTER_NODE)
     if sched:
         data["scheduler"] = sched

@@ -76,7 +76,12 @@ def test_a_row_becomes_its_case_and_unsupported_rows_are_skipped():
         case = sc.usable(row(model_path=path, tp_size="8"))
         assert case["weight_dtype"] is None
         assert parse_scenario(sc.scenario_data(case)).deployment["weight_dtype"] == "fp8_block"
-    assert sc.usable(row(attention_dp_size="2")) is None                   # dense: DP is replicas
+    # a dense model's DP: dp engines of tp_size / dp GPUs behind vLLM's balancer, the client's
+    # batch_size x dp requests over them
+    dense = sc.usable(row(attention_dp_size="2"))
+    assert (dense["tp"], dense["replicas"], dense["concurrency"]) == (2, 2, 16) and "data_parallel" not in dense
+    assert sc.scenario_data(dense)["deployment"]["replicas"] == 2
+    assert sc.scenario_data(dense)["deployment"]["router"] == "least_outstanding"
     dp = sc.usable(row(model_path="MiniMaxAI/MiniMax-M2.5", tp_size="4", attention_dp_size="4",
                        moe_ep_size="16", moe_tp_size="1"))
     assert (dp["tp"], dp["data_parallel"]) == (1, 4)          # InferenceMAX's tp 4 + dp-attn: 4 GPUs
@@ -174,3 +179,16 @@ def test_a_models_own_inferencemax_script_overrides_the_generic_recipe():
     # Kimi-K2.5 on B200: vLLM's defaults (the checkpoint's KV dtype, prefix caching on)
     kv, sched, _ = settings("moonshotai/Kimi-K2.5", "int4_wo", "b200_sxm")
     assert kv is None and sched["enable_prefix_caching"] is True and sched["max_num_seqs"] == 1024
+
+
+def test_a_dense_data_parallel_row_is_its_engines_side_by_side():
+    """Two engines each given half the client's requests decode as one engine at half the
+    concurrency: the same TPOT. (TTFT is not compared: the two engines' requests share one
+    client and API server, whose first wave is twice as large.)"""
+    small = dict(model_path="meta-llama/Llama-3.1-8B", isl="256", osl="64", tp_size="1")
+    two = sc.simulate(sc.usable(row(**small, attention_dp_size="2", batch_size="8")), protocol="auto")
+    one = sc.simulate(sc.usable(row(**small, batch_size="8")), protocol="auto")
+    assert two["tpot_ms"] == pytest.approx(one["tpot_ms"], rel=0.05)
+    # and not as one engine at the full concurrency, which decodes slower
+    full = sc.simulate(sc.usable(row(**small, batch_size="16")), protocol="auto")
+    assert full["tpot_ms"] > 1.1 * two["tpot_ms"]
