@@ -150,6 +150,10 @@ MOE_KERNELS = {
     "mxfp4": ("w4a16_mxfp4", ["vllm_gptossmxfp4moe_triton_oaitritonmxfp4expertsmonolithic",
                               "vllm_gptossmxfp4moe_flashinfer_trtllm_mxfp4_bf16_trtllmmxfp4expertsmonolithic"]),
     "int4": ("int4_wo", ["vllm_compressedtensorswna16marlinmoe_marlin_marlinexperts"]),
+    # MXFP4 experts with MXFP8 activations (FlashInfer's TRT-LLM kernel on Blackwell, vLLM's
+    # VLLM_USE_FLASHINFER_MOE_MXFP4_MXFP8=1); the kernel model reads it for
+    # cost_model.moe_activations: mxfp8
+    "mxfp4_mxfp8": ("w4a8_mxfp4_mxfp8", ["vllm_mxfp4moe_flashinfer_trtllm_mxfp4_mxfp8_trtllmmxfp4expertsmodular"]),
 }
 # The routings the tables were measured with. `balanced` (tokens spread over as many experts as
 # they can touch): the kernel model reads it for uniform random routing (kernel_model.

@@ -405,6 +405,8 @@ def _log_grid(lo: int, hi: int, per_octave: int = 4) -> list[int]:
     return out
 
 
+# cost_model.moe_activations: what MXFP4 experts multiply in (mxfp8: the tables' mxfp4_mxfp8 kernel)
+MOE_ACTIVATIONS = ("bf16", "mxfp8")
 # ModelSpec expert dtype -> the weight format of the fused-MoE tables (fp8 per channel is timed
 # with the 128x128-block kernel's table: the same bytes and math; fp16 as bf16).
 MOE_FORMATS = {"bfloat16": "bf16", "float16": "bf16", "fp8_block": "fp8_block", "fp8": "fp8_block",
@@ -495,9 +497,15 @@ class KernelCostModel(CostModel):
 
     def __init__(self, model: ModelSpec | str | dict, device: DeviceSpec | str | dict, tp: int = 1,
                  overheads: Overheads | dict | None = None, tables: dict | str | None = None,
-                 reduced: dict | None = None, expert_parallel: bool = False, data_parallel: int = 1) -> None:
+                 reduced: dict | None = None, expert_parallel: bool = False, data_parallel: int = 1,
+                 moe_activations: str = "bf16") -> None:
         self.model = m = get_model(model)
         self.device = d = get_device(device)
+        # MXFP4 experts' activations: bf16 (vLLM's default kernels) or mxfp8 (FlashInfer's
+        # TRT-LLM kernel on Blackwell, VLLM_USE_FLASHINFER_MOE_MXFP4_MXFP8=1)
+        if moe_activations not in MOE_ACTIVATIONS:
+            raise ValueError(f"cost_model.moe_activations={moe_activations!r}: one of {list(MOE_ACTIVATIONS)}")
+        self.moe_activations = moe_activations
         # vLLM's data-parallel attention (--data-parallel-size, MoE models): dp ranks of tp GPUs
         # each, attention and dense layers per rank, the MoE layers over all tp x dp GPUs and all
         # ranks' tokens (set_group_tokens; sim.replica.DataParallelGroup steps the ranks together)
@@ -544,7 +552,7 @@ class KernelCostModel(CostModel):
             # Grids are read-only once built: deployments seen before (a plan's candidates at
             # many rates and seeds) share them.
             key = (m, d, tp, tables or d.kernel_tables, self.expert_parallel, self.dp,
-                   self.ovh.gemm_compute_slowdown)
+                   self.ovh.gemm_compute_slowdown, moe_activations)
             if key not in _BUILT:
                 name = tables or d.kernel_tables
                 t = load_tables(name) if name else None
@@ -562,7 +570,8 @@ class KernelCostModel(CostModel):
         self.metadata = {"model": m.name, "device": d.name, "tp": tp, "weight_dtype": m.weight_dtype,
                          **({"experts": m.num_experts, "experts_per_tok": m.num_experts_per_tok,
                              "expert_dtype": m.expert_dtype or m.weight_dtype,
-                             "expert_parallel": self.expert_parallel, "data_parallel": self.dp}
+                             "expert_parallel": self.expert_parallel, "data_parallel": self.dp,
+                             "moe_activations": moe_activations}
                             if m.is_moe else {}),
                          "kv_dtype": m.kv_dtype, "act_dtype": m.act_dtype, "kv_heads_per_gpu": self.kv_heads,
                          "source": "measured kernel tables (AIConfigurator, vLLM kernels); roofline outside them",
@@ -687,6 +696,14 @@ class KernelCostModel(CostModel):
             mt = (tables or {}).get("moe", {}).get("tables", {})
             dist = (tables or {}).get("moe", {}).get("distribution", "")
             fmt = MOE_FORMATS.get(edt)
+            if self.moe_activations == "mxfp8":
+                if fmt != "mxfp4":
+                    raise ValueError(f"cost_model.moe_activations='mxfp8': for MXFP4 experts only "
+                                     f"({m.name}'s are {edt})")
+                fmt = "mxfp4_mxfp8"
+                if not any(k.startswith("mxfp4_mxfp8/") for k in (tables or {}).get("moe", {}).get("tables", {})):
+                    raise ValueError(f"cost_model.moe_activations='mxfp8': no MXFP8-activation MoE kernel "
+                                     f"was measured on {self.device.name} (Blackwell GPUs have it)")
             mtp, mep = (1, self.moe_ranks) if self.expert_parallel else (self.moe_ranks, 1)
             skewed = (tables or {}).get("moe", {}).get("skewed_tables", {})
             ts = _log_grid(1, 262144)

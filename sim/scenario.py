@@ -14,7 +14,7 @@
                  policy, reserve_full_prompt, unhashed_blocks_first, watermark,
                  uncache_unscheduled_victims, async_scheduling,
                  cpu_work: {step_s, per_req_s, per_token_s, per_output_s}}  # sim/cpu_work.py
-    cost_model: {type: fitted, profile: NAME|PATH} | {type: kernels, overheads: {...}}
+    cost_model: {type: fitted, profile: NAME|PATH} | {type: kernels, overheads: {...}, moe_activations: bf16|mxfp8}
                 | {type: analytic, efficiency: {...}}
                 default: the shipped profile for the deployment if any, else measured kernel tables
                 (H100/H200/B200), else the analytic roofline
@@ -259,6 +259,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     prof_name = cm.text("profile", None) if kind == "fitted" else None
     eff = cm.raw("efficiency", None) if kind == "analytic" else None
     ovh = cm.raw("overheads", None) if kind == "kernels" else None
+    moe_act = cm.text("moe_activations", "bf16", choices=("bf16", "mxfp8")) if kind == "kernels" else "bf16"
     cm.done()
 
     def cost_for(t: int) -> tuple[CostModel, dict]:
@@ -282,7 +283,8 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
                 raise ScenarioError(f"cost_model.efficiency={eff!r}: {e}") from None
         if k == "kernels":
             try:
-                return KernelCostModel(model, device, t, ovh, expert_parallel=ep, data_parallel=dp), {}
+                return KernelCostModel(model, device, t, ovh, expert_parallel=ep, data_parallel=dp,
+                                       moe_activations=moe_act), {}
             except (TypeError, ValueError) as e:
                 raise ScenarioError(f"cost_model (kernels, overheads={ovh!r}): {e}") from None
         name = prof_name or default_profile

@@ -592,3 +592,42 @@ def test_llama4_maverick_by_name_equals_its_config_and_a_hand_count():
     params = L * (attn + 2 * h) + 24 * moe + 24 * dense + 2 * 202048 * h + h
     assert c.weight_bytes - 2 * c.vision_params == 2 * params
     assert 398e9 < params + c.vision_params < 402e9               # "400B total parameters"
+
+
+def test_mxfp8_activations_read_their_own_kernels_table():
+    """cost_model.moe_activations: mxfp8 (vLLM's VLLM_USE_FLASHINFER_MOE_MXFP4_MXFP8=1 on Blackwell)
+    reads the MXFP4 x MXFP8 kernel's table: at a shape it was measured at, the table itself."""
+    import json
+    from pathlib import Path
+    from sim.scenario import ScenarioError, parse_scenario
+    shape = dataclasses.replace(get_model("gpt-oss-120b"), name="mxfp4-probe", hidden_size=4096,
+                                moe_intermediate_size=2048, num_experts=256, num_experts_per_tok=6)
+    k = KernelCostModel(shape, "b200", 1, moe_activations="mxfp8")
+    key = "mxfp4_mxfp8/4096/2048/6/256/1/1"
+    assert k.describe()["table_coverage"]["moe"] == key
+    moe = json.loads((Path(__file__).resolve().parents[1] / "calibration" / "kernels" / "b200_sxm.json")
+                     .read_text())["moe"]
+    assert moe["kernels"]["mxfp4_mxfp8"].endswith("mxfp4_mxfp8_trtllmmxfp4expertsmodular")
+
+    def reading(tab):
+        return dict(zip(tab["values"][0], np.minimum.accumulate(np.array(tab["us"])[::-1])[::-1]))
+    # 8192 tokens touch every expert under either routing: the slower of the two tables, per MoE layer
+    us = max(reading(moe["tables"][key])[8192], reading(moe["skewed_tables"][key])[8192])
+    f = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=8192, prefill_attn_pairs=8192 * 8193 // 2)
+    assert k.breakdown(f)["moe"] == pytest.approx(shape.num_moe_layers * us * 1e-6)
+    # gpt-oss's own shape is scaled from it; FP8 math beats the bf16-activation kernel at a prefill
+    oss8, oss16 = KernelCostModel("gpt-oss-120b", "b200", 1, moe_activations="mxfp8"), KernelCostModel("gpt-oss-120b", "b200", 1)
+    assert oss8.describe()["table_coverage"]["moe"] == f"scaled from {key}"
+    assert oss8.breakdown(f)["moe"] < 0.5 * oss16.breakdown(f)["moe"]
+    # refused, naming the field: a GPU with no such kernel, experts that are not MXFP4
+    with pytest.raises(ValueError, match="moe_activations='mxfp8'.*h100"):
+        KernelCostModel("gpt-oss-120b", "h100", 1, moe_activations="mxfp8")
+    with pytest.raises(ValueError, match="moe_activations='mxfp8'.*MXFP4 experts only"):
+        KernelCostModel("qwen3-30b-a3b", "b200", 1, moe_activations="mxfp8")
+    base = {"workload": {"num_requests": 4, "arrival": {"type": "poisson", "rate": 1.0},
+                         "prompt_len": {"type": "fixed", "value": 64}, "output_len": {"type": "fixed", "value": 4}},
+            "deployment": {"model": "gpt-oss-120b", "device": "b200"}}
+    sc = parse_scenario({**base, "cost_model": {"type": "kernels", "moe_activations": "mxfp8"}})
+    assert sc.cost_model.describe()["moe_activations"] == "mxfp8"
+    with pytest.raises(ScenarioError, match="cost_model.moe_activations"):
+        parse_scenario({**base, "cost_model": {"type": "kernels", "moe_activations": "fp4"}})

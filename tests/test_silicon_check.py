@@ -170,6 +170,13 @@ def test_a_models_own_inferencemax_script_overrides_the_generic_recipe():
     # gpt-oss: CUDA graphs up to 2048 tokens on every GPU, in the kernel cost model's overheads
     kv, sched, ovh = settings("openai/gpt-oss-120b", "nvfp4", "b200_sxm")
     assert (kv, sched["max_num_seqs"], ovh) == ("fp8", 512, {"cudagraph_max_tokens": 2048})
+    # gptoss_fp4_b200.sh's VLLM_USE_FLASHINFER_MOE_MXFP4_MXFP8=1: the MXFP8-activation kernel
+    oss = sc.scenario_data(sc.usable(row(model_path="openai/gpt-oss-120b", gemm_quant_mode="nvfp4")), protocol="auto")
+    assert oss["cost_model"]["moe_activations"] == "mxfp8"
+    assert parse_scenario(oss).cost_model.base.moe_activations == "mxfp8"
+    hopper = sc.scenario_data(sc.usable(row(model_path="openai/gpt-oss-120b", gemm_quant_mode="nvfp4",
+                                            system="h200_sxm")), protocol="auto")
+    assert "moe_activations" not in hopper["cost_model"]
     kv, sched, ovh = settings("openai/gpt-oss-120b", "nvfp4", "h100_sxm")
     assert (kv, sched["max_num_seqs"], ovh) == (None, 16, {"cudagraph_max_tokens": 2048})
     scenario = parse_scenario(sc.scenario_data(sc.usable(row(model_path="openai/gpt-oss-120b",
