@@ -207,6 +207,7 @@ def assemble(rows: list[dict], live: list[dict], confirms: dict, spec, data: dic
     result = {"scenario": path, "model": model, "hf_model": hf_model, "serve_quantization": quantization,
               "gpu_memory_utilization": dep.get("gpu_memory_utilization", 0.9),
               "expert_parallel": bool(dep.get("expert_parallel", False)),
+              "moe_activations": ((data.get("cost_model") or {}).get("moe_activations") or "bf16"),
               "mode": "gpus" if budget else "rate", "target_rate": T, "target_gpus": spec.target_gpus,
               "slo": spec.slo_spec(), "slo_text": spec.describe_slo(), "scenario_slo": spec.scenario_slo,
               "search": {**spec.search_spec(), "refine_steps": spec.refine_steps,
@@ -294,7 +295,7 @@ def _serve_args(c: dict, util: float) -> str:
             f"--gpu-memory-utilization {util:g}{pol}")
 
 
-def _replica_lines(model: str, tp: int, n: int, args: str, port0: int, extra: str = "",
+def _replica_lines(model: str, tp: int, n: int, args: str, port0: int, extra: str = "", env: str = "",
                    per_node: int = 8, dp: int = 1) -> list[str]:
     """One `vllm serve` per replica of one node (GPUs and ports numbered), and how many nodes; a
     replica of dp data-parallel ranks takes tp x dp GPUs."""
@@ -303,7 +304,7 @@ def _replica_lines(model: str, tp: int, n: int, args: str, port0: int, extra: st
     lines = []
     for i in range(min(n, fit)):
         gpus = ",".join(str(g) for g in range(i * width, (i + 1) * width))
-        lines.append(f"CUDA_VISIBLE_DEVICES={gpus} vllm serve {shlex.quote(model)} --tensor-parallel-size {tp} "
+        lines.append(f"CUDA_VISIBLE_DEVICES={gpus} {env}vllm serve {shlex.quote(model)} --tensor-parallel-size {tp} "
                      f"{args}{extra} --port {port0 + i} &")
     nodes = math.ceil(n / fit)
     if nodes > 1:
@@ -327,6 +328,8 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
         args += " --enable-expert-parallel"
     if result.get("serve_quantization"):
         args += f" --quantization {result['serve_quantization']}"
+    # the MoE kernel the plan was timed with (cost_model.moe_activations) is an environment switch
+    env = "VLLM_USE_FLASHINFER_MOE_MXFP4_MXFP8=1 " if result.get("moe_activations") == "mxfp8" else ""
     out = []
     if c["policy"] == "shortest_prompt_first":
         out.append("# vLLM has no shortest-prompt-first policy: these servers schedule fcfs")
@@ -334,7 +337,7 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
         dps = f" x data parallel {dp}" if dp > 1 else ""
         out.append(f"# {n} replica(s) of {model}, tensor parallel {c['tp']}{dps} ({c['device']}), behind a "
                    f"{c['router']} load balancer on the ports below")
-        out += _replica_lines(model, c["tp"], n, args, 8000, dp=dp)
+        out += _replica_lines(model, c["tp"], n, args, 8000, env=env, dp=dp)
     else:
         kv = " --kv-transfer-config " + shlex.quote('{"kv_connector":"NixlConnector","kv_role":"kv_both"}')
         port = 8000
@@ -342,7 +345,7 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
             k = pd.get(f"{pool}_replicas", 1) * n
             tp = pd.get(f"{pool}_tp", c["tp"])
             out.append(f"# {pool} pool: {k} replica(s), tensor parallel {tp}")
-            out += _replica_lines(model, tp, k, args, port, kv)
+            out += _replica_lines(model, tp, k, args, port, kv, env)
             port += 100
         out.append("# a P/D proxy (e.g. vLLM's disaggregated prefill proxy) routes each request to a prefill "
                    "server, then a decode server")

@@ -373,6 +373,12 @@ def test_expert_parallel_is_a_deployment_key_and_a_serve_flag(tmp_path):
                              "search": {"confirm_requests": 8000}}, c)
     serve = [x for x in lines if "vllm serve" in x]
     assert len(serve) == 2 and all("--tensor-parallel-size 2" in x and "--enable-expert-parallel" in x for x in serve)
+    assert not any("MXFP8" in x for x in serve)
+    # a plan timed with MXFP8 activations serves with the switch that selects that kernel
+    mx = deploy_commands({"hf_model": "openai/gpt-oss-120b", "gpu_memory_utilization": 0.9, "moe_activations": "mxfp8",
+                          "target_rate": 10, "workload_means": {}, "model": "gpt-oss-120b",
+                          "search": {"confirm_requests": 8000}}, {**c, "device": "b200"})
+    assert all(x.split()[1] == "VLLM_USE_FLASHINFER_MOE_MXFP4_MXFP8=1" for x in mx if "vllm serve" in x)
 
 
 # ---------------------------------------------------------------- data-parallel attention
