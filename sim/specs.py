@@ -785,8 +785,11 @@ def activation_reserve_bytes(model: ModelSpec, device: DeviceSpec, tp: int = 1,
       0.15.1 runs of ../shared/gpu-runs logged at TP2 and TP4 imply about as much) and 2.1 GiB for
       a mixture of experts (Qwen3-235B FP8 TP4's 0.10 log: 2.04; Llama-4-Scout FP8 TP2's 0.15.1
       pool implies about 2.1).
-    - CUDA graphs: not subtracted before 0.21; from 0.21 vLLM subtracts its estimate, 0.5 GiB here
-      (the low end of the 0.5-2.2 GiB its logs print).
+    - CUDA graphs: not subtracted before 0.21; from 0.21 vLLM subtracts its estimate, 1.1 GiB
+      here: the median of the estimates five v0.19 startup logs print for their models (0.82-1.82
+      GiB: "Estimated CUDA graph memory", 51 capture sizes of PIECEWISE and FULL graphs; the same
+      logs say how much utilisation to add when that estimate is subtracted), within the 0.5-2.2
+      GiB that logs of 0.24-0.27 print.
 
     A CPU device keeps the old fixed half GiB."""
     if device.name.startswith("cpu"):
@@ -810,7 +813,7 @@ def activation_reserve_bytes(model: ModelSpec, device: DeviceSpec, tp: int = 1,
     else:
         non_torch = (2.1 if model.is_moe else 0.55) if tp > 1 else 0.13
     non_torch = int(non_torch * GiB)
-    cuda_graphs = int(0.5 * GiB) if version >= (0, 21) else 0
+    cuda_graphs = int(1.1 * GiB) if version >= (0, 21) else 0
     return int(torch_peak) + non_torch + cuda_graphs
 
 
