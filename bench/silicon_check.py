@@ -111,8 +111,8 @@ def client_concurrency(r: dict) -> int:
 
 
 def usable(r: dict) -> dict | None:
-    """The simulator's case for a row, or None (disaggregated, pipeline parallel, attention DP of a
-    dense model, fp4/int4 other than a checkpoint's native experts, an unknown model or GPU)."""
+    """The simulator's case for a row, or None (disaggregated, pipeline parallel, fp4/int4 other
+    than a checkpoint's native experts, an unknown model or GPU)."""
     if r["mode"] != "agg" or model_name(r["model_path"]) is None or r["system"] not in DEVICES:
         return None
     q = r["gemm_quant_mode"].strip()
@@ -224,7 +224,8 @@ def aic_collection_server(case: dict) -> dict:
 
 
 def server(case: dict) -> tuple[dict, dict, dict]:
-    """(deployment extras, scheduler settings, cost-model overheads) of the row's server."""
+    """(deployment extras, scheduler settings, kernel cost-model settings) of the row's server: the
+    last holds overheads and, where the recipe selects a MoE kernel, `moe_activations`."""
     if case["source"] == "gap-analysis" and case["backend"] in ("vllm", "trtllm"):
         return {}, aic_collection_server(case), {}
     if case["source"] != "inferencemax" or case["backend"] != "vllm":
