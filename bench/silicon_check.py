@@ -55,7 +55,7 @@ HELD_OUT_SYSTEMS = {"h100_sxm", "h200_sxm"}
 MODELS = {"meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b", "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
           "meta-llama/Llama-3.1-70B": "llama-3.1-70b", "meta-llama/Llama-3.1-70B-Instruct": "llama-3.1-70b",
           "Qwen/Qwen3-32B": "qwen3-32b"}
-DEVICES = {"h100_sxm": "h100-sxm", "h200_sxm": "h200", "b200_sxm": "b200"}
+DEVICES = {"h100_sxm": "h100-sxm", "h200_sxm": "h200", "b200_sxm": "b200", "b300_sxm": "b300"}
 QUANT = {"": "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block"}
 # Rows that ran a model's own checkpoint in its own format, by the label the sample gives it: OpenAI's
 # gpt-oss checkpoints hold only MXFP4 experts (the sample labels every 4-bit row nvfp4), Kimi-K2.5's
@@ -182,7 +182,7 @@ PROTOCOLS = {"inferencemax": {"min_ratio": 0.8, "prompts_per_slot": 10, "warmup"
 # 8192 --async-scheduling --no-enable-prefix-caching`, and on B200 also `--kv-cache-dtype fp8`.
 # Other rows: vLLM's defaults (the scenario's).
 GENERIC = {"max_num_seqs": None, "max_num_batched_tokens": 8192, "enable_prefix_caching": False,
-           "kv_dtype": {"b200_sxm": "fp8"}}
+           "kv_dtype": {"b200_sxm": "fp8", "b300_sxm": "fp8"}}
 # Per model, weights and GPU, where InferenceMAX's own script for it (benchmarks/<model>_<precision>_
 # <gpu>*.sh in the InferenceX repository) departs from the generic recipe. Keys as above, plus
 # `cudagraph_max_tokens` (its --max-cudagraph-capture-size; vLLM's default 512);

@@ -37,6 +37,7 @@ SYSTEMS = {
     "h100_sxm": ("0.31.0", "0.25.0", "0.31.0", "vllm_flash_attn_fa3"),
     "h200_sxm": ("0.31.0", "0.25.0", "0.31.0", "vllm_flash_attn_fa3"),
     "b200_sxm": ("0.27.1", "0.25.0", "0.24.0", None),  # per table, below
+    "b300_sxm": ("0.27.1", "0.25.0", "0.24.0", None),  # B300 SXM6 measured as B200: the same choices
 }
 # The GPUs the aisimulate wheel has no vLLM tables for, from AIConfigurator 0.12.0's wheel
 # (package aiconfigurator_core): Ampere A100 SXM (vLLM 0.14.0: FlashAttention 2 as
@@ -57,7 +58,7 @@ KV_DTYPES = {"bf16": "bfloat16", "fp8": "fp8"}
 # A GEMM dtype read from another version than the system's: B200's block-scaled fp8 in 0.27.1 has a
 # floor of 0.16-0.27 ms on every shape (a 1 x 4096 x 3072 GEMM: 0.270 ms, where 0.25.0 measured
 # 0.011 ms and 0.27.1's own per-channel fp8 0.020 ms), which no kernel of that size takes on the GPU.
-GEMM_VERSION = {("b200_sxm", "fp8_block"): "0.25.0"}
+GEMM_VERSION = {("b200_sxm", "fp8_block"): "0.25.0", ("b300_sxm", "fp8_block"): "0.25.0"}
 
 
 def sig(x: float, digits: int = 4):
@@ -140,7 +141,7 @@ def convert(site: Path, out: Path, systems: dict | None = None, package: str = "
         print(f"{system}: {(out / f'{system}.json').stat().st_size / 1e6:.2f} MB")
 
 
-MOE_SYSTEMS = {"h100_sxm": "0.25.0", "h200_sxm": "0.25.0", "b200_sxm": "0.25.0"}
+MOE_SYSTEMS = {"h100_sxm": "0.25.0", "h200_sxm": "0.25.0", "b200_sxm": "0.25.0", "b300_sxm": "0.25.0"}
 # weight format -> (moe_dtype of the table, kernels in order of preference: what vLLM runs)
 MOE_KERNELS = {
     "bf16": ("bfloat16", ["vllm_unquantizedfusedmoe_triton_tritonexperts",

@@ -617,6 +617,9 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
     DeviceSpec("h100-sxm", _gib(79.19), 3.35e12, 989e12, 450e9, fp8_flops=1979e12, kernel_tables="h100_sxm"),
     DeviceSpec("h200", _gib(139.80), 4.8e12, 989e12, 450e9, fp8_flops=1979e12, kernel_tables="h200_sxm"),
     DeviceSpec("b200", _gib(178.35), 8.0e12, 2250e12, 900e9, fp8_flops=4500e12, kernel_tables="b200_sxm"),
+    # B300 SXM6 (Blackwell Ultra): 267.69 GiB as torch reports it (nvidia-smi: 275040 MiB), 7.75 TB/s,
+    # the same dense bf16 / fp8 tensor-core rates and NVLink 5 as B200
+    DeviceSpec("b300", _gib(267.69), 7.75e12, 2250e12, 900e9, fp8_flops=4500e12, kernel_tables="b300_sxm"),
     DeviceSpec("a100-80g", _gib(79.15), 2.039e12, 312e12, 300e9, kernel_tables="a100_sxm"),
     DeviceSpec("a100-40g", _gib(39.59), 1.555e12, 312e12, 300e9),
     DeviceSpec("l40s", _gib(44.39), 0.864e12, 362e12, 32e9, 10e-6, fp8_flops=733e12, kernel_tables="l40s"),
@@ -625,6 +628,7 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
 ]}
 _DEVICE_ALIASES = {"h100": "h100-sxm", "h100-sxm5": "h100-sxm", "h100-80gb": "h100-sxm",
                    "h200-sxm": "h200", "h200-141gb": "h200", "b200-sxm": "b200", "b200-180gb": "b200",
+                   "b300-sxm": "b300", "b300-sxm6": "b300", "b300-sxm6-ac": "b300", "b300-288gb": "b300",
                    "a100": "a100-80g", "a100-sxm": "a100-80g", "a100-80gb": "a100-80g",
                    "a100-40gb": "a100-40g",
                    # nvidia-smi's product names (NVIDIA dropped by _device_key)

@@ -637,3 +637,15 @@ def test_mxfp8_activations_read_their_own_kernels_table():
     assert sc.cost_model.describe()["moe_activations"] == "mxfp8"
     with pytest.raises(ScenarioError, match="cost_model.moe_activations"):
         parse_scenario({**base, "cost_model": {"type": "kernels", "moe_activations": "fp4"}})
+
+
+def test_b300_reads_its_own_measured_tables():
+    """B300 (Blackwell Ultra) has kernel tables of its own (the wheel's b300_sxm database): MiniMax-M2's
+    fused MoE at TP2 is read at its exact shape there, and differs from B200's reading of the same step."""
+    k3, k2 = KernelCostModel("minimax-m2", "b300", 2), KernelCostModel("minimax-m2", "b200", 2)
+    assert k3.source["moe"].startswith("aisimulate_core/systems/data/b300_sxm/")
+    assert k3.describe()["table_coverage"]["moe"] == k2.describe()["table_coverage"]["moe"]  # exact shape
+    assert k3.describe()["table_coverage"]["gemm"] is True
+    f = BatchFeatures(num_reqs=64, num_decode_reqs=64, decode_context_tokens=64 * 1500)
+    assert k3.breakdown(f)["moe"] != k2.breakdown(f)["moe"]
+    assert 0.5 < k3.gpu_time(f) / k2.gpu_time(f) < 2.0

@@ -142,7 +142,8 @@ def test_block_fp8_checkpoint_is_its_own_weight_format():
 
 @pytest.mark.parametrize("product, name, gib", [
     ("NVIDIA H100 80GB HBM3", "h100-sxm", 79.19), ("NVIDIA A100-SXM4-80GB", "a100-80g", 79.15),
-    ("NVIDIA A100-SXM4-40GB", "a100-40g", 39.59), ("NVIDIA L40S", "l40s", 44.39), ("NVIDIA A10G", "a10g", 22.03)])
+    ("NVIDIA A100-SXM4-40GB", "a100-40g", 39.59), ("NVIDIA L40S", "l40s", 44.39), ("NVIDIA A10G", "a10g", 22.03),
+    ("NVIDIA B300 SXM6 AC", "b300", 267.69)])
 def test_devices_by_nvidia_smi_name_with_the_memory_cuda_reports(product, name, gib):
     """nvidia-smi's product name finds the device, whose memory is the total CUDA reports (what
     vLLM multiplies by gpu_memory_utilization; vLLM's H100 logs print 79.19 GiB), below both the
@@ -150,6 +151,6 @@ def test_devices_by_nvidia_smi_name_with_the_memory_cuda_reports(product, name, 
     dev = get_device(product)
     assert dev.name == name and dev.memory_bytes == round(gib * 2 ** 30)
     assert dev.memory_bytes < {"h100-sxm": 81559, "a100-80g": 81920, "a100-40g": 40960, "l40s": 46068,
-                               "a10g": 23028}[name] * 2 ** 20
+                               "a10g": 23028, "b300": 275040}[name] * 2 ** 20
     with pytest.raises(ScenarioError, match="H100 PCIe"):  # another part: never read as the SXM one
         parse_scenario({"deployment": {"model": "llama-3.1-8b", "device": "NVIDIA H100 PCIe"}, "workload": WORKLOAD})
