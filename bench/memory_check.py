@@ -49,6 +49,18 @@ LOGS = [
      "llm-d-planner v0.19.0 logs"),
     ("Qwen/Qwen3-235B-A22B-FP8", 4, 0.9, 8192, 1024, "0.10", 55.13, 8.11,
      "vllm-project/vllm #21348 (KV; served with an LMCache KV connector) and #21429 (weights, same model and TP)"),
+    # llm-d-planner's v0.19.0 accuracy report, "Sensitivity: Tensor Parallelism": the actual weights,
+    # activation peak and non-torch memory of each run; its pool is 0.95 x 79.19 GiB less their sum,
+    # the identity every v0.19 log above follows (its TP1 rows: 58.11 and 58.53 GiB as logged)
+    ("meta-llama/Llama-3.1-8B-Instruct", 2, 0.95, 8192, 1024, "0.19.0", 7.51, 0.95 * 79.19 - 7.51 - 1.89 - 2.07,
+     "llm-d-planner accuracy/results/v0.19.0/accuracy_report.md"),
+    ("meta-llama/Llama-3.1-8B-Instruct", 4, 0.95, 8192, 1024, "0.19.0", 3.77, 0.95 * 79.19 - 3.77 - 1.89 - 2.13,
+     "llm-d-planner v0.19.0 accuracy report"),
+    ("Qwen/Qwen2.5-7B-Instruct", 1, 0.95, 8192, 1024, "0.19.0", 14.25, 58.53, "llm-d-planner v0.19.0 accuracy report"),
+    ("Qwen/Qwen2.5-7B-Instruct", 2, 0.95, 8192, 1024, "0.19.0", 7.12, 0.95 * 79.19 - 7.12 - 2.21 - 2.06,
+     "llm-d-planner v0.19.0 accuracy report"),
+    ("Qwen/Qwen2.5-7B-Instruct", 4, 0.95, 8192, 1024, "0.19.0", 3.55, 0.95 * 79.19 - 3.55 - 2.21 - 2.13,
+     "llm-d-planner v0.19.0 accuracy report"),
     ("RedHatAI/Llama-4-Scout-17B-16E-Instruct-FP8-dynamic", 2, 0.9, 2048, 128, "0.15.1", None,
      8253 * 16 * 98304 / GiB, "../shared/gpu-runs/vllm-h100-moe-runs.csv (8,253 blocks of 16 tokens)"),
 ]
