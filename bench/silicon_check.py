@@ -224,8 +224,9 @@ def aic_collection_server(case: dict) -> dict:
 
 
 def server(case: dict) -> tuple[dict, dict, dict]:
-    """(deployment extras, scheduler settings, kernel cost-model settings) of the row's server: the
-    last holds overheads and, where the recipe selects a MoE kernel, `moe_activations`."""
+    """(deployment extras, scheduler settings, kernel cost-model keys) of the row's server: the last
+    as a scenario's cost_model takes them (`overheads`; `moe_activations` where the recipe selects
+    a MoE kernel)."""
     if case["source"] == "gap-analysis" and case["backend"] in ("vllm", "trtllm"):
         return {}, aic_collection_server(case), {}
     if case["source"] != "inferencemax" or case["backend"] != "vllm":
@@ -235,10 +236,10 @@ def server(case: dict) -> tuple[dict, dict, dict]:
     sched = {"max_num_seqs": r["max_num_seqs"] or case["concurrency"],
              "max_num_batched_tokens": r["max_num_batched_tokens"],
              "enable_prefix_caching": r["enable_prefix_caching"]}
-    ovh = {"cudagraph_max_tokens": r["cudagraph_max_tokens"]} if "cudagraph_max_tokens" in r else {}
+    cm = {"overheads": {"cudagraph_max_tokens": r["cudagraph_max_tokens"]}} if "cudagraph_max_tokens" in r else {}
     if "moe_activations" in r:
-        ovh["moe_activations"] = r["moe_activations"]
-    return ({"kv_dtype": kv} if kv else {}), sched, ovh
+        cm["moe_activations"] = r["moe_activations"]
+    return ({"kv_dtype": kv} if kv else {}), sched, cm
 
 
 # A row whose GPUs span more than one node ran on a cluster of DGX-class nodes: one 400 Gb/s
@@ -259,7 +260,7 @@ def scenario_data(case: dict, prompts_per_slot: int | None = None, cost_model: d
         bench["min_ratio"] = proto["min_ratio"]
     elif range_ratio:
         bench["range_ratio"] = range_ratio
-    dep, sched, ovh = server(case) if recipe else ({}, {}, {})
+    dep, sched, kern = server(case) if recipe else ({}, {}, {})
     data = {"name": "silicon-check", "seed": 0,
             "deployment": {"model": case["model"], "device": DEVICES[case["system"]], "tp": case["tp"],
                            **({"weight_dtype": case["weight_dtype"]} if case["weight_dtype"] else {}), **dep,
@@ -276,13 +277,10 @@ def scenario_data(case: dict, prompts_per_slot: int | None = None, cost_model: d
         data["scheduler"] = sched
     if cost_model:
         data["cost_model"] = cost_model
-    if ovh and data.get("cost_model", {}).get("type", "kernels") == "kernels":
-        cm = data.setdefault("cost_model", {"type": "kernels"})
-        act = ovh.pop("moe_activations", None)  # a cost-model key of its own, not an overhead
-        if act:
-            cm.setdefault("moe_activations", act)
-        if ovh:
-            cm["overheads"] = {**ovh, **cm.get("overheads", {})}
+    if kern and data.get("cost_model", {}).get("type", "kernels") == "kernels":
+        cm = data.setdefault("cost_model", {"type": "kernels"})  # what the caller gave wins
+        for key, value in kern.items():
+            cm[key] = {**value, **cm.get(key, {})} if key == "overheads" else cm.get(key, value)
     return data
 
 

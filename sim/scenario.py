@@ -41,7 +41,7 @@ import yaml
 from engine.core import SchedulerConfig
 from engine.core.policy import POLICIES
 from sim.cost_model import PROFILES_DIR, AnalyticCostModel, CostModel, load_profile
-from sim.kernel_model import KernelCostModel, cost_model_from_profile
+from sim.kernel_model import MOE_ACTIVATIONS, KernelCostModel, cost_model_from_profile
 from sim.cpu_work import timing_model, timing_settings
 from sim.simulation import ROUTERS, SimResult, Simulation
 from sim.specmap import SpecError, SpecMap
@@ -259,7 +259,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     prof_name = cm.text("profile", None) if kind == "fitted" else None
     eff = cm.raw("efficiency", None) if kind == "analytic" else None
     ovh = cm.raw("overheads", None) if kind == "kernels" else None
-    moe_act = cm.text("moe_activations", "bf16", choices=("bf16", "mxfp8")) if kind == "kernels" else "bf16"
+    moe_act = cm.text("moe_activations", "bf16", choices=MOE_ACTIVATIONS) if kind == "kernels" else "bf16"
     cm.done()
 
     def cost_for(t: int) -> tuple[CostModel, dict]:
