@@ -275,7 +275,8 @@ class Overheads:
     - serving_slowdown: the kernels' time in serving over their micro-benchmark time (1: as
       measured).
     - gemm_compute_slowdown: compute-bound GEMMs (M >= 1024 tokens; log-linear from 1 at M = 64)
-      take this much longer than the GEMM tables say. 1.13, measured on an H200
+      take this much longer than the GEMM tables say (grouped MoE GEMMs and prefill attention
+      too, see below). 1.13, measured on an H200
       (docs/reports/2026-12-04-h200.md): `bench/gpu_kernel_check.py`, 32 cuBLAS bf16 GEMMs back
       to back per sample over Llama-3.1-8B and 70B-TP8 layers, gives table / measured 0.87 in the
       median at M >= 1024 (0.79-0.97), and `bench/gpu_sustained_check.py` shows the card at its
@@ -286,6 +287,13 @@ class Overheads:
       Llama-3.1-70B fp8's TTFT from -12.8% to -8.0% in the median (|error| 13.9% -> 9.1%, TPOT
       unchanged) and MiniMax-M2.5's from -26.4% to -25.7%; the published H100 runs
       (`bench/gpu_runs.py`) move by 0.2 points or less.
+      The same clocks hold every compute-bound kernel of a large step, so the factor also scales
+      the routed experts' fused-MoE tables (by the step's tokens T, as a dense GEMM's M) and the
+      prefill attention (by its b x s query rows). It was not refitted for that. On the same B200
+      rows that takes the MoE models' median TTFT error from -21.7% to -16.0% (MiniMax-M2.5),
+      -26.1% to -22.5% (gpt-oss-120b) and -14.7% to -7.9% (Kimi-K2.5), and Llama-3.1-70B's from
+      -8.0% to -7.6%; TPOT moves by at most a point; the H100 runs' leave-one-run-out errors move
+      by less than 0.1 point.
     - dp_dispatch_s: per MoE layer and step under data-parallel attention, the dispatch and
       combine beyond their bytes over the link (KernelCostModel._dispatch_roof) and the link's two
       latencies: the ranks' per-step synchronisation. 0 by default. Chosen among 0 / 30 / 60 us on
@@ -744,6 +752,9 @@ class KernelCostModel(CostModel):
                            f"{parts[0][1]} x bf16 EP/TP ({parts[1][1]} over {parts[2][1]})", False)
             if got is not None:
                 (axes, us), cov["moe"], exact = got
+                # the tables' microbenchmark clocks: a step's grouped GEMMs are as compute-bound
+                # as its dense ones at the same token count (Overheads.gemm_compute_slowdown)
+                us = [u * self.ovh.gemm_factor(T) for T, u in zip(axes[0], us)]
                 self.g_moe = Grid(axes, us, self._moe_roof, None if exact else [False] * len(axes[0]))
             else:
                 moe, ok_m = [], []
@@ -762,9 +773,13 @@ class KernelCostModel(CostModel):
             derived = None if tab is not None else derive_head_table(tabs, kvn, self.q_heads, self.kv_heads,
                                                                      self.attn_head_dim, phase, roof)
             if tab is not None:
-                setattr(self, attr, Grid(tab["values"], tab["us"], lambda b, s, r=roof: r(b, s)))
+                values, us = tab["values"], tab["us"]
             elif derived is not None:
                 values, us, note = derived
+            if tab is not None or derived is not None:
+                if phase == "context":  # prefill attention: compute-bound over its b x s query rows
+                    us = [[None if u is None else u * self.ovh.gemm_factor(b * s) for s, u in zip(values[1], row)]
+                          for b, row in zip(values[0], us)]
                 setattr(self, attr, Grid(values, us, lambda b, s, r=roof: r(b, s)))
             else:
                 bs, ss = _log_grid(1, 4096, 1), _log_grid(1, 262144, 1)

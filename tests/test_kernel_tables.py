@@ -217,3 +217,21 @@ def test_decode_step_time_is_step_time_of_the_same_decode_step(async_scheduling)
                     assert b.decode_step_time(n, ctx) == a.step_time(f)
     assert kb.lookups == ka.lookups and kb.fallbacks == ka.fallbacks
     assert ka.fallbacks.get("generation_attention", 0) > 0  # the cases reach past the tables
+
+
+def test_compute_slowdown_reaches_every_compute_bound_kernel_of_a_large_step():
+    """gemm_compute_slowdown (a GPU busy with a whole step runs slower than the tables'
+    microbenchmarks) scales the compute-bound kernels of a large step alike: the dense GEMMs, the
+    routed experts' grouped GEMMs (a measured fused-MoE table) and the prefill attention, each by
+    the full factor at 8192 tokens. A decode step of four requests is read as measured, and the
+    all-reduce (a transfer) is never scaled."""
+    plain = KernelCostModel("minimax-m2", "b200", 2, {"gemm_compute_slowdown": 1.0})
+    slow = KernelCostModel("minimax-m2", "b200", 2, {"gemm_compute_slowdown": 1.2})
+    assert "/" in str(plain.coverage["moe"]) and not str(plain.coverage["moe"]).startswith("scaled")
+    a, b = plain.breakdown(prefill_step(8192)), slow.breakdown(prefill_step(8192))
+    for term in ("gemm", "moe", "attention"):
+        assert a[term] > 0 and b[term] == pytest.approx(1.2 * a[term], rel=1e-9), term
+    assert b["allreduce"] == pytest.approx(a["allreduce"], rel=1e-12)
+    a, b = plain.breakdown(decode_step(4, 2000)), slow.breakdown(decode_step(4, 2000))
+    for term in ("gemm", "moe", "attention", "allreduce"):
+        assert b[term] == pytest.approx(a[term], rel=1e-12), term

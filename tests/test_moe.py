@@ -308,7 +308,8 @@ def test_an_unmeasured_moe_shape_is_scaled_from_the_nearest_and_counted():
 def test_an_expert_parallel_shape_measured_sliced_only_reads_the_sliced_table():
     # fp8 blocks on H200 were measured with the experts sliced (moe_tp 4) but not split whole (moe_ep
     # 4): the EP deployment reads the sliced table times the bf16 tables' whole/sliced ratio, each
-    # table read as the kernel model reads MoE tables (kernel_model._moe_reading)
+    # table read as the kernel model reads MoE tables (kernel_model._moe_reading), at the clocks of
+    # a busy GPU (Overheads.gemm_factor)
     import json
     from pathlib import Path
     from sim.kernel_model import Grid, _moe_reading
@@ -328,7 +329,7 @@ def test_an_expert_parallel_shape_measured_sliced_only_reads_the_sliced_table():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the table read in place of this shape's is a counted fallback
             got = k.breakdown(f)["moe"]
-        want = m.num_moe_layers * sliced(T)[0] * ep_b(T)[0] / tp_b(T)[0] * 1e-6
+        want = m.num_moe_layers * sliced(T)[0] * ep_b(T)[0] / tp_b(T)[0] * k.ovh.gemm_factor(T) * 1e-6
         assert got == pytest.approx(want, rel=1e-6)
     # sliced, the same deployment reads the fp8 table as measured; split whole it costs more (a hot
     # expert's rows all land on one rank), by the bf16 tables' ratio, not the 2.5x of the old estimate
@@ -617,10 +618,11 @@ def test_mxfp8_activations_read_their_own_kernels_table():
 
     def reading(tab):
         return dict(zip(tab["values"][0], np.minimum.accumulate(np.array(tab["us"])[::-1])[::-1]))
-    # 8192 tokens touch every expert under either routing: the slower of the two tables, per MoE layer
+    # 8192 tokens touch every expert under either routing: the slower of the two tables, per MoE
+    # layer, at the clocks of a busy GPU (Overheads.gemm_compute_slowdown: the full factor here)
     us = max(reading(moe["tables"][key])[8192], reading(moe["skewed_tables"][key])[8192])
     f = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=8192, prefill_attn_pairs=8192 * 8193 // 2)
-    assert k.breakdown(f)["moe"] == pytest.approx(shape.num_moe_layers * us * 1e-6)
+    assert k.breakdown(f)["moe"] == pytest.approx(shape.num_moe_layers * us * k.ovh.gemm_compute_slowdown * 1e-6)
     # gpt-oss's own shape is scaled from it; FP8 math beats the bf16-activation kernel at a prefill
     oss8, oss16 = KernelCostModel("gpt-oss-120b", "b200", 1, moe_activations="mxfp8"), KernelCostModel("gpt-oss-120b", "b200", 1)
     assert oss8.describe()["table_coverage"]["moe"] == f"scaled from {key}"
