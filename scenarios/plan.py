@@ -386,10 +386,7 @@ def plan(path: str | Path, out_dir: str | Path | None = None, workers: int = 2,
         if spec.target_rate is not None:
             for s in states:
                 s.fail_n = max(0, math.ceil(spec.target_rate / s.bound - 1e-9) - 1)
-            search_rate(states, spec.target_rate, run_probes, first_wave=max(2, runner.workers))
-            shown = _shown_rate(states, spec)
-            refine(shown, spec.target_rate, run_probes, spec.refine_steps, spec.rel_tol)
-            confirms = _confirm_rate(states, spec, run_confirms)
+            confirms = plan_rate(states, spec, run_probes, run_confirms, first_wave=max(2, runner.workers))
         else:
             units = {s.key: spec.target_gpus // live[s.key]["gpus_per_unit"] for s in states}
             search_budget(states, units, run_probes, spec.rel_tol, spec.min_rate)
@@ -435,13 +432,38 @@ def _shown_rate(states: list[State], spec: PlanSpec) -> list[State]:
     return ties + rest
 
 
-def _confirm_rate(states: list[State], spec: PlanSpec, run_confirms) -> dict:
+def plan_rate(states: list[State], spec: PlanSpec, run_probes, run_confirms, first_wave: int) -> dict:
+    """Search, refine and confirm at the target rate. A winner whose cluster check fails costs
+    more than its unit probes said, and the search may have ruled candidates out as dearer than
+    that lower cost: those whose cost bound is below the confirmed winner's are searched again
+    against it, and the new cheapest confirmed in turn (a few rounds at most). Returns
+    _confirm_rate's {"results", "gone"}, merged over the rounds."""
+    results: dict[int, dict[int, dict]] = {}
+    gone: set[int] = set()
+    for _round in range(4):
+        search_rate(states, spec.target_rate, run_probes, first_wave=first_wave)
+        refine([s for s in _shown_rate(states, spec) if s.refined_n != s.pass_n],
+               spec.target_rate, run_probes, spec.refine_steps, spec.rel_tol)
+        got = _confirm_rate(states, spec, run_confirms, results, gone)
+        won = [s.cost for s in states if s.pass_n is not None and s.key not in gone
+               and results.get(s.key, {}).get(s.pass_n, {}).get("ok")]
+        best = min(won) if won else math.inf
+        reopen = [s for s in states if s.done == "dearer" and s.pass_n is None and s.cost_lb < best - 1e-9]
+        if not reopen:
+            return got
+        for s in reopen:
+            s.done = None
+    return got
+
+
+def _confirm_rate(states: list[State], spec: PlanSpec, run_confirms, results: dict | None = None,
+                  gone: set | None = None) -> dict:
     """Cluster simulations at the target rate: the winner (stepping up while it fails and down
     while one unit fewer passes) and `alternatives` more. {state key: {units: result}}."""
     T = spec.target_rate
-    results: dict[int, dict[int, dict]] = {}
-    first = {s.key: s.pass_n for s in states if s.pass_n is not None}
-    gone: set[int] = set()
+    results = {} if results is None else results  # {state key: {units: result}}, kept across calls
+    first = {s.key: min([s.pass_n, *results.get(s.key, {})]) for s in states if s.pass_n is not None}
+    gone = set() if gone is None else gone
     for _ in range(4 * (spec.max_extra_replicas + 4)):
         ranked = sorted([s for s in states if s.pass_n is not None and s.key not in gone], key=rank_key)
         top = ranked[:1 + spec.alternatives]

@@ -478,3 +478,37 @@ def test_a_plan_timed_with_fp8_weights_is_served_from_an_fp8_checkpoint():
     plain = deploy_commands({**base, "hf_model": "mistralai/Mistral-7B-Instruct-v0.3", "serve_quantization": None}, c)
     assert [x for x in online if "vllm serve" in x][0].endswith("--quantization fp8 --port 8000 &")
     assert not any("--quantization" in x for x in plain)
+
+
+def test_a_winner_that_fails_its_cluster_check_reopens_what_its_probes_ruled_out():
+    """Candidate A ($3.70 a unit) passes its unit probe on one unit but its cluster check needs two
+    ($7.40). Candidate B ($6 a unit) was ruled out as dearer than A's one unit while the search
+    ran; against A's confirmed $7.40 it is searched after all, and one unit of it wins."""
+    import math
+
+    from scenarios.plan import PlanSpec, plan_rate
+    from scenarios.search import State
+
+    spec = PlanSpec(target_rate=20.0, target_gpus=None, slo=[], attainment=None, grid={}, prices={},
+                    seeds=[0], min_requests=None, rel_tol=0.1, min_rate=0.05, refine_steps=0,
+                    alternatives=1, confirm_requests=100, max_extra_replicas=4, stable_tol=0.05)
+    a = State(key=0, bound=40.0, unit_cost=3.70, max_units=400)
+    b = State(key=1, bound=50.0, unit_cost=6.00, max_units=400)
+    for s in (a, b):
+        s.fail_n = max(0, math.ceil(spec.target_rate / s.bound - 1e-9) - 1)
+    probed, checked = [], []
+
+    def run_probes(asks):
+        probed.extend((s.key, n) for s, _rate, n in asks)
+        return [{"ok": True} for _ in asks]          # every unit probe passes on one unit
+
+    def run_confirms(asks):
+        checked.extend((s.key, n) for s, _rate, n in asks)
+        return [{"ok": not (s.key == 0 and n == 1)} for s, _rate, n in asks]  # A's one unit fails
+
+    got = plan_rate([a, b], spec, run_probes, run_confirms, first_wave=1)
+    assert (1, 1) in probed and b.pass_n == 1 and b.cost == 6.0   # B searched after A's check
+    assert got["results"][1][1]["ok"] and (1, 1) in checked      # and its one unit confirmed
+    assert got["results"][0][1]["ok"] is False and a.pass_n == 2  # A's failure kept in the results
+    from scenarios.candidates import rank_key
+    assert min([a, b], key=rank_key) is b
