@@ -477,6 +477,25 @@ def _moe_reading(tables: dict, skewed: dict, key: str, spec: ModelSpec, distribu
     return vals, us
 
 
+def _kernel_shape(m: ModelSpec, kernel: str, fmt: str, slices: int) -> ModelSpec:
+    """m's experts as the fused-MoE kernel `kernel` holds them, each expert sliced `slices` ways:
+    vLLM pads MXFP4 experts for FlashInfer's TRT-LLM kernels (Blackwell) to multiples of 256 in
+    the hidden size and in each rank's slice of the intermediate size (gpt-oss-120b: 2880 ->
+    3072, and 360 -> 512 per GPU at TP 8), and for the OAI Triton kernel (Hopper) each rank's
+    intermediate slice to a multiple of 64 (Mxfp4MoEMethod.create_weights). A shape read from its
+    own table was measured so padded; this is for one scaled from another shape's table."""
+    if fmt not in ("mxfp4", "mxfp4_mxfp8") or not kernel:
+        return m
+    if "flashinfer_trtllm" in kernel:
+        h_to, i_to = 256, 256
+    elif "triton" in kernel:
+        h_to, i_to = 1, 64
+    else:
+        return m
+    part = -(-(m.moe_intermediate_size // slices) // i_to) * i_to
+    return replace(m, hidden_size=-(-m.hidden_size // h_to) * h_to, moe_intermediate_size=part * slices)
+
+
 def _nearest_moe_table(tables: dict, fmt: str, m: ModelSpec, moe_tp: int, moe_ep: int = 1):
     """The measured fused-MoE shape nearest to m's (same format and sharding): the closest top-k,
     then expert bytes and expert count on a log scale. Returns (key, m with that shape) or None."""
@@ -730,10 +749,12 @@ class KernelCostModel(CostModel):
                 vals, us = _moe_reading(mt, skewed, rkey, rspec, dist)
                 rgrid = Grid(vals, us, None)
                 lo, hi = vals[0][0], vals[0][-1]
+                mine = _kernel_shape(m, (tables or {}).get("moe", {}).get("kernels", {}).get(f, ""), f,
+                                     1 if ep_ > 1 else tp_)
                 out = []
                 for T in ts:
                     q = min(max(T, lo), hi)
-                    out.append(rgrid(q)[0] * estimate(m, T)[0] / estimate(rspec, q)[0])
+                    out.append(rgrid(q)[0] * estimate(mine, T)[0] / estimate(rspec, q)[0])
                 return ([ts], out), f"scaled from {rkey}", False
 
             got = measured(fmt, mtp, mep) if fmt else None

@@ -651,3 +651,30 @@ def test_b300_reads_its_own_measured_tables():
     f = BatchFeatures(num_reqs=64, num_decode_reqs=64, decode_context_tokens=64 * 1500)
     assert k3.breakdown(f)["moe"] != k2.breakdown(f)["moe"]
     assert 0.5 < k3.gpu_time(f) / k2.gpu_time(f) < 2.0
+
+
+def test_mxfp4_experts_are_timed_at_the_shape_vllm_pads_them_to():
+    """vLLM pads MXFP4 experts to its kernels' tiles (Mxfp4MoEMethod.create_weights): for
+    FlashInfer's TRT-LLM kernels the hidden size and each rank's intermediate slice to multiples
+    of 256, for the OAI Triton kernel the slice to a multiple of 64. gpt-oss-120b (2880 x 2880) on
+    8 GPUs: slices of 360 become 512, so its MoE layer scaled from another shape's table is timed
+    as a 3072 x (8 x 512) model's, not 42% x 1.07 less."""
+    from sim.kernel_model import _kernel_shape
+    oss = get_model("gpt-oss-120b")
+    fi = "vllm_mxfp4moe_flashinfer_trtllm_mxfp4_mxfp8_trtllmmxfp4expertsmodular"
+    tri = "vllm_gptossmxfp4moe_triton_oaitritonmxfp4expertsmonolithic"
+    for slices, per_rank in ((1, 3072), (2, 1536), (4, 768), (8, 512)):
+        k = _kernel_shape(oss, fi, "mxfp4_mxfp8", slices)
+        assert (k.hidden_size, k.moe_intermediate_size // slices) == (3072, per_rank)
+    assert _kernel_shape(oss, tri, "mxfp4", 2).moe_intermediate_size == 2 * 1472   # 1440 -> 23 x 64
+    assert _kernel_shape(oss, tri, "mxfp4", 2).hidden_size == 2880
+    assert _kernel_shape(oss, fi, "fp8_block", 8) is oss                       # other formats: as given
+    padded = dataclasses.replace(oss, name="gpt-oss-padded", hidden_size=3072, moe_intermediate_size=8 * 512)
+    a = KernelCostModel(oss, "b200", 8, moe_activations="mxfp8")
+    b = KernelCostModel(padded, "b200", 8, moe_activations="mxfp8")
+    assert a.coverage["moe"] == b.coverage["moe"] and a.coverage["moe"].startswith("scaled from")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for T in (4, 64, 8192):
+            f = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=T, prefill_chunks=[(T, 0)])
+            assert a.breakdown(f)["moe"] == pytest.approx(b.breakdown(f)["moe"], rel=1e-12)
