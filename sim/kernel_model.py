@@ -292,8 +292,8 @@ class Overheads:
       prefill attention (by its b x s query rows). It was not refitted for that. On the same B200
       rows that takes the MoE models' median TTFT error from -21.7% to -16.0% (MiniMax-M2.5),
       -26.1% to -22.5% (gpt-oss-120b) and -14.7% to -7.9% (Kimi-K2.5), and Llama-3.1-70B's from
-      -8.0% to -7.6%; TPOT moves by at most a point; the H100 runs' leave-one-run-out errors move
-      by less than 0.1 point.
+      -8.0% to -7.6%; TPOT by at most two points (MiniMax-M2.5 -5.2% -> -3.6%); the H100 runs'
+      leave-one-run-out errors move by less than 0.1 point.
     - dp_dispatch_s: per MoE layer and step under data-parallel attention, the dispatch and
       combine beyond their bytes over the link (KernelCostModel._dispatch_roof) and the link's two
       latencies: the ranks' per-step synchronisation. 0 by default. Chosen among 0 / 30 / 60 us on
