@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import yaml  # noqa: E402
 
 from sim.scenario import parse_scenario, run_scenario  # noqa: E402
-from sim.specs import get_device  # noqa: E402
+from sim.specs import get_device, vllm_version_tuple  # noqa: E402
 from sim_speed import MOONCAKE_BLOCK as AIS_BLOCK, write_mooncake_trace  # noqa: E402  (bench/)
 
 HELD_OUT_BACKEND = "vllm"
@@ -212,6 +212,31 @@ RECIPES = {
 }
 
 
+# Where InferenceMAX's script for a model changed with its vLLM image, what the rows measured on
+# the earlier images ran: (model, weight dtype, GPU) -> [(the first release of the new script,
+# recipe keys for rows of an earlier release)]. minimaxm2.5_fp8_b200.sh before InferenceX#947
+# (v0.17.0 -> v0.19.0, 2026-04-03) exported VLLM_USE_FLASHINFER_MOE_FP8=0 and
+# VLLM_MOE_USE_DEEP_GEMM=0 (vLLM's Triton fused MoE, `moe_backend: triton`) and passed
+# --enable-expert-parallel whenever EP_SIZE >= 1, on every row (#947 made it EP_SIZE > 1).
+BEFORE = {("minimax-m2", None, "b200_sxm"): [("0.19", {"moe_backend": "triton", "expert_parallel": True})]}
+
+
+def _before(case: dict) -> dict:
+    """The recipe keys of BEFORE that apply to the row's vLLM release."""
+    out = {}
+    v = case.get("vllm_version")
+    if not v:
+        return out
+    try:
+        mine = vllm_version_tuple(v)
+    except ValueError:  # a nightly build: newer than every release named here
+        return out
+    for first, keys in BEFORE.get((case["model"], case["weight_dtype"], case["system"]), []):
+        if mine < vllm_version_tuple(first):
+            out.update(keys)
+    return out
+
+
 # AIConfigurator's own collection runs (its generator's benchmark-mode rules,
 # rule_plugin/benchmark/{vllm,trtllm}.rule, and bench_run.sh.j2): an aggregated worker's token
 # budget is max_batch_size + ISL + 1500 (about one prompt per step at ISL 1024 and 4096) with
@@ -231,15 +256,19 @@ def server(case: dict) -> tuple[dict, dict, dict]:
         return {}, aic_collection_server(case), {}
     if case["source"] != "inferencemax" or case["backend"] != "vllm":
         return {}, {}, {}
-    r = {**GENERIC, **RECIPES.get((case["model"], case["weight_dtype"], case["system"]), {})}
+    r = {**GENERIC, **RECIPES.get((case["model"], case["weight_dtype"], case["system"]), {}), **_before(case)}
     kv = r["kv_dtype"].get(case["system"]) if isinstance(r["kv_dtype"], dict) else r["kv_dtype"]
     sched = {"max_num_seqs": r["max_num_seqs"] or case["concurrency"],
              "max_num_batched_tokens": r["max_num_batched_tokens"],
              "enable_prefix_caching": r["enable_prefix_caching"]}
     cm = {"overheads": {"cudagraph_max_tokens": r["cudagraph_max_tokens"]}} if "cudagraph_max_tokens" in r else {}
-    if "moe_activations" in r:
-        cm["moe_activations"] = r["moe_activations"]
-    return ({"kv_dtype": kv} if kv else {}), sched, cm
+    for key in ("moe_activations", "moe_backend"):
+        if key in r:
+            cm[key] = r[key]
+    dep = {"kv_dtype": kv} if kv else {}
+    if r.get("expert_parallel"):
+        dep["expert_parallel"] = True
+    return dep, sched, cm
 
 
 # A row whose GPUs span more than one node ran on a cluster of DGX-class nodes: one 400 Gb/s

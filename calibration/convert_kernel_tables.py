@@ -197,6 +197,39 @@ def convert_moe(site: Path, out: Path, systems: dict | None = None, package: str
         print(f"{system}: {len(tables)} MoE tables ({len(skewed)} skewed), {path.stat().st_size / 1e6:.2f} MB")
 
 
+# vLLM's Triton fused-MoE kernel where the tables of MOE_SYSTEMS hold another one for a format:
+# on B200, vLLM's own selection runs FlashInfer's TRT-LLM kernels for bf16 and fp8 blocks, and the
+# Triton kernel runs where a server turns those off (VLLM_USE_FLASHINFER_MOE_FP8=0 and
+# VLLM_MOE_USE_DEEP_GEMM=0, or --moe-backend triton). The wheel measured it as `vllm_fused_moe` on
+# its vLLM 0.19.0 image. Read for cost_model.moe_backend: triton (sim/kernel_model.py).
+MOE_TRITON = {"b200_sxm": ("0.19.0", "vllm_fused_moe", {"bf16": "bfloat16", "fp8_block": "fp8_block"})}
+
+
+def convert_moe_triton(site: Path, out: Path, systems: dict | None = None, package: str = "aisimulate_core") -> None:
+    """Add the Triton fused-MoE tables (MOE_TRITON) to calibration/kernels/<system>.json as
+    `moe_triton`, in the layout of `moe` (written by convert_moe)."""
+    root = site / package / "systems" / "data"
+    for system, (version, kern, formats) in (systems or MOE_TRITON).items():
+        path = out / f"{system}.json"
+        doc = json.loads(path.read_text())
+        p = root / system / "moe" / "vllm" / version / "moe_perf.parquet"
+        every = pd.read_parquet(p)
+        doc["sources"]["moe_triton"] = str(p.relative_to(site))
+        tables, skewed = {}, {}
+        for name, dt in formats.items():
+            for dist, out_tables in ((MOE_DISTRIBUTION, tables), (MOE_SKEWED, skewed)):
+                x = every[(every.distribution == dist) & (every.moe_dtype == dt) & (every.kernel_source == kern)]
+                for (h, i, k, e, tp, ep), sub in x.groupby(["hidden_size", "inter_size", "topk", "num_experts",
+                                                             "moe_tp_size", "moe_ep_size"]):
+                    out_tables[f"{name}/{h}/{i}/{k}/{e}/{tp}/{ep}"] = grid(sub, ["num_tokens"])
+        doc["moe_triton"] = {"kernels": {name: kern for name in formats}, "version": version,
+                             "distribution": MOE_DISTRIBUTION, "key": "dtype/hidden/inter/topk/experts/moe_tp/moe_ep",
+                             "tables": tables, "skewed_distribution": MOE_SKEWED, "skewed_tables": skewed}
+        with open(path, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        print(f"{system}: {len(tables)} Triton MoE tables ({len(skewed)} skewed), {path.stat().st_size / 1e6:.2f} MB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--site", type=Path, default=None, help="site-packages of a Python with the wheel")
@@ -204,10 +237,14 @@ def main() -> None:
     ap.add_argument("--aiconfigurator", action="store_true",
                     help="convert AIC_SYSTEMS from an aiconfigurator==0.12.0 site-packages (--site) instead")
     ap.add_argument("--moe", action="store_true", help="add the fused-MoE tables to the files in --out")
+    ap.add_argument("--moe-triton", action="store_true",
+                    help="add the Triton fused-MoE tables (MOE_TRITON) to the files in --out")
     args = ap.parse_args()
     if args.site is None:
         ap.error("--site: the site-packages folder that holds the wheel")
-    if args.moe:
+    if args.moe_triton:
+        convert_moe_triton(args.site, args.out)
+    elif args.moe:
         convert_moe(args.site, args.out)
     elif args.aiconfigurator:
         convert(args.site, args.out, AIC_SYSTEMS, "aiconfigurator_core")

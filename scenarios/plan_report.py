@@ -208,6 +208,7 @@ def assemble(rows: list[dict], live: list[dict], confirms: dict, spec, data: dic
               "gpu_memory_utilization": dep.get("gpu_memory_utilization", 0.9),
               "expert_parallel": bool(dep.get("expert_parallel", False)),
               "moe_activations": ((data.get("cost_model") or {}).get("moe_activations") or "bf16"),
+              "moe_backend": ((data.get("cost_model") or {}).get("moe_backend") or "auto"),
               "mode": "gpus" if budget else "rate", "target_rate": T, "target_gpus": spec.target_gpus,
               "slo": spec.slo_spec(), "slo_text": spec.describe_slo(), "scenario_slo": spec.scenario_slo,
               "search": {**spec.search_spec(), "refine_steps": spec.refine_steps,
@@ -328,6 +329,8 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
         args += " --enable-expert-parallel"
     if result.get("serve_quantization"):
         args += f" --quantization {result['serve_quantization']}"
+    if result.get("moe_backend", "auto") != "auto":  # the MoE kernel the plan was timed with
+        args += f" --moe-backend {result['moe_backend']}"
     # the MoE kernel the plan was timed with (cost_model.moe_activations) is an environment switch
     env = "VLLM_USE_FLASHINFER_MOE_MXFP4_MXFP8=1 " if result.get("moe_activations") == "mxfp8" else ""
     out = []

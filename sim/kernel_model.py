@@ -415,6 +415,11 @@ def _log_grid(lo: int, hi: int, per_octave: int = 4) -> list[int]:
 
 # cost_model.moe_activations: what MXFP4 experts multiply in (mxfp8: the tables' mxfp4_mxfp8 kernel)
 MOE_ACTIVATIONS = ("bf16", "mxfp8")
+# cost_model.moe_backend: `auto`, the kernel vLLM's own selection runs (the `moe` tables); `triton`,
+# vLLM's Triton fused-MoE kernel, what a server runs with --moe-backend triton or, before that
+# flag, VLLM_USE_FLASHINFER_MOE_FP8=0 and VLLM_MOE_USE_DEEP_GEMM=0 (the `moe_triton` tables where
+# `moe` holds another kernel for the format, e.g. FlashInfer's on B200)
+MOE_BACKENDS = ("auto", "triton")
 # ModelSpec expert dtype -> the weight format of the fused-MoE tables (fp8 per channel is timed
 # with the 128x128-block kernel's table: the same bytes and math; fp16 as bf16).
 MOE_FORMATS = {"bfloat16": "bf16", "float16": "bf16", "fp8_block": "fp8_block", "fp8": "fp8_block",
@@ -525,9 +530,12 @@ class KernelCostModel(CostModel):
     def __init__(self, model: ModelSpec | str | dict, device: DeviceSpec | str | dict, tp: int = 1,
                  overheads: Overheads | dict | None = None, tables: dict | str | None = None,
                  reduced: dict | None = None, expert_parallel: bool = False, data_parallel: int = 1,
-                 moe_activations: str = "bf16") -> None:
+                 moe_activations: str = "bf16", moe_backend: str = "auto") -> None:
         self.model = m = get_model(model)
         self.device = d = get_device(device)
+        if moe_backend not in MOE_BACKENDS:
+            raise ValueError(f"cost_model.moe_backend={moe_backend!r}: one of {list(MOE_BACKENDS)}")
+        self.moe_backend = moe_backend
         # MXFP4 experts' activations: bf16 (vLLM's default kernels) or mxfp8 (FlashInfer's
         # TRT-LLM kernel on Blackwell, VLLM_USE_FLASHINFER_MOE_MXFP4_MXFP8=1)
         if moe_activations not in MOE_ACTIVATIONS:
@@ -579,7 +587,7 @@ class KernelCostModel(CostModel):
             # Grids are read-only once built: deployments seen before (a plan's candidates at
             # many rates and seeds) share them.
             key = (m, d, tp, tables or d.kernel_tables, self.expert_parallel, self.dp,
-                   self.ovh.gemm_compute_slowdown, moe_activations)
+                   self.ovh.gemm_compute_slowdown, moe_activations, moe_backend)
             if key not in _BUILT:
                 name = tables or d.kernel_tables
                 t = load_tables(name) if name else None
@@ -598,7 +606,7 @@ class KernelCostModel(CostModel):
                          **({"experts": m.num_experts, "experts_per_tok": m.num_experts_per_tok,
                              "expert_dtype": m.expert_dtype or m.weight_dtype,
                              "expert_parallel": self.expert_parallel, "data_parallel": self.dp,
-                             "moe_activations": moe_activations}
+                             "moe_activations": moe_activations, "moe_backend": moe_backend}
                             if m.is_moe else {}),
                          "kv_dtype": m.kv_dtype, "act_dtype": m.act_dtype, "kv_heads_per_gpu": self.kv_heads,
                          "source": "measured kernel tables (AIConfigurator, vLLM kernels); roofline outside them",
@@ -720,9 +728,15 @@ class KernelCostModel(CostModel):
                     tot += t
                     ok &= ex
                 return tot, ok
-            mt = (tables or {}).get("moe", {}).get("tables", {})
-            dist = (tables or {}).get("moe", {}).get("distribution", "")
+            moe_doc = (tables or {}).get("moe", {})
             fmt = MOE_FORMATS.get(edt)
+            if self.moe_backend == "triton" and fmt and "triton" not in moe_doc.get("kernels", {}).get(fmt, "triton"):
+                moe_doc = (tables or {}).get("moe_triton", {})
+                if fmt not in moe_doc.get("kernels", {}):
+                    raise ValueError(f"cost_model.moe_backend='triton': vLLM's Triton fused-MoE kernel was not "
+                                     f"measured for {fmt} experts on {self.device.name}")
+            mt = moe_doc.get("tables", {})
+            dist = moe_doc.get("distribution", "")
             if self.moe_activations == "mxfp8":
                 if fmt != "mxfp4":
                     raise ValueError(f"cost_model.moe_activations='mxfp8': for MXFP4 experts only "
@@ -732,7 +746,7 @@ class KernelCostModel(CostModel):
                     raise ValueError(f"cost_model.moe_activations='mxfp8': no MXFP8-activation MoE kernel "
                                      f"was measured on {self.device.name} (Blackwell GPUs have it)")
             mtp, mep = (1, self.moe_ranks) if self.expert_parallel else (self.moe_ranks, 1)
-            skewed = (tables or {}).get("moe", {}).get("skewed_tables", {})
+            skewed = moe_doc.get("skewed_tables", {})
             ts = _log_grid(1, 262144)
 
             def measured(f, tp_, ep_):
@@ -749,7 +763,7 @@ class KernelCostModel(CostModel):
                 vals, us = _moe_reading(mt, skewed, rkey, rspec, dist)
                 rgrid = Grid(vals, us, None)
                 lo, hi = vals[0][0], vals[0][-1]
-                mine = _kernel_shape(m, (tables or {}).get("moe", {}).get("kernels", {}).get(f, ""), f,
+                mine = _kernel_shape(m, moe_doc.get("kernels", {}).get(f, ""), f,
                                      1 if ep_ > 1 else tp_)
                 out = []
                 for T in ts:

@@ -14,7 +14,8 @@
                  policy, reserve_full_prompt, unhashed_blocks_first, watermark,
                  uncache_unscheduled_victims, async_scheduling,
                  cpu_work: {step_s, per_req_s, per_token_s, per_output_s}}  # sim/cpu_work.py
-    cost_model: {type: fitted, profile: NAME|PATH} | {type: kernels, overheads: {...}, moe_activations: bf16|mxfp8}
+    cost_model: {type: fitted, profile: NAME|PATH} | {type: kernels, overheads: {...}, moe_activations: bf16|mxfp8,
+                 moe_backend: auto|triton}
                 | {type: analytic, efficiency: {...}}
                 default: the shipped profile for the deployment if any, else measured kernel tables
                 (H100/H200/B200), else the analytic roofline
@@ -41,7 +42,7 @@ import yaml
 from engine.core import SchedulerConfig
 from engine.core.policy import POLICIES
 from sim.cost_model import PROFILES_DIR, AnalyticCostModel, CostModel, load_profile
-from sim.kernel_model import MOE_ACTIVATIONS, KernelCostModel, cost_model_from_profile
+from sim.kernel_model import MOE_ACTIVATIONS, MOE_BACKENDS, KernelCostModel, cost_model_from_profile
 from sim.cpu_work import timing_model, timing_settings
 from sim.simulation import ROUTERS, SimResult, Simulation
 from sim.specmap import SpecError, SpecMap
@@ -260,6 +261,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     eff = cm.raw("efficiency", None) if kind == "analytic" else None
     ovh = cm.raw("overheads", None) if kind == "kernels" else None
     moe_act = cm.text("moe_activations", "bf16", choices=MOE_ACTIVATIONS) if kind == "kernels" else "bf16"
+    moe_backend = cm.text("moe_backend", "auto", choices=MOE_BACKENDS) if kind == "kernels" else "auto"
     cm.done()
 
     def cost_for(t: int) -> tuple[CostModel, dict]:
@@ -284,7 +286,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
         if k == "kernels":
             try:
                 return KernelCostModel(model, device, t, ovh, expert_parallel=ep, data_parallel=dp,
-                                       moe_activations=moe_act), {}
+                                       moe_activations=moe_act, moe_backend=moe_backend), {}
             except (TypeError, ValueError) as e:
                 raise ScenarioError(f"cost_model (kernels, overheads={ovh!r}): {e}") from None
         name = prof_name or default_profile

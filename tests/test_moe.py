@@ -380,6 +380,12 @@ def test_expert_parallel_is_a_deployment_key_and_a_serve_flag(tmp_path):
                           "target_rate": 10, "workload_means": {}, "model": "gpt-oss-120b",
                           "search": {"confirm_requests": 8000}}, {**c, "device": "b200"})
     assert all(x.split()[1] == "VLLM_USE_FLASHINFER_MOE_MXFP4_MXFP8=1" for x in mx if "vllm serve" in x)
+    assert not any("--moe-backend" in x for x in serve + mx)
+    # a plan timed with vLLM's Triton MoE kernel serves with the flag that selects it
+    tri = deploy_commands({"hf_model": "MiniMaxAI/MiniMax-M2.5", "gpu_memory_utilization": 0.9, "moe_backend": "triton",
+                           "target_rate": 10, "workload_means": {}, "model": "minimax-m2",
+                           "search": {"confirm_requests": 8000}}, {**c, "device": "b200"})
+    assert [x for x in tri if "vllm serve" in x] and all("--moe-backend triton" in x for x in tri if "vllm serve" in x)
 
 
 # ---------------------------------------------------------------- data-parallel attention
@@ -678,3 +684,39 @@ def test_mxfp4_experts_are_timed_at_the_shape_vllm_pads_them_to():
         for T in (4, 64, 8192):
             f = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=T, prefill_chunks=[(T, 0)])
             assert a.breakdown(f)["moe"] == pytest.approx(b.breakdown(f)["moe"], rel=1e-12)
+
+
+def test_the_triton_moe_backend_reads_vllms_triton_kernel_where_another_is_the_default():
+    """cost_model.moe_backend: triton (vLLM's --moe-backend triton, or FlashInfer's and DeepGEMM's
+    MoE turned off) reads vLLM's Triton fused-MoE tables: on B200, where vLLM's own choice for fp8
+    blocks is FlashInfer's TRT-LLM kernel, the moe_triton section; on H200, where it is Triton
+    already, what auto reads. A GPU without them is refused, naming the field."""
+    import json
+    from pathlib import Path
+    from sim.scenario import ScenarioError, parse_scenario
+    doc = json.loads((Path(__file__).resolve().parents[1] / "calibration" / "kernels" / "b200_sxm.json").read_text())
+    assert "triton" not in doc["moe"]["kernels"]["fp8_block"] and doc["moe_triton"]["kernels"]["fp8_block"] == "vllm_fused_moe"
+    key = "fp8_block/3072/1536/8/256/2/1"
+    tri, auto = KernelCostModel("minimax-m2", "b200", 2, moe_backend="triton"), KernelCostModel("minimax-m2", "b200", 2)
+    assert tri.coverage["moe"] == auto.coverage["moe"] == key
+
+    def reading(tab):
+        return dict(zip(tab["values"][0], np.minimum.accumulate(np.array(tab["us"])[::-1])[::-1]))
+    # 8192 tokens touch every expert: the slower routing of the Triton table, at a busy GPU's clocks
+    us = max(reading(doc["moe_triton"]["tables"][key])[8192], reading(doc["moe_triton"]["skewed_tables"][key])[8192])
+    f = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=8192, prefill_attn_pairs=8192 * 8193 // 2)
+    m = get_model("minimax-m2")
+    assert tri.breakdown(f)["moe"] == pytest.approx(m.num_moe_layers * us * tri.ovh.gemm_compute_slowdown * 1e-6)
+    assert tri.breakdown(f)["moe"] > 1.5 * auto.breakdown(f)["moe"]   # FlashInfer's kernel: ~1.8x faster there
+    q = dataclasses.replace(get_model("qwen3-235b-a22b"), weight_dtype="fp8_block")
+    assert (KernelCostModel(q, "h200", 4, moe_backend="triton").breakdown(f)["moe"]
+            == KernelCostModel(q, "h200", 4).breakdown(f)["moe"])
+    with pytest.raises(ValueError, match="moe_backend='triton'.*b300"):
+        KernelCostModel("minimax-m2", "b300", 2, moe_backend="triton")
+    base = {"workload": {"num_requests": 4, "arrival": {"type": "poisson", "rate": 1.0},
+                         "prompt_len": {"type": "fixed", "value": 100}, "output_len": {"type": "fixed", "value": 8}},
+            "deployment": {"model": "minimax-m2", "device": "b200", "tp": 2}}
+    sc = parse_scenario({**base, "cost_model": {"type": "kernels", "moe_backend": "triton"}})
+    assert sc.cost_model.base.moe_backend == "triton"
+    with pytest.raises(ScenarioError, match="moe_backend.*cutlass"):
+        parse_scenario({**base, "cost_model": {"type": "kernels", "moe_backend": "cutlass"}})

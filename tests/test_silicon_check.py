@@ -199,3 +199,20 @@ def test_a_dense_data_parallel_row_is_its_engines_side_by_side():
     # and not as one engine at the full concurrency, which decodes slower
     full = sc.simulate(sc.usable(row(**small, batch_size="16")), protocol="auto")
     assert full["tpot_ms"] > 1.1 * two["tpot_ms"]
+
+
+def test_minimax_rows_of_vllm_0_17_run_the_script_of_their_image():
+    """minimaxm2.5_fp8_b200.sh before InferenceX#947 (v0.17.0 -> v0.19.0) turned FlashInfer's and
+    DeepGEMM's MoE off (vLLM's Triton fused MoE) and passed --enable-expert-parallel on every row;
+    rows of v0.19.0 and of nightly builds run the generic recipe."""
+    def data(version, model="MiniMaxAI/MiniMax-M2.5", quant="fp8"):
+        r = row(model_path=model, gemm_quant_mode=quant, tp_size="2", backend_version=version)
+        return sc.scenario_data(sc.usable(r), protocol="auto")
+    old = data("0.17.0")
+    assert old["cost_model"]["moe_backend"] == "triton" and old["deployment"]["expert_parallel"] is True
+    k = parse_scenario(old).cost_model.base
+    assert k.moe_backend == "triton" and k.expert_parallel
+    for version in ("0.19.0", "nightly-5b8c30d62b754b57", ""):
+        new = data(version)
+        assert "moe_backend" not in new.get("cost_model", {}) and "expert_parallel" not in new["deployment"]
+    assert "moe_backend" not in data("0.17.0", "meta-llama/Llama-3.1-70B", "fp8").get("cost_model", {})
