@@ -131,6 +131,9 @@ def usable(r: dict) -> dict | None:
     case = {"backend": r["backend"], "system": r["system"], "model": model_name(r["model_path"]),
             "weight_dtype": None if native else QUANT[q], "tp": tp, "concurrency": conc, "isl": int(r["isl"]),
             "osl": int(r["osl"]), "ttft_ms": ttft, "tpot_ms": tpot, "source": source_family(r)}
+    when = re.search(r"measured=(\d{4}-\d\d-\d\d)", r.get("silicon_data_source", ""))
+    if when:
+        case["measured"] = when.group(1)
     if r["backend"] == "vllm" and re.fullmatch(r"\d+\.\d+(\.\d+)?", str(r.get("backend_version", "")).strip()):
         case["vllm_version"] = str(r["backend_version"]).strip()  # its memory profiling sizes the pool
     if float(r.get("moe_ep_size") or 1) > 1:  # vLLM's --enable-expert-parallel
@@ -214,15 +217,21 @@ RECIPES = {
 
 # Where InferenceMAX's script for a model changed with its vLLM image, what the rows measured on
 # the earlier images ran: (model, weight dtype, GPU) -> [(the first release of the new script,
-# recipe keys for rows of an earlier release)]. minimaxm2.5_fp8_b200.sh before InferenceX#947
-# (v0.17.0 -> v0.19.0, 2026-04-03) exported VLLM_USE_FLASHINFER_MOE_FP8=0 and
-# VLLM_MOE_USE_DEEP_GEMM=0 (vLLM's Triton fused MoE, `moe_backend: triton`) and passed
-# --enable-expert-parallel whenever EP_SIZE >= 1, on every row (#947 made it EP_SIZE > 1).
-BEFORE = {("minimax-m2", None, "b200_sxm"): [("0.19", {"moe_backend": "triton", "expert_parallel": True})]}
+# the date the old one began (None: always) or None, recipe keys for rows of a release before
+# it and measured on or after that date)]. The rows record neither.
+# - minimaxm2.5_fp8_b200.sh before InferenceX#947 (v0.17.0 -> v0.19.0, 2026-04-03) exported
+#   VLLM_USE_FLASHINFER_MOE_FP8=0 and VLLM_MOE_USE_DEEP_GEMM=0 (vLLM's Triton fused MoE,
+#   `moe_backend: triton`) and passed --enable-expert-parallel whenever EP_SIZE >= 1, on every row
+#   (#947 made it EP_SIZE > 1).
+# - minimaxm2.5_fp8_h200.sh had the same `-ge 1` from InferenceX#869 (2026-03-05, v0.16.0) through
+#   its v0.18.0 image, until #1354 (2026-05-12; image v0.20.1) made it `-gt 1`: rows of releases
+#   before 0.20 measured from 2026-03-05 served with expert parallelism.
+BEFORE = {("minimax-m2", None, "b200_sxm"): [("0.19", None, {"moe_backend": "triton", "expert_parallel": True})],
+          ("minimax-m2", None, "h200_sxm"): [("0.20", "2026-03-05", {"expert_parallel": True})]}
 
 
 def _before(case: dict) -> dict:
-    """The recipe keys of BEFORE that apply to the row's vLLM release."""
+    """The recipe keys of BEFORE that apply to the row's vLLM release and measurement date."""
     out = {}
     v = case.get("vllm_version")
     if not v:
@@ -231,8 +240,8 @@ def _before(case: dict) -> dict:
         mine = vllm_version_tuple(v)
     except ValueError:  # a nightly build: newer than every release named here
         return out
-    for first, keys in BEFORE.get((case["model"], case["weight_dtype"], case["system"]), []):
-        if mine < vllm_version_tuple(first):
+    for first, since, keys in BEFORE.get((case["model"], case["weight_dtype"], case["system"]), []):
+        if mine < vllm_version_tuple(first) and (since is None or case.get("measured", since) >= since):
             out.update(keys)
     return out
 

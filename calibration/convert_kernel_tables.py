@@ -147,7 +147,9 @@ MOE_KERNELS = {
     "bf16": ("bfloat16", ["vllm_unquantizedfusedmoe_triton_tritonexperts",
                           "vllm_unquantizedfusedmoe_flashinfer_trtllm_trtllmbf16experts"]),
     "fp8_block": ("fp8_block", ["vllm_fp8moe_triton_tritonexperts",
-                                "vllm_fp8moe_flashinfer_trtllm_trtllmfp8expertsmonolithic"]),
+                                "vllm_fp8moe_flashinfer_trtllm_trtllmfp8expertsmonolithic",
+                                "vllm_fp8moe_flashinfer_cutlass_flashinferexperts",
+                                "vllm_fp8moe_flashinfer_trtllm_trtllmfp8expertsmodular"]),
     "mxfp4": ("w4a16_mxfp4", ["vllm_gptossmxfp4moe_triton_oaitritonmxfp4expertsmonolithic",
                               "vllm_gptossmxfp4moe_flashinfer_trtllm_mxfp4_bf16_trtllmmxfp4expertsmonolithic"]),
     "int4": ("int4_wo", ["vllm_compressedtensorswna16marlinmoe_marlin_marlinexperts"]),
@@ -156,6 +158,14 @@ MOE_KERNELS = {
     # cost_model.moe_activations: mxfp8
     "mxfp4_mxfp8": ("w4a8_mxfp4_mxfp8", ["vllm_mxfp4moe_flashinfer_trtllm_mxfp4_mxfp8_trtllmmxfp4expertsmodular"]),
 }
+# Formats whose kernel vLLM picks by the sharding as well as the GPU: each shape is read from the
+# first kernel of the list measured at it. vLLM 0.25's fp8 MoE selection (model_executor/layers/
+# fused_moe/oracle/fp8.py) prefers, on Hopper for 128x128 blocks, Triton with the experts sliced
+# (TP) and FlashInfer's CUTLASS kernel with them split whole (EP), and the wheel measured exactly
+# those (Triton at moe_ep 1 only, CUTLASS at moe_ep > 1 only); on Blackwell FlashInfer's TRT-LLM
+# kernel, monolithic where it supports the configuration, else modular. Other formats: the first
+# kernel of the list measured on the GPU, at every shape it has.
+MOE_BY_SHAPE = {"fp8_block"}
 # The routings the tables were measured with. `balanced` (tokens spread over as many experts as
 # they can touch): the kernel model reads it for uniform random routing (kernel_model.
 # _uniform_routing), the most experts a decode batch streams. `power_law_1.01` (AIConfigurator's
@@ -177,21 +187,31 @@ def convert_moe(site: Path, out: Path, systems: dict | None = None, package: str
         every = pd.read_parquet(p)
         m = every[every.distribution == MOE_DISTRIBUTION]
         doc["sources"]["moe"] = str(p.relative_to(site))
-        tables, skewed, kernels = {}, {}, {}
+        tables, skewed, kernels, by_shape = {}, {}, {}, {}
+        cols = ["hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size", "moe_ep_size"]
         for name, (dt, kerns) in MOE_KERNELS.items():
             x = m[(m.moe_dtype == dt) & m.kernel_source.isin(kerns)]
             if x.empty:
                 continue
             kern = next(k for k in kerns if (x.kernel_source == k).any())
             kernels[name] = kern
+            # each shape's kernel: the first measured of the list (MOE_BY_SHAPE), else `kern`
+            owner = {}
+            for k_ in (kerns[kerns.index(kern):] if name in MOE_BY_SHAPE else [kern]):
+                for key in x[x.kernel_source == k_].groupby(cols).size().index:
+                    owner.setdefault(f"{name}/" + "/".join(str(v) for v in key), k_)
             for dist, out_tables in ((MOE_DISTRIBUTION, tables), (MOE_SKEWED, skewed)):
-                x = every[(every.distribution == dist) & (every.moe_dtype == dt) & (every.kernel_source == kern)]
-                for (h, i, k, e, tp, ep), sub in x.groupby(["hidden_size", "inter_size", "topk", "num_experts",
-                                                             "moe_tp_size", "moe_ep_size"]):
-                    out_tables[f"{name}/{h}/{i}/{k}/{e}/{tp}/{ep}"] = grid(sub, ["num_tokens"])
+                y = every[(every.distribution == dist) & (every.moe_dtype == dt)]
+                for key, sub in y.groupby(cols):
+                    tkey = f"{name}/" + "/".join(str(v) for v in key)
+                    sub = sub[sub.kernel_source == owner.get(tkey, kern)]
+                    if not sub.empty:
+                        out_tables[tkey] = grid(sub, ["num_tokens"])
+            by_shape.update({k: v for k, v in owner.items() if v != kern})
         doc["moe"] = {"kernels": kernels, "distribution": MOE_DISTRIBUTION,
                       "key": "dtype/hidden/inter/topk/experts/moe_tp/moe_ep", "tables": tables,
-                      "skewed_distribution": MOE_SKEWED, "skewed_tables": skewed}
+                      "skewed_distribution": MOE_SKEWED, "skewed_tables": skewed,
+                      "kernels_by_shape": by_shape}
         with open(path, "w") as f:
             json.dump(doc, f, separators=(",", ":"))
         print(f"{system}: {len(tables)} MoE tables ({len(skewed)} skewed), {path.stat().st_size / 1e6:.2f} MB")

@@ -9,7 +9,7 @@ import pytest
 
 from engine.core.features import BatchFeatures
 from sim.cost_model import AnalyticCostModel, Efficiency
-from sim.kernel_model import KernelCostModel
+from sim.kernel_model import KernelCostModel, load_tables
 from sim.specs import GiB, ModelSpec, get_device, get_model, hf_config_fields
 
 # The fields of the public config.json files that the reader needs (values as published).
@@ -306,18 +306,21 @@ def test_an_unmeasured_moe_shape_is_scaled_from_the_nearest_and_counted():
 
 
 def test_an_expert_parallel_shape_measured_sliced_only_reads_the_sliced_table():
-    # fp8 blocks on H200 were measured with the experts sliced (moe_tp 4) but not split whole (moe_ep
-    # 4): the EP deployment reads the sliced table times the bf16 tables' whole/sliced ratio, each
-    # table read as the kernel model reads MoE tables (kernel_model._moe_reading), at the clocks of
-    # a busy GPU (Overheads.gemm_factor)
-    import json
-    from pathlib import Path
+    # A format measured with the experts sliced (moe_tp 4) but not split whole (moe_ep 4): the EP
+    # deployment reads the sliced table times the bf16 tables' whole/sliced ratio, each table read
+    # as the kernel model reads MoE tables (kernel_model._moe_reading), at the clocks of a busy GPU
+    # (Overheads.gemm_factor). H200's tables with fp8 blocks' EP shapes taken out stand for one.
+    import copy
     from sim.kernel_model import Grid, _moe_reading
     m = dataclasses.replace(get_model("qwen3-235b-a22b"), weight_dtype="fp8_block")
-    moe = json.loads((Path(__file__).resolve().parents[1] / "calibration" / "kernels" / "h200_sxm.json")
-                     .read_text())["moe"]
+    tabs = copy.deepcopy(load_tables("h200_sxm"))
+    for part in ("tables", "skewed_tables"):
+        t = tabs["moe"][part]
+        for key in [k for k in t if k.startswith("fp8_block/") and not k.endswith("/1")]:
+            del t[key]
+    moe = tabs["moe"]
     assert "fp8_block/4096/1536/8/128/1/4" not in moe["tables"] and "fp8_block/4096/1536/8/128/4/1" in moe["tables"]
-    k = KernelCostModel(m, "h200", 4, expert_parallel=True)
+    k = KernelCostModel(m, "h200", 4, expert_parallel=True, tables=tabs)
     assert k.describe()["table_coverage"]["moe"].startswith("fp8_block/4096/1536/8/128/4/1 x bf16 EP/TP")
 
     def read(key):
@@ -333,13 +336,35 @@ def test_an_expert_parallel_shape_measured_sliced_only_reads_the_sliced_table():
         assert got == pytest.approx(want, rel=1e-6)
     # sliced, the same deployment reads the fp8 table as measured; split whole it costs more (a hot
     # expert's rows all land on one rank), by the bf16 tables' ratio, not the 2.5x of the old estimate
-    tp = KernelCostModel(m, "h200", 4)
+    tp = KernelCostModel(m, "h200", 4, tables=tabs)
     assert tp.describe()["table_coverage"]["moe"] == "fp8_block/4096/1536/8/128/4/1"
     f = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=8192, prefill_chunks=[(8192, 0)])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert 1.0 < k.breakdown(f)["moe"] / tp.breakdown(f)["moe"] < 1.5
     assert k.fallbacks["moe"] >= 1
+
+
+def test_hopper_fp8_block_experts_run_the_kernel_vllm_picks_for_their_sharding():
+    """vLLM's fp8 MoE selection on Hopper (oracle/fp8.py) runs Triton with the experts sliced and
+    FlashInfer's CUTLASS kernel with them split whole; the wheel measured exactly those, and the
+    converter keeps each shape's (kernels_by_shape). An EP deployment of Qwen3-235B-FP8 on H200
+    reads the CUTLASS table of its own shape, measured, with no fallback."""
+    from sim.kernel_model import _moe_reading
+    moe = load_tables("h200_sxm")["moe"]
+    assert moe["kernels"]["fp8_block"] == "vllm_fp8moe_triton_tritonexperts"
+    key = "fp8_block/4096/1536/8/128/1/4"
+    assert moe["kernels_by_shape"][key] == "vllm_fp8moe_flashinfer_cutlass_flashinferexperts"
+    assert "fp8_block/4096/1536/8/128/4/1" not in moe["kernels_by_shape"]       # sliced: Triton's
+    m = dataclasses.replace(get_model("qwen3-235b-a22b"), weight_dtype="fp8_block")
+    k = KernelCostModel(m, "h200", 4, expert_parallel=True)
+    assert k.describe()["table_coverage"]["moe"] == key
+    vals, us = _moe_reading(moe["tables"], moe["skewed_tables"], key, m, moe["distribution"])
+    T = 8192
+    f = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=T, prefill_chunks=[(T, 0)])
+    assert k.breakdown(f)["moe"] == pytest.approx(
+        m.num_moe_layers * dict(zip(vals[0], us))[T] * k.ovh.gemm_compute_slowdown * 1e-6, rel=1e-9)
+    assert not k.fallbacks.get("moe")
 
 
 def test_expert_parallel_is_a_deployment_key_and_a_serve_flag(tmp_path):

@@ -216,3 +216,16 @@ def test_minimax_rows_of_vllm_0_17_run_the_script_of_their_image():
         new = data(version)
         assert "moe_backend" not in new.get("cost_model", {}) and "expert_parallel" not in new["deployment"]
     assert "moe_backend" not in data("0.17.0", "meta-llama/Llama-3.1-70B", "fp8").get("cost_model", {})
+
+
+def test_minimax_h200_rows_of_the_ep_flag_bug_serve_with_expert_parallelism():
+    """minimaxm2.5_fp8_h200.sh passed --enable-expert-parallel on every row from InferenceX#869
+    (2026-03-05) until its v0.20 script: such rows serve with EP whatever EP size they record."""
+    def dep(version, measured):
+        src = f"source_file=x.csv; model=MiniMax-M2.5; silicon_concurrency=8; measured={measured}T10:00:00Z"
+        r = row(model_path="MiniMaxAI/MiniMax-M2.5", system="h200_sxm", tp_size="8", backend_version=version,
+                silicon_data_source=src)
+        return sc.scenario_data(sc.usable(r), protocol="auto")["deployment"]
+    assert dep("0.18.0", "2026-03-27").get("expert_parallel") is True
+    assert "expert_parallel" not in dep("0.16.0", "2026-03-02")        # before the flag's script
+    assert "expert_parallel" not in dep("0.20.1", "2026-05-20")        # its script fixed
