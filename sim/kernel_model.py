@@ -773,8 +773,8 @@ class KernelCostModel(CostModel):
 
             got = measured(fmt, mtp, mep) if fmt else None
             if got is None and fmt and self.expert_parallel:
-                # No table of this format split whole over the ranks (fp8 blocks are measured with
-                # the experts sliced only): its sliced table (moe_tp = ranks), times what splitting
+                # No table of this format split whole over the ranks (a shape measured with the
+                # experts sliced only): its sliced table (moe_tp = ranks), times what splitting
                 # whole costs over slicing in the bf16 tables, which have both, at each T.
                 parts = (measured(fmt, self.moe_ranks, 1), measured("bf16", 1, self.moe_ranks),
                          measured("bf16", self.moe_ranks, 1))
