@@ -177,6 +177,21 @@ MOE_DISTRIBUTION = "balanced"
 MOE_SKEWED = "power_law_1.01"
 
 
+MOE_SHAPE = ["hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size", "moe_ep_size"]
+
+
+def moe_grids(every: pd.DataFrame, name: str, dt: str, kernel_of, tables: dict, skewed: dict) -> None:
+    """Add format `name`'s fused-MoE tables (moe_dtype dt) under both routings to tables / skewed,
+    keyed dtype/hidden/inter/topk/experts/moe_tp/moe_ep, each shape read from kernel_of(key)."""
+    for dist, out_tables in ((MOE_DISTRIBUTION, tables), (MOE_SKEWED, skewed)):
+        y = every[(every.distribution == dist) & (every.moe_dtype == dt)]
+        for key, sub in y.groupby(MOE_SHAPE):
+            tkey = f"{name}/" + "/".join(str(v) for v in key)
+            sub = sub[sub.kernel_source == kernel_of(tkey)]
+            if not sub.empty:
+                out_tables[tkey] = grid(sub, ["num_tokens"])
+
+
 def convert_moe(site: Path, out: Path, systems: dict | None = None, package: str = "aisimulate_core") -> None:
     """Add the fused-MoE tables to calibration/kernels/<system>.json (written by convert)."""
     root = site / package / "systems" / "data"
@@ -188,7 +203,6 @@ def convert_moe(site: Path, out: Path, systems: dict | None = None, package: str
         m = every[every.distribution == MOE_DISTRIBUTION]
         doc["sources"]["moe"] = str(p.relative_to(site))
         tables, skewed, kernels, by_shape = {}, {}, {}, {}
-        cols = ["hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size", "moe_ep_size"]
         for name, (dt, kerns) in MOE_KERNELS.items():
             x = m[(m.moe_dtype == dt) & m.kernel_source.isin(kerns)]
             if x.empty:
@@ -198,15 +212,9 @@ def convert_moe(site: Path, out: Path, systems: dict | None = None, package: str
             # each shape's kernel: the first measured of the list (MOE_BY_SHAPE), else `kern`
             owner = {}
             for k_ in (kerns[kerns.index(kern):] if name in MOE_BY_SHAPE else [kern]):
-                for key in x[x.kernel_source == k_].groupby(cols).size().index:
+                for key in x[x.kernel_source == k_].groupby(MOE_SHAPE).size().index:
                     owner.setdefault(f"{name}/" + "/".join(str(v) for v in key), k_)
-            for dist, out_tables in ((MOE_DISTRIBUTION, tables), (MOE_SKEWED, skewed)):
-                y = every[(every.distribution == dist) & (every.moe_dtype == dt)]
-                for key, sub in y.groupby(cols):
-                    tkey = f"{name}/" + "/".join(str(v) for v in key)
-                    sub = sub[sub.kernel_source == owner.get(tkey, kern)]
-                    if not sub.empty:
-                        out_tables[tkey] = grid(sub, ["num_tokens"])
+            moe_grids(every, name, dt, lambda tkey, owner=owner, kern=kern: owner.get(tkey, kern), tables, skewed)
             by_shape.update({k: v for k, v in owner.items() if v != kern})
         doc["moe"] = {"kernels": kernels, "distribution": MOE_DISTRIBUTION,
                       "key": "dtype/hidden/inter/topk/experts/moe_tp/moe_ep", "tables": tables,
@@ -237,11 +245,7 @@ def convert_moe_triton(site: Path, out: Path, systems: dict | None = None, packa
         doc["sources"]["moe_triton"] = str(p.relative_to(site))
         tables, skewed = {}, {}
         for name, dt in formats.items():
-            for dist, out_tables in ((MOE_DISTRIBUTION, tables), (MOE_SKEWED, skewed)):
-                x = every[(every.distribution == dist) & (every.moe_dtype == dt) & (every.kernel_source == kern)]
-                for (h, i, k, e, tp, ep), sub in x.groupby(["hidden_size", "inter_size", "topk", "num_experts",
-                                                             "moe_tp_size", "moe_ep_size"]):
-                    out_tables[f"{name}/{h}/{i}/{k}/{e}/{tp}/{ep}"] = grid(sub, ["num_tokens"])
+            moe_grids(every, name, dt, lambda _key, kern=kern: kern, tables, skewed)
         doc["moe_triton"] = {"kernels": {name: kern for name in formats}, "version": version,
                              "distribution": MOE_DISTRIBUTION, "key": "dtype/hidden/inter/topk/experts/moe_tp/moe_ep",
                              "tables": tables, "skewed_distribution": MOE_SKEWED, "skewed_tables": skewed}

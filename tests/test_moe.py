@@ -38,6 +38,12 @@ MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"
                 "vocab_size": 32000}
 
 
+def _table_reading(tab: dict) -> dict:
+    """A one-axis MoE table as the kernel model's Grid reads it at its measured points: each entry
+    lowered to the least time measured at or above it (Grid's monotone suffix minimum)."""
+    return dict(zip(tab["values"][0], np.minimum.accumulate(np.array(tab["us"])[::-1])[::-1]))
+
+
 def test_qwen3_30b_a3b_weights_and_kv_by_hand():
     m = ModelSpec.from_hf_config(QWEN3_30B_A3B)
     assert m.weight_bytes == get_model("Qwen/Qwen3-30B-A3B-Instruct-2507").weight_bytes
@@ -212,9 +218,7 @@ def test_kernel_model_reads_the_fused_moe_table_of_the_shape():
                      .read_text())["moe"]
     # each table as the kernel model reads every table: no more tokens ever faster (a suffix
     # minimum); at 64 tokens all 8 experts are touched, so the uniform reading is the balanced table
-    def reading(tab):
-        return dict(zip(tab["values"][0], np.minimum.accumulate(np.array(tab["us"])[::-1])[::-1]))
-    us = max(reading(moe["tables"][key])[64], reading(moe["skewed_tables"][key])[64])
+    us = max(_table_reading(moe["tables"][key])[64], _table_reading(moe["skewed_tables"][key])[64])
     f = BatchFeatures(num_reqs=64, num_decode_reqs=64, decode_context_tokens=64 * 500)
     assert k.breakdown(f)["moe"] == pytest.approx(32 * us * 1e-6)    # 32 MoE layers x the slower table
     f1 = BatchFeatures(num_reqs=1, num_decode_reqs=1, decode_context_tokens=500)
@@ -647,11 +651,9 @@ def test_mxfp8_activations_read_their_own_kernels_table():
                      .read_text())["moe"]
     assert moe["kernels"]["mxfp4_mxfp8"].endswith("mxfp4_mxfp8_trtllmmxfp4expertsmodular")
 
-    def reading(tab):
-        return dict(zip(tab["values"][0], np.minimum.accumulate(np.array(tab["us"])[::-1])[::-1]))
     # 8192 tokens touch every expert under either routing: the slower of the two tables, per MoE
     # layer, at the clocks of a busy GPU (Overheads.gemm_compute_slowdown: the full factor here)
-    us = max(reading(moe["tables"][key])[8192], reading(moe["skewed_tables"][key])[8192])
+    us = max(_table_reading(moe["tables"][key])[8192], _table_reading(moe["skewed_tables"][key])[8192])
     f = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=8192, prefill_attn_pairs=8192 * 8193 // 2)
     assert k.breakdown(f)["moe"] == pytest.approx(shape.num_moe_layers * us * k.ovh.gemm_compute_slowdown * 1e-6)
     # gpt-oss's own shape is scaled from it; FP8 math beats the bf16-activation kernel at a prefill
@@ -725,10 +727,8 @@ def test_the_triton_moe_backend_reads_vllms_triton_kernel_where_another_is_the_d
     tri, auto = KernelCostModel("minimax-m2", "b200", 2, moe_backend="triton"), KernelCostModel("minimax-m2", "b200", 2)
     assert tri.coverage["moe"] == auto.coverage["moe"] == key
 
-    def reading(tab):
-        return dict(zip(tab["values"][0], np.minimum.accumulate(np.array(tab["us"])[::-1])[::-1]))
     # 8192 tokens touch every expert: the slower routing of the Triton table, at a busy GPU's clocks
-    us = max(reading(doc["moe_triton"]["tables"][key])[8192], reading(doc["moe_triton"]["skewed_tables"][key])[8192])
+    us = max(_table_reading(doc["moe_triton"]["tables"][key])[8192], _table_reading(doc["moe_triton"]["skewed_tables"][key])[8192])
     f = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=8192, prefill_attn_pairs=8192 * 8193 // 2)
     m = get_model("minimax-m2")
     assert tri.breakdown(f)["moe"] == pytest.approx(m.num_moe_layers * us * tri.ovh.gemm_compute_slowdown * 1e-6)
