@@ -46,6 +46,26 @@ TOKENIZE_OVERHEAD = 1.05  # decoded random tokens re-tokenize a few % longer (th
 TRACED_BUILD_TP_STEP_S = 6.0e-4
 
 
+def device_of(row: dict) -> str:
+    """The device spec of a run: its `gpu_product` (nvidia-smi's name, e.g. "NVIDIA A100-SXM4-80GB":
+    it tells 40 from 80 GB), else its `hardware` column as the runs write it ("H100", "A100-SXM",
+    "L40S", ...; sim.specs' names and aliases, or DEVICES by its first word: a PCIe card that
+    sim.specs does not name is read as that SXM part, its kernel tables and NVLink). ValueError
+    naming both when neither is known."""
+    from sim.specs import get_device
+    hw = (row.get("hardware") or "").strip()
+    for value in ((row.get("gpu_product") or "").split("(")[0].strip(), hw):
+        if value:
+            try:
+                return get_device(value).name
+            except ValueError:
+                pass
+    if hw.split() and hw.split()[0].upper() in DEVICES:
+        return DEVICES[hw.split()[0].upper()]
+    raise ValueError(f"hardware={row.get('hardware')!r}, gpu_product={row.get('gpu_product')!r}: no device "
+                     f"spec for it; known: {sorted(DEVICES)} and sim.specs' device names")
+
+
 def default_runs() -> list[Path]:
     base = os.environ.get("SERVETWIN_GPU_RUNS") or str(REPO.parent / "shared" / "gpu-runs")
     return [Path(base) / "vllm-h100-runs.csv"]
@@ -82,11 +102,8 @@ def scenario_for(row: dict, overheads: dict | None = None, client: dict | None =
     prompt = int(round(measured)) if measured else int(round(nominal * TOKENIZE_OVERHEAD))
     prefix = int(round(sys_len * prompt / nominal)) if nominal else sys_len
     out_len = int(_num(row["output_len_tok"]))  # ignore_eos + max_tokens: the engine generates all of them
-    hw = row.get("hardware", "H100").split()[0].upper()
-    if hw not in DEVICES:
-        raise ValueError(f"hardware={row.get('hardware')!r}: no device spec for it; known: {sorted(DEVICES)}")
     blocks = _num(row.get("gpu_kv_blocks_total"))
-    dep = {"model": row["model"], "device": DEVICES[hw], "tp": int(_num(row["tp"])),
+    dep = {"model": row["model"], "device": device_of(row), "tp": int(_num(row["tp"])),
            "gpu_memory_utilization": _num(row.get("gpu_memory_utilization")) or 0.9}
     if blocks:
         dep["num_gpu_blocks"] = int(blocks)
@@ -96,6 +113,7 @@ def scenario_for(row: dict, overheads: dict | None = None, client: dict | None =
     prec = (row.get("precision") or "").lower()
     if "fp8" in prec:
         dep["weight_dtype"] = "fp8"
+    dep.update(parallel_of(row))
     return {
         "name": f"gpu-run-{row['exp_id']}",
         "seed": 0,
@@ -113,6 +131,25 @@ def scenario_for(row: dict, overheads: dict | None = None, client: dict | None =
         "output": {"plots": False},
         "cost_model": {"type": "kernels", "overheads": overheads or {"tp_step_s": TRACED_BUILD_TP_STEP_S}},
     }
+
+
+def parallel_of(row: dict) -> dict:
+    """Deployment keys for a run's `dp` and `expert_parallel` columns (the MoE runs' CSV has them):
+    vLLM's --data-parallel-size is data-parallel attention for a mixture of experts (one engine
+    of dp ranks, deployment.data_parallel) and dp engines behind vLLM's own balancer for a dense
+    model (replicas routed to the least loaded); --enable-expert-parallel is
+    deployment.expert_parallel."""
+    from sim.specs import get_model
+    out = {}
+    dp = int(_num(row.get("dp")) or 1)
+    if dp > 1:
+        if get_model(row["model"]).is_moe:
+            out["data_parallel"] = dp
+        else:
+            out.update(replicas=dp, router="least_outstanding")
+    if str(row.get("expert_parallel", "")).strip().lower() in ("true", "1", "yes"):
+        out["expert_parallel"] = True
+    return out
 
 
 def measured(row: dict) -> dict:

@@ -193,6 +193,20 @@ def test_a_published_run_becomes_a_scenario_that_does_what_it_did():
         scenario_for(_row(hardware="TPU"))
 
 
+@pytest.mark.parametrize("hardware,product,device", [
+    ("A100-SXM", "", "a100-80g"),                      # the hardware column as other studies write it
+    ("A100", "NVIDIA A100-SXM4-40GB", "a100-40g"),     # nvidia-smi's product tells 40 from 80 GB
+    ("", "NVIDIA A100-SXM4-80GB", "a100-80g"),
+    ("L40S", "NVIDIA L40S", "l40s"),
+    ("H100", "NVIDIA H100 80GB HBM3 (SXM)", "h100-sxm"),
+    ("A100 80GB", "NVIDIA A100 80GB PCIe", "a100-80g"),  # a PCIe card sim.specs lacks: its SXM part
+])
+def test_a_runs_gpu_is_read_from_its_hardware_or_product_name(hardware, product, device):
+    from gpu_runs import scenario_for
+    data = scenario_for(_row(hardware=hardware, gpu_product=product, gpu_kv_blocks_total=""))
+    assert parse_scenario(data).deployment["device"] == device
+
+
 def test_the_bench_reports_the_runs_itl_from_the_clients_token_count():
     """The runs' ITL mean is (E2E - TTFT) / (tokens the client counted - 1); the engine generates
     max_tokens. The bench computes the prediction the same way."""
@@ -202,3 +216,18 @@ def test_the_bench_reports_the_runs_itl_from_the_clients_token_count():
     assert p["itl_mean"] == pytest.approx((p["e2e_mean"] - p["ttft_mean"]) / (209.0 - 1))
     assert res["rel_error"]["ttft_mean"] == pytest.approx(p["ttft_mean"] / 0.030 - 1)
     assert math.isfinite(res["rel_error"]["e2e_mean"]) and res["stages"][0]["rate"] == 1
+
+
+def test_a_runs_data_and_expert_parallel_columns_reach_its_deployment():
+    """vLLM's --data-parallel-size: data-parallel attention for a mixture of experts, replicas for
+    a dense model; --enable-expert-parallel: deployment.expert_parallel."""
+    from gpu_runs import scenario_for
+    moe = parse_scenario(scenario_for(_row(model="mistralai/Mixtral-8x7B-Instruct-v0.1", tp="2", dp="2",
+                                           expert_parallel="True", gpu_kv_blocks_total="")))
+    assert moe.deployment["data_parallel"] == 2 and moe.deployment["expert_parallel"] is True
+    assert moe.replicas == 1
+    dense = parse_scenario(scenario_for(_row(dp="2", expert_parallel="False")))
+    assert dense.replicas == 2 and "data_parallel" not in dense.deployment
+    assert "expert_parallel" not in dense.deployment
+    one = scenario_for(_row(model="mistralai/Mixtral-8x7B-Instruct-v0.1", tp="2", dp="1", expert_parallel="False"))
+    assert "data_parallel" not in one["deployment"] and "expert_parallel" not in one["deployment"]
