@@ -127,7 +127,10 @@ def scenario_for(row: dict, overheads: dict | None = None, client: dict | None =
                      "prompt_len": {"type": "fixed", "value": prompt},
                      "output_len": {"type": "fixed", "value": out_len},
                      "prompt_pool": {"num_prompts": 100, "num_prefixes": 10, "prefix_len": prefix},
-                     "client": {"type": "http", **(client or {})}},
+                     "client": {"type": "http", **(client or {})},
+                     # inference-perf sends no sampling parameters: vLLM applies the checkpoint's
+                     # generation_config.json (its top-k/top-p priced by sim.sampling)
+                     "sampling": "model_default"},
         "output": {"plots": False},
         "cost_model": {"type": "kernels", "overheads": overheads or {"tp_step_s": TRACED_BUILD_TP_STEP_S}},
     }

@@ -175,8 +175,11 @@ def source_family(r: dict) -> str:
 # [0.8 L, L], nothing excluded from the means. AIConfigurator's own collection runs (its
 # bench_run.sh.j2): aiperf with fixed lengths, --num-requests 50 x CONC after
 # --warmup-request-count 2 x CONC (`warmup` is per slot), every profiling request in the means.
-FIXED = {"min_ratio": 1.0, "prompts_per_slot": 50, "warmup": 2}
-PROTOCOLS = {"inferencemax": {"min_ratio": 0.8, "prompts_per_slot": 10, "warmup": 0},
+# Sampling: InferenceMAX's benchmark_serving.py sends temperature 0 (greedy); aiperf sends no
+# sampling parameters, so vLLM applies the checkpoint's generation_config.json (workload.sampling
+# model_default; sim.sampling prices its top-k/top-p filtering).
+FIXED = {"min_ratio": 1.0, "prompts_per_slot": 50, "warmup": 2, "sampling": "model_default"}
+PROTOCOLS = {"inferencemax": {"min_ratio": 0.8, "prompts_per_slot": 10, "warmup": 0, "sampling": "greedy"},
              "gap-analysis": FIXED, "fixed": FIXED}
 
 
@@ -308,7 +311,7 @@ def scenario_data(case: dict, prompts_per_slot: int | None = None, cost_model: d
                            **({"replicas": case["replicas"], "router": "least_outstanding"}
                               if case.get("replicas") else {}),
                            **({"vllm_version": case["vllm_version"]} if case.get("vllm_version") else {})},
-            "workload": {"benchmark": bench}}
+            "workload": {"benchmark": bench, "sampling": proto["sampling"]}}
     if case["tp"] * case.get("data_parallel", 1) > get_device(DEVICES[case["system"]]).gpus_per_node:  # one engine
         data["deployment"]["interconnect"] = dict(INTER_NODE)
     if sched:

@@ -34,6 +34,7 @@ import numpy as np
 from engine.core.features import BatchFeatures
 from sim.cost_model import PROFILE_FORMAT, CostModel, FittedCostModel
 from sim.specs import EXPERT_DTYPE_BYTES, WEIGHT_ONLY_4BIT, DeviceSpec, ModelSpec, get_device, get_model
+from sim.sampling import filter_cost_s, filter_implementation, filters as sampling_filters, release as sampling_release
 
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "calibration" / "kernels"
 KV_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8"}
@@ -259,7 +260,8 @@ class Overheads:
     not here: see `cpu_time`.
 
     - sampler_s: greedy sampling, logits to fp32 and a step's input/output copies, an
-      order-of-magnitude figure (~50-100 us), not fitted.
+      order-of-magnitude figure (~50-100 us), not fitted. Top-k/top-p filtering, where the
+      release sorts the vocabulary, is added per step by sim.sampling (KernelCostModel.set_sampling).
     - elementwise_latency_s: one small kernel inside a CUDA graph, end to end (~1-3 us).
     - cudagraph_max_tokens, eager_layer_launch_s: a step with a prefill chunk and more tokens
       than vLLM captures in CUDA graphs (max_cudagraph_capture_size, 512 by default) runs its
@@ -530,7 +532,8 @@ class KernelCostModel(CostModel):
     def __init__(self, model: ModelSpec | str | dict, device: DeviceSpec | str | dict, tp: int = 1,
                  overheads: Overheads | dict | None = None, tables: dict | str | None = None,
                  reduced: dict | None = None, expert_parallel: bool = False, data_parallel: int = 1,
-                 moe_activations: str = "bf16", moe_backend: str = "auto") -> None:
+                 moe_activations: str = "bf16", moe_backend: str = "auto", sampling: str = "model_default",
+                 vllm_version: str | None = None) -> None:
         self.model = m = get_model(model)
         self.device = d = get_device(device)
         if moe_backend not in MOE_BACKENDS:
@@ -558,6 +561,7 @@ class KernelCostModel(CostModel):
         self.tp = tp
         self.ovh = overheads if isinstance(overheads, Overheads) else _overheads(overheads or {})
         self._tp_step = (tp - 1) * self.ovh.tp_step_s
+        self._filter_impl: str | None = None
         self._plain = self.ovh.serving_slowdown == 1.0 and self._tp_step == 0.0
         if self._plain:  # the kernels' time as it is: no wrapper call per step (the hot path)
             self.gpu_time = self._kernel_time
@@ -612,6 +616,22 @@ class KernelCostModel(CostModel):
                          "source": "measured kernel tables (AIConfigurator, vLLM kernels); roofline outside them",
                          "tables": self.source, "table_coverage": self.coverage,
                          "overheads": self.ovh.__dict__.copy()}
+        self.set_sampling(sampling, vllm_version)
+
+    def set_sampling(self, sampling: str = "model_default", vllm_version: str | None = None,
+                     generation_filter: str | None = None) -> None:
+        """Price the sampler for requests of workload.sampling `sampling` served by vLLM release
+        `vllm_version` (None: the default release): top-k/top-p filtering adds
+        sim.sampling.filter_cost_s per step where the release filters without FlashInfer.
+        `generation_filter` replaces the model's own (a profile's stored spec may predate it)."""
+        gen = self.model.generation_filter if generation_filter is None else generation_filter
+        impl = None
+        if sampling_filters(sampling, gen):
+            impl = filter_implementation(sampling_release(vllm_version))
+        self._filter_impl = None if impl == "flashinfer" else impl
+        self._memo_s.clear()
+        self._memo_d.clear()
+        self.metadata.update(sampling=sampling, sampler_filter=impl or "none")
 
     # ------------------------------------------------------------------ rooflines
     def _gemm_roof(self, dtype: str) -> Callable[..., float]:
@@ -1118,7 +1138,10 @@ class KernelCostModel(CostModel):
         gather = 0.0
         if self.g_ar is not None:  # logits gathered across the TP group
             gather = self._look("allreduce", self.g_ar, S * -(-self.model.vocab_size // self.tp))
-        res = (head, self.ovh.sampler_s, gather)
+        sampler = self.ovh.sampler_s
+        if self._filter_impl is not None:  # top-k/top-p over every sampled row (sim.sampling)
+            sampler += filter_cost_s(self._filter_impl, S, self.model.vocab_size)
+        res = (head, sampler, gather)
         if len(self._memo_s) < 65536:
             self._memo_s[S] = (res, *self._delta(before))
         return res

@@ -46,6 +46,7 @@ from sim.kernel_model import MOE_ACTIVATIONS, MOE_BACKENDS, KernelCostModel, cos
 from sim.cpu_work import timing_model, timing_settings
 from sim.simulation import ROUTERS, SimResult, Simulation
 from sim.specmap import SpecError, SpecMap
+from sim.sampling import SAMPLING_MODES
 from sim.specs import DEVICES, MODELS, get_device, get_model, kv_cache_blocks, vllm_version_tuple
 from sim.workload import Workload, build_workload
 
@@ -264,7 +265,19 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     moe_backend = cm.text("moe_backend", "auto", choices=MOE_BACKENDS) if kind == "kernels" else "auto"
     cm.done()
 
+    # The requests' sampling parameters (workload.sampling) price the sampler of a GPU step
+    # (sim.sampling); build_workload checks the key with the rest of the workload.
+    wl_raw = root.raw("workload", None)
+    sampling = (_M(wl_raw, "workload").text("sampling", "model_default", choices=SAMPLING_MODES)
+                if isinstance(wl_raw, dict) else "model_default")
+
     def cost_for(t: int) -> tuple[CostModel, dict]:
+        cm, meta = _cost_for(t)
+        if isinstance(cm, KernelCostModel):  # a profile's stored spec may predate generation_filter
+            cm.set_sampling(sampling, vllm_version, model.generation_filter)
+        return cm, meta
+
+    def _cost_for(t: int) -> tuple[CostModel, dict]:
         # Shipped profiles are named device-[tpN-]model[-fp8|-fp8block][-kvfp8] (sim/profiles/README.md).
         default_profile = (f"{device.name}-" + (f"tp{t}-" if t > 1 else "") + model.name
                            + {"fp8": "-fp8", "fp8_block": "-fp8block"}.get(model.weight_dtype, "")

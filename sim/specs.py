@@ -86,6 +86,10 @@ class ModelSpec:
     # A vision encoder and projector loaded with the model (Llama-4's checkpoints are multimodal):
     # its weights, in the activation dtype, split by TP; no text step reads them
     vision_params: int = 0
+    # The top-k/top-p filtering vLLM applies to a request that sets no sampling parameters: the
+    # checkpoint's generation_config.json ("" none: a temperature or greedy only; "top_p",
+    # "top_k", "top_k_top_p"). It prices the sampler (sim.sampling).
+    generation_filter: str = ""
 
     def __post_init__(self) -> None:
         for key in ("weight_dtype", "kv_dtype", "act_dtype"):
@@ -94,6 +98,8 @@ class ModelSpec:
             raise ValueError(f"kv_dtype={self.kv_dtype!r}, act_dtype={self.act_dtype!r}: fp8_block is a weight format")
         if self.attn_weight_dtype:
             object.__setattr__(self, "attn_weight_dtype", canonical_dtype(self.attn_weight_dtype, "attn_weight_dtype"))
+        if self.generation_filter not in ("", "top_p", "top_k", "top_k_top_p"):
+            raise ValueError(f"generation_filter={self.generation_filter!r}: one of '', 'top_p', 'top_k', 'top_k_top_p'")
         if self.expert_dtype:
             e = str(self.expert_dtype).lower()
             e = e if e in EXPERT_DTYPE_BYTES else canonical_dtype(e, "expert_dtype")
@@ -595,6 +601,16 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
               num_experts=128, num_experts_per_tok=1, moe_intermediate_size=8192, shared_intermediate_size=8192,
               num_moe_layers=24, vision_params=llama4_vision_params(LLAMA4_VISION_CONFIG, 5120)),
 ]}
+# generation_config.json's sampling defaults of the checkpoints a catalog name serves (the instruct
+# ones where base and instruct differ): Llama 2, 3.1, 3.2 and 4: temperature 0.6, top_p 0.9;
+# Qwen2.5 instruct: top_p 0.8, top_k 20 (and repetition_penalty 1.05, not priced); Qwen3 (dense
+# and MoE): top_p 0.95, top_k 20. The others set none that filters, or are not known here ("").
+GENERATION_FILTERS = {**dict.fromkeys(("llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "llama-3.2-1b",
+                                       "llama-3.2-3b", "llama-2-7b", "llama-2-13b", "llama-2-70b",
+                                       "llama-4-scout-17b-16e", "llama-4-maverick-17b-128e"), "top_p"),
+                      **dict.fromkeys(("qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-14b", "qwen3-32b",
+                                       "qwen3-30b-a3b", "qwen3-235b-a22b"), "top_k_top_p")}
+MODELS = {k: replace(m, generation_filter=GENERATION_FILTERS.get(k, "")) for k, m in MODELS.items()}
 _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-3.1-8b",
                   "meta-llama-3.1-70b": "llama-3.1-70b", "meta-llama-3.1-405b": "llama-3.1-405b",
                   "llama-3-8b": "llama-3.1-8b", "llama-3-70b": "llama-3.1-70b",
@@ -674,9 +690,28 @@ def load_hf_config(path: str | Path, name: str | None = None, dtype: str | None 
     except json.JSONDecodeError as e:
         raise ValueError(f"deployment.model={str(path)!r}: not valid JSON ({e})") from None
     try:
-        return ModelSpec.from_hf_config(cfg, name=name or (p.parent.name or p.stem).lower(), dtype=dtype)
+        spec = ModelSpec.from_hf_config(cfg, name=name or (p.parent.name or p.stem).lower(), dtype=dtype)
     except KeyError as e:
         raise ValueError(f"deployment.model={str(path)!r}: config.json lacks {e}") from None
+    gen = p.parent / "generation_config.json"
+    if gen.exists():
+        try:
+            with open(gen) as f:
+                spec = replace(spec, generation_filter=generation_filter_of(json.load(f)))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"deployment.model={str(path)!r}: {gen.name} is not valid JSON ({e})") from None
+    return spec
+
+
+def generation_filter_of(gen: dict) -> str:
+    """ModelSpec.generation_filter from a generation_config.json mapping: the top-k/top-p filtering
+    vLLM applies by default (top_p below 1, top_k above 0; at temperature 0 none)."""
+    if not isinstance(gen, dict) or gen.get("temperature") == 0:
+        return ""
+    top_p, top_k = gen.get("top_p"), gen.get("top_k")
+    p = isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and 0 < top_p < 1
+    k = isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 0
+    return "top_k_top_p" if p and k else "top_p" if p else "top_k" if k else ""
 
 
 def _from_mapping(cls, value, lookup, what: str):

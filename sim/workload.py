@@ -45,6 +45,7 @@ import numpy as np
 from sim.clients import ENGINE_DIRECT, FIELDS as CLIENT_FIELDS, HTTP_DEFAULTS, ClientModel
 from sim.specmap import MISSING, SpecError, SpecMap
 from sim.traces import FORMATS, MOONCAKE_BLOCK, TraceFormatError, read_trace
+from sim.sampling import SAMPLING_MODES
 
 
 class WorkloadError(SpecError):
@@ -309,7 +310,7 @@ class _Map(SpecMap):
 
 
 _TOP_KEYS = ("num_requests", "arrival", "prompt_len", "output_len", "shared_prefix", "prompt_pool", "priority",
-             "cancellation", "trace", "client", "benchmark")
+             "cancellation", "trace", "client", "benchmark", "sampling")
 # One independent random stream per concern (see the module docstring).
 _STREAMS = {"arrival": 1, "prompt_len": 2, "output_len": 3, "shared_prefix": 4, "priority": 5,
             "cancel": 6, "client": 7, "lengths": 8, "prompt_pool": 9}
@@ -337,6 +338,8 @@ def build_workload(spec: dict, seed: int, base_dir: Path | None = None) -> Workl
         raise WorkloadError(f"seed={seed!r}: must be a non-negative integer")
     root = _Map(spec, "workload")
     root.done(allowed=_TOP_KEYS)  # a misspelt key fails first, not after reading a trace
+    # The requests' sampling parameters: they price the GPU sampler (sim.sampling), not the requests
+    root.text("sampling", "model_default", choices=SAMPLING_MODES)
     if root.has("benchmark"):
         return _benchmark(root, seed)
     reader = _Reader(base_dir)
@@ -448,9 +451,9 @@ def _benchmark(root: _Map, seed: int) -> Workload:
     benchmarks/benchmark_serving.py and sglang.bench_serving do with --random-range-ratio r
     (and InferenceMAX runs them, r = 0.8): uniform integers in [int(L r), L]. Give one of the two."""
     for key in root.d:
-        if key not in ("benchmark", "client"):
+        if key not in ("benchmark", "client", "sampling"):
             raise WorkloadError(f"workload.{key}={root.d[key]!r}: not allowed with workload.benchmark "
-                                "(it fixes the requests); give only benchmark and client")
+                                "(it fixes the requests); give only benchmark, client and sampling")
     m = root.sub("benchmark")
     conc = m.integer("concurrency", None, ge=1)
     isl = m.integer("isl", ge=1)
