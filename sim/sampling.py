@@ -7,18 +7,19 @@ matter: how it is done depends on the release.
 
 - The PyTorch implementation (`apply_top_k_top_p`) sorts every row's whole vocabulary (plus a
   softmax, a cumulative sum and a scatter back). Published microbenchmarks of that path:
-  64 x 32,768 logits 0.373 ms and 128 x 32,768 0.613 ms for top-p (vLLM PR #40376, B200);
-  1,024 x 32,768 4.24 ms (PR #33538); top-k alone 256 x 131,072 3.81 ms (PR #32558); a single
-  row of 32,768 about 0.1 ms (PR #42191, #51507). FILTER_FLOOR_S + rows x vocabulary x
-  SORT_S_PER_LOGIT reads the top-p ones within 6% and top-k alone 17% high. vLLM's own note when it first replaced it
-  (PR #11394): "the sorting op can take ~20% performance overhead in high-throughput settings".
+  64 x 32,768 logits 0.373 ms and 128 x 32,768 0.613 ms for top-p (vLLM PR #40376, whose tests
+  ran on a B200); 1,024 x 32,768 4.24 ms (PR #33538); top-k alone 256 x 131,072 3.81 ms (PR
+  #32558); a single row of 32,768 about 0.1 ms (PR #42191, #51507). FILTER_FLOOR_S + rows x
+  vocabulary x SORT_S_PER_LOGIT reads the top-p ones within 6% and top-k alone 17% high. vLLM's
+  own note when it first replaced the sort (PR #11394): "the sorting op can take ~20% performance
+  overhead in high-throughput settings".
 - A Triton kernel (PR #33538) for steps of at least 8 rows: 0.24-0.26 ms for 64-128 x 32,768 and
   0.92 ms for 512 x 32,768 top-p, 0.10-0.14 ms for top-k (PR #40376's table): TRITON_FLOOR_S +
   rows x vocabulary x TRITON_S_PER_LOGIT, within 0.12 ms of the top-p ones.
 - FlashInfer's rejection-sampling kernels: 0.05-0.13 ms over the same sizes, no sort; counted as
   the plain sampler.
 
-Which one a release runs for top-k/top-p (RELEASES, vLLM's CUDA image):
+Which one a release runs for top-k/top-p by default in vLLM's CUDA image (filter_implementation):
 - before 0.9: PyTorch. V0's sampler sorts too; V1 fell back to PyTorch with FlashInfer >= 0.2.3
   (PR #14815).
 - 0.9 to 0.11.0: FlashInfer (PR #15777; the image ships FlashInfer).
@@ -33,8 +34,8 @@ inference-perf and aiperf send no sampling parameters; the benchmark_serving.py 
 InferenceMAX runs sends temperature 0. A step that samples any filtering row sorts all of its
 rows; every row of a workload here has the same parameters.
 
-These figures were measured on H100/B200-class GPUs and are used as they are on every GPU (the
-sort's cost per logit was the same on both).
+Not every table says which GPU it ran on; they agree with each other per logit within 10%, and
+the figures are used as they are on every GPU.
 """
 from __future__ import annotations
 
@@ -48,7 +49,6 @@ SORT_S_PER_LOGIT = 1.3e-10       # each further logit (rows x vocabulary) of tha
 TRITON_FLOOR_S = 2.0e-4
 TRITON_S_PER_LOGIT = 4.0e-11
 TRITON_MIN_ROWS = 8
-
 
 
 def release(version: str | None) -> tuple[int, int, int]:
