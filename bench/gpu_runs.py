@@ -47,21 +47,25 @@ TRACED_BUILD_TP_STEP_S = 6.0e-4
 
 
 def device_of(row: dict) -> str:
-    """The device spec of a run: its `gpu_product` (nvidia-smi's name, e.g. "NVIDIA A100-SXM4-80GB":
-    it tells 40 from 80 GB), else its `hardware` column as the runs write it ("H100", "A100-SXM",
-    "L40S", ...; sim.specs' names and aliases, or DEVICES by its first word: a PCIe card that
-    sim.specs does not name is read as that SXM part, its kernel tables and NVLink). ValueError
-    naming both when neither is known."""
+    """The device spec of a run: its `gpu_product` (nvidia-smi's name, e.g. "NVIDIA A100-SXM4-80GB"),
+    else its `hardware` column as the runs write it ("H100", "A100-SXM", "L40S", ...; sim.specs'
+    names and aliases, or DEVICES by its first word). A product sim.specs does not name (a PCIe
+    card) is read as the SXM part of its family and memory size ("NVIDIA A100-PCIE-40GB": a100-40g;
+    its kernel tables and NVLink). ValueError naming both columns when neither is known."""
     from sim.specs import get_device
     hw = (row.get("hardware") or "").strip()
-    for value in ((row.get("gpu_product") or "").split("(")[0].strip(), hw):
+    product = (row.get("gpu_product") or "").split("(")[0].strip()
+    family = next((w.upper() for w in (hw.split()[:1] + product.replace("-", " ").split())
+                   if w.upper() in DEVICES), None)
+    size = re.search(r"(\d+)\s*GB", product, re.IGNORECASE)
+    for value in (product, f"{family}-{size.group(1)}GB" if family and size else "", hw):
         if value:
             try:
                 return get_device(value).name
             except ValueError:
                 pass
-    if hw.split() and hw.split()[0].upper() in DEVICES:
-        return DEVICES[hw.split()[0].upper()]
+    if family:
+        return DEVICES[family]
     raise ValueError(f"hardware={row.get('hardware')!r}, gpu_product={row.get('gpu_product')!r}: no device "
                      f"spec for it; known: {sorted(DEVICES)} and sim.specs' device names")
 
@@ -141,16 +145,22 @@ def parallel_of(row: dict) -> dict:
     vLLM's --data-parallel-size is data-parallel attention for a mixture of experts (one engine
     of dp ranks, deployment.data_parallel) and dp engines behind vLLM's own balancer for a dense
     model (replicas routed to the least loaded); --enable-expert-parallel is
-    deployment.expert_parallel."""
+    deployment.expert_parallel. ValueError naming the column for a value that is neither."""
     from sim.specs import get_model
     out = {}
-    dp = int(_num(row.get("dp")) or 1)
+    raw = str(row.get("dp") or "1").strip()
+    dp = _num(raw)
+    if dp is None or dp < 1 or dp != int(dp):
+        raise ValueError(f"dp={row.get('dp')!r}: expected a whole number >= 1")
     if dp > 1:
         if get_model(row["model"]).is_moe:
-            out["data_parallel"] = dp
+            out["data_parallel"] = int(dp)
         else:
-            out.update(replicas=dp, router="least_outstanding")
-    if str(row.get("expert_parallel", "")).strip().lower() in ("true", "1", "yes"):
+            out.update(replicas=int(dp), router="least_outstanding")
+    ep = str(row.get("expert_parallel") or "false").strip().lower()
+    if ep not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(f"expert_parallel={row.get('expert_parallel')!r}: expected True or False")
+    if ep in ("true", "1", "yes"):
         out["expert_parallel"] = True
     return out
 

@@ -33,8 +33,9 @@ import numpy as np
 
 from engine.core.features import BatchFeatures
 from sim.cost_model import PROFILE_FORMAT, CostModel, FittedCostModel
-from sim.specs import EXPERT_DTYPE_BYTES, WEIGHT_ONLY_4BIT, DeviceSpec, ModelSpec, get_device, get_model
-from sim.sampling import filter_cost_s, filter_implementation, filters as sampling_filters, release as sampling_release
+from sim.specs import (EXPERT_DTYPE_BYTES, WEIGHT_ONLY_4BIT, DeviceSpec, ModelSpec, get_device, get_model,
+                       vllm_version_tuple)
+from sim.sampling import filter_cost_s, filter_implementation, filters as sampling_filters
 
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "calibration" / "kernels"
 KV_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8"}
@@ -625,13 +626,12 @@ class KernelCostModel(CostModel):
         sim.sampling.filter_cost_s per step where the release filters without FlashInfer.
         `generation_filter` replaces the model's own (a profile's stored spec may predate it)."""
         gen = self.model.generation_filter if generation_filter is None else generation_filter
-        impl = None
-        if sampling_filters(sampling, gen):
-            impl = filter_implementation(sampling_release(vllm_version))
+        release = vllm_version_tuple(vllm_version)  # ValueError naming deployment.vllm_version
+        impl = filter_implementation(release) if sampling_filters(sampling, gen, release) else None
         self._filter_impl = None if impl == "flashinfer" else impl
         self._memo_s.clear()
         self._memo_d.clear()
-        self.metadata.update(sampling=sampling, sampler_filter=impl or "none")
+        self.metadata.update(sampling=sampling, vllm_version=vllm_version, sampler_filter=impl or "none")
 
     # ------------------------------------------------------------------ rooflines
     def _gemm_roof(self, dtype: str) -> Callable[..., float]:
@@ -1200,7 +1200,8 @@ class KernelCostModel(CostModel):
         ovh.setdefault("gemm_compute_slowdown", 1.0)
         return cls(meta["model_spec"], meta["device_spec"], meta["tp"], ovh,
                    reduced=prof["reduced_tables"], expert_parallel=bool(meta.get("expert_parallel")),
-                   data_parallel=int(meta.get("data_parallel", 1)))
+                   data_parallel=int(meta.get("data_parallel", 1)),
+                   sampling=meta.get("sampling", "model_default"), vllm_version=meta.get("vllm_version"))
 
 
 # ---------------------------------------------------------------------- shipped profiles

@@ -19,27 +19,28 @@ matter: how it is done depends on the release.
 - FlashInfer's rejection-sampling kernels: 0.05-0.13 ms over the same sizes, no sort; counted as
   the plain sampler.
 
-Which one a release runs for top-k/top-p by default in vLLM's CUDA image (filter_implementation):
-- before 0.9: PyTorch. V0's sampler sorts too; V1 fell back to PyTorch with FlashInfer >= 0.2.3
-  (PR #14815).
-- 0.9 to 0.11.0: FlashInfer (PR #15777; the image ships FlashInfer).
-- 0.11.1 to 0.15: PyTorch (PR #26859 disabled FlashInfer's sampler by default, Oct 2025).
-- 0.16 to 0.19: Triton from 8 rows, PyTorch below (PR #33538).
+Which one a release runs for top-k/top-p (filter_implementation):
+- before 0.17: PyTorch. vLLM 0.9-0.11.0 used FlashInfer's kernel where FlashInfer was installed
+  (PRs #15777, #26859), but the startup logs of 0.10-0.16 that size the memory reserve
+  (sim.specs.activation_reserve_bytes) show the sort's buffers in the sampler warm-up, so the
+  sort is what those releases are timed with. The 0.16 logs still show the sort and 0.19's the
+  Triton kernel's smaller footprint; 0.17 is taken as its first release, as the memory model does.
+- 0.17 to 0.19: Triton from 8 rows, PyTorch below (PR #33538).
 - 0.20 on: FlashInfer (PR #40376, Apr 2026).
 
 The requests' parameters (workload.sampling): `greedy` (temperature 0), `random` (a temperature,
 no filter), `top_p`, `top_k`, `top_k_top_p`, or `model_default` (the request sets none, so vLLM
-applies the checkpoint's generation_config.json: ModelSpec.generation_filter). Clients differ:
+from 0.8 applies the checkpoint's generation_config.json, ModelSpec.generation_filter: PR #12622;
+before 0.8, its own defaults, which do not filter). Clients differ:
 inference-perf and aiperf send no sampling parameters; the benchmark_serving.py that
 InferenceMAX runs sends temperature 0. A step that samples any filtering row sorts all of its
 rows; every row of a workload here has the same parameters.
 
-Not every table says which GPU it ran on; they agree with each other per logit within 10%, and
-the figures are used as they are on every GPU.
+Not every table says which GPU it ran on. From 64 rows up they agree per logit within 10% (PR
+#51507's figures for 4-16 rows vary several-fold between its two tables). The figures are used as
+they are on every GPU.
 """
 from __future__ import annotations
-
-import re
 
 SAMPLING_MODES = ("model_default", "greedy", "random", "top_p", "top_k", "top_k_top_p")
 FILTERS = ("top_p", "top_k", "top_k_top_p")
@@ -50,37 +51,29 @@ TRITON_FLOOR_S = 2.0e-4
 TRITON_S_PER_LOGIT = 4.0e-11
 TRITON_MIN_ROWS = 8
 
-
-def release(version: str | None) -> tuple[int, int, int]:
-    """(major, minor, patch) of deployment.vllm_version ("0.15.1", "v0.19"); None: the default
-    release (sim.specs.DEFAULT_VLLM_VERSION)."""
-    from sim.specs import DEFAULT_VLLM_VERSION, vllm_version_tuple
-    major, minor = vllm_version_tuple(version)  # ValueError naming the field on a bad release
-    m = re.match(r"v?\d+\.\d+\.(\d+)", str(version or DEFAULT_VLLM_VERSION).strip())
-    return major, minor, int(m.group(1)) if m else 0
+GENERATION_CONFIG_FROM = (0, 8)  # vLLM applies generation_config.json by default (PR #12622)
+SAMPLER_SORT_UNTIL = (0, 17)     # the PyTorch sort before; Triton from 8 rows from (PR #33538)
+FLASHINFER_FROM = (0, 20)        # FlashInfer's sampler by default (PR #40376)
 
 
-def filter_implementation(version: tuple[int, ...]) -> str:
-    """'pytorch', 'triton' or 'flashinfer': what a vLLM release (major, minor[, patch]) runs for
-    top-k/top-p sampling by default on CUDA (see the module docstring)."""
-    v = tuple(version) + (0,) * (3 - len(version))
-    if v < (0, 9, 0):
+def filter_implementation(version: tuple[int, int]) -> str:
+    """'pytorch', 'triton' or 'flashinfer': what a vLLM release (major, minor) runs for top-k/top-p
+    sampling by default on CUDA (see the module docstring)."""
+    v = tuple(version)[:2]
+    if v < SAMPLER_SORT_UNTIL:
         return "pytorch"
-    if v < (0, 11, 1):
-        return "flashinfer"
-    if v < (0, 16, 0):
-        return "pytorch"
-    if v < (0, 20, 0):
-        return "triton"
-    return "flashinfer"
+    return "triton" if v < FLASHINFER_FROM else "flashinfer"
 
 
-def filters(mode: str, generation_filter: str) -> bool:
-    """Whether requests of this workload.sampling mode filter by top-k/top-p on this model."""
+def filters(mode: str, generation_filter: str, version: tuple[int, int]) -> bool:
+    """Whether requests of this workload.sampling mode filter by top-k/top-p on this model
+    (generation_filter: ModelSpec.generation_filter) under vLLM release `version` (major, minor)."""
     if mode not in SAMPLING_MODES:
         raise ValueError(f"workload.sampling={mode!r}: one of {list(SAMPLING_MODES)}")
+    if generation_filter not in ("",) + FILTERS:
+        raise ValueError(f"generation_filter={generation_filter!r}: one of {['', *FILTERS]}")
     if mode == "model_default":
-        return generation_filter in FILTERS
+        return generation_filter in FILTERS and tuple(version)[:2] >= GENERATION_CONFIG_FROM
     return mode in FILTERS
 
 

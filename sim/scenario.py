@@ -266,16 +266,16 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     cm.done()
 
     # The requests' sampling parameters (workload.sampling) price the sampler of a GPU step
-    # (sim.sampling); build_workload checks the key with the rest of the workload.
+    # (sim.sampling): read here, before the cost models are built (build_workload reads it too).
     wl_raw = root.raw("workload", None)
     sampling = (_M(wl_raw, "workload").text("sampling", "model_default", choices=SAMPLING_MODES)
                 if isinstance(wl_raw, dict) else "model_default")
 
     def cost_for(t: int) -> tuple[CostModel, dict]:
-        cm, meta = _cost_for(t)
-        if isinstance(cm, KernelCostModel):  # a profile's stored spec may predate generation_filter
-            cm.set_sampling(sampling, vllm_version, model.generation_filter)
-        return cm, meta
+        built, meta = _cost_for(t)
+        if isinstance(built, KernelCostModel):  # a profile's stored spec may predate generation_filter
+            built.set_sampling(sampling, vllm_version, model.generation_filter)
+        return built, meta
 
     def _cost_for(t: int) -> tuple[CostModel, dict]:
         # Shipped profiles are named device-[tpN-]model[-fp8|-fp8block][-kvfp8] (sim/profiles/README.md).

@@ -19,6 +19,8 @@ import re
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from sim.sampling import SAMPLER_SORT_UNTIL
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_block": 1}
 FP8 = ("fp8", "fp8_block")  # fp8_block: weights in 128x128 blocks with their own scales (Qwen's -FP8)
 # Sub-byte formats, for routed experts only (expert_dtype): bytes per weight with their scales.
@@ -843,7 +845,7 @@ def activation_reserve_bytes(model: ModelSpec, device: DeviceSpec, tp: int = 1,
     if model.is_moe:
         forward = max(forward, MOE_FORWARD_BYTES_PER_TOKEN * t)
     rows = min(max_num_seqs, t)
-    if version < (0, 17):
+    if version < SAMPLER_SORT_UNTIL:  # the warm-up's top-k/top-p sorted (sim.sampling)
         torch_peak = max(forward, rows * model.vocab_size * 38.5)
     else:
         torch_peak = forward + rows * model.vocab_size * 8

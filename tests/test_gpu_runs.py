@@ -200,6 +200,7 @@ def test_a_published_run_becomes_a_scenario_that_does_what_it_did():
     ("L40S", "NVIDIA L40S", "l40s"),
     ("H100", "NVIDIA H100 80GB HBM3 (SXM)", "h100-sxm"),
     ("A100 80GB", "NVIDIA A100 80GB PCIe", "a100-80g"),  # a PCIe card sim.specs lacks: its SXM part
+    ("A100", "NVIDIA A100-PCIE-40GB", "a100-40g"),        # ... of its memory size
 ])
 def test_a_runs_gpu_is_read_from_its_hardware_or_product_name(hardware, product, device):
     from gpu_runs import scenario_for
@@ -231,3 +232,7 @@ def test_a_runs_data_and_expert_parallel_columns_reach_its_deployment():
     assert "expert_parallel" not in dense.deployment
     one = scenario_for(_row(model="mistralai/Mixtral-8x7B-Instruct-v0.1", tp="2", dp="1", expert_parallel="False"))
     assert "data_parallel" not in one["deployment"] and "expert_parallel" not in one["deployment"]
+    with pytest.raises(ValueError, match="dp='2.5'"):
+        scenario_for(_row(dp="2.5"))
+    with pytest.raises(ValueError, match="expert_parallel='on'"):
+        scenario_for(_row(expert_parallel="on"))

@@ -9,9 +9,9 @@ import pytest
 
 from engine.core.features import BatchFeatures
 from sim.kernel_model import KernelCostModel
-from sim.sampling import filter_cost_s, filter_implementation, filters, release
+from sim.sampling import filter_cost_s, filter_implementation, filters
 from sim.scenario import ScenarioError, parse_scenario
-from sim.specs import generation_filter_of, get_model
+from sim.specs import generation_filter_of, get_model, vllm_version_tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from silicon_check import scenario_data  # noqa: E402
@@ -34,18 +34,23 @@ def test_the_triton_filter_is_used_from_eight_rows_and_costs_what_vllm_measured(
 
 
 @pytest.mark.parametrize("version,impl", [
-    ("0.8.5", "pytorch"), ("0.10.1", "flashinfer"), ("0.11.0", "flashinfer"), ("0.11.1", "pytorch"),
-    ("0.15.1", "pytorch"), ("0.16.0", "triton"), ("v0.19", "triton"), ("0.20.1", "flashinfer"), (None, "flashinfer"),
+    ("0.8.5", "pytorch"), ("0.10.1", "pytorch"), ("0.15.1", "pytorch"), ("0.16.0", "pytorch"),
+    ("0.17.0", "triton"), ("v0.19", "triton"), ("0.20.1", "flashinfer"), (None, "flashinfer"),
 ])
 def test_each_release_filters_with_its_default_implementation(version, impl):
-    assert filter_implementation(release(version)) == impl
+    assert filter_implementation(vllm_version_tuple(version)) == impl
 
 
 def test_which_requests_filter():
-    assert filters("model_default", "top_p") and not filters("model_default", "")
-    assert filters("top_k", "") and not filters("greedy", "top_k_top_p") and not filters("random", "top_p")
+    v15 = (0, 15)
+    assert filters("model_default", "top_p", v15) and not filters("model_default", "", v15)
+    assert not filters("model_default", "top_p", (0, 7))  # before 0.8 vLLM ignores generation_config.json
+    assert filters("top_k", "", (0, 7)) and not filters("greedy", "top_k_top_p", v15)
+    assert not filters("random", "top_p", v15)
     with pytest.raises(ValueError, match="workload.sampling='nucleus'"):
-        filters("nucleus", "")
+        filters("nucleus", "", v15)
+    with pytest.raises(ValueError, match="generation_filter='topp'"):
+        filters("model_default", "topp", v15)
 
 
 def test_generation_config_sets_the_default_filter():
@@ -83,6 +88,13 @@ def test_a_release_that_sorts_adds_the_filter_to_every_step_of_filtering_request
     # set_sampling re-prices a model already built (a profile's), the memoised decode steps too
     now.set_sampling("top_p", "0.15.1")
     assert now.decode_gpu_time(n, n * (ctx + 1)) == pytest.approx(sorts.decode_gpu_time(n, n * (ctx + 1)))
+    # a profile keeps what it was priced for
+    again = KernelCostModel.from_profile(json.loads(json.dumps(now.to_profile())))
+    assert again.metadata["sampler_filter"] == "pytorch" and again.metadata["vllm_version"] == "0.15.1"
+    # (a profile holds the tables reduced to a coarser grid: within 0.1%)
+    assert again.decode_gpu_time(n, n * (ctx + 1)) == pytest.approx(sorts.decode_gpu_time(n, n * (ctx + 1)), rel=1e-3)
+    with pytest.raises(ValueError, match="deployment.vllm_version='banana'"):
+        KernelCostModel("qwen2.5-7b", "h100-sxm", 1, sampling="greedy", vllm_version="banana")
 
 
 BASE = {"name": "s", "deployment": {"model": "llama-3.1-8b", "device": "h100-sxm", "vllm_version": "0.15.1"},
@@ -101,6 +113,7 @@ def test_a_scenario_prices_its_requests_sampling_on_a_shipped_profile_too():
     assert sc.cost_model.describe()["sampler_filter"] == "pytorch"
     assert parse_scenario(_with(sampling="greedy")).cost_model.describe()["sampler_filter"] == "none"
     assert parse_scenario(_with({"vllm_version": "0.17.0"})).cost_model.describe()["sampler_filter"] == "triton"
+    assert parse_scenario(_with({"vllm_version": "0.7.3"})).cost_model.describe()["sampler_filter"] == "none"
     assert parse_scenario(_with({"vllm_version": "0.20.0"})).cost_model.describe()["sampler_filter"] == "flashinfer"
     bench = {**BASE, "workload": {"benchmark": {"concurrency": 4, "isl": 100, "osl": 10, "num_prompts": 8},
                                   "sampling": "greedy"}}
