@@ -604,9 +604,10 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
               num_moe_layers=24, vision_params=llama4_vision_params(LLAMA4_VISION_CONFIG, 5120)),
 ]}
 # generation_config.json's sampling defaults of the checkpoints a catalog name serves (the instruct
-# ones where base and instruct differ): Llama 2, 3.1, 3.2 and 4: temperature 0.6, top_p 0.9;
-# Qwen2.5 instruct: top_p 0.8, top_k 20 (and repetition_penalty 1.05, not priced); Qwen3 (dense
-# and MoE): top_p 0.95, top_k 20. The others set none that filters, or are not known here ("").
+# ones where base and instruct differ), as their public files read (written from them, not
+# re-read offline): Llama 2, 3.1, 3.2 and 4: top_p 0.9 (an early Llama-2 revision 0.6); Qwen2.5
+# instruct: top_p 0.8, top_k 20 (and repetition_penalty 1.05, not priced); Qwen3 (dense and MoE):
+# top_p 0.95, top_k 20. The others set none that filters, or are not known here ("").
 GENERATION_FILTERS = {**dict.fromkeys(("llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "llama-3.2-1b",
                                        "llama-3.2-3b", "llama-2-7b", "llama-2-13b", "llama-2-70b",
                                        "llama-4-scout-17b-16e", "llama-4-maverick-17b-128e"), "top_p"),
