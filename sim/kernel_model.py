@@ -365,7 +365,9 @@ def derive_head_table(tabs: dict, kvn: str, q: int, kv: int, head_dim: int, phas
     and 32 KV heads, Qwen2.5-7B's 28/4), from measured neighbours of the same KV dtype and head
     dim, as (axes, microseconds, note), or None:
       1. the same KV heads, query heads bracketed (q1 < q < q2): geometric interpolation in q;
-      2. the same queries per KV head, KV heads bracketed: geometric interpolation in kv;
+      2. decode: every table of the same queries per KV head (KV heads within 8x), each read at
+         the batch that gives the same batch x KV heads, their geometric mean (at least two);
+         prefill, or fewer tables: KV heads bracketed, geometric interpolation in kv;
       3. the nearest measured configuration, scaled by the work that grows with the heads:
          KV heads for decode (it streams each KV head once), query heads for prefill.
     Interpolation runs on the first table's axes, the other table read there by its own grid
@@ -395,6 +397,23 @@ def derive_head_table(tabs: dict, kvn: str, q: int, kv: int, head_dim: int, phas
     if lo and hi:
         w = math.log(q / lo[0]) / math.log(hi[0] / lo[0])
         return blend(lo[1], hi[1], w, f"interpolated in query heads between {lo[1]} and {hi[1]}")
+    if phase == "generation":
+        # Decode attention streams each (sequence, KV head) pair's keys and values once, and its
+        # kernels split the work over batch x KV heads: at the same queries per KV head, b
+        # sequences with kv heads are the work of b x kv / kk sequences with kk heads. Every such
+        # measured table (kk within 8x of kv), read at that batch; their geometric mean (over the
+        # tables whose batch axis holds that batch, where any does).
+        same = [(kk, k) for qq, kk, k in have if qq * kv == q * kk and 1 / 8 <= kv / kk <= 8]
+        if len(same) >= 2:
+            axes = tabs[min(same, key=lambda t: abs(math.log(t[0] / kv)))[1]]["values"]
+            grids = [(kv / kk, Grid(tabs[k]["values"], tabs[k]["us"], roof), tabs[k]["values"][0]) for kk, k in same]
+
+            def mean_at(b, s):
+                inside = [(sc, g) for sc, g, ax in grids if ax[0] <= b * sc <= ax[-1]] or [g[:2] for g in grids]
+                return float(np.exp(np.mean([np.log(g(b * sc, s)[0]) for sc, g in inside])))
+            us = [[mean_at(b, s) for s in axes[1]] for b in axes[0]]
+            return axes, us, (f"mean of {len(same)} tables of {q / kv:g} queries per KV head at the same "
+                              f"batch x KV heads ({', '.join(k for _kk, k in sorted(same))})")
     lo, hi = bracket([(kk, k) for qq, kk, k in have if qq * kv == q * kk], kv)
     if lo and hi:
         w = math.log(kv / lo[0]) / math.log(hi[0] / lo[0])

@@ -107,7 +107,7 @@ def test_a_missing_head_shape_is_interpolated_between_measured_neighbours():
     assert "query heads between bf16/24/4/128 and bf16/32/4/128" in note
     want = _power_table(28, 4, 0.5, 1.0)["us"]
     assert np.allclose(us, want, rtol=1e-9)
-    values, us, note = derive_head_table(tabs, "bf16", 32, 32, 128, "generation")
+    values, us, note = derive_head_table(tabs, "bf16", 32, 32, 128, "context")
     assert "KV heads between bf16/24/24/128 and bf16/48/48/128" in note
     assert np.allclose(us, _power_table(32, 32, 0.5, 1.0)["us"], rtol=1e-9)
     # Nothing to bracket: the nearest shape, scaled by KV heads (decode) or query heads (prefill).
@@ -116,9 +116,30 @@ def test_a_missing_head_shape_is_interpolated_between_measured_neighbours():
     assert derive_head_table(tabs, "bf16", 32, 8, 64, "generation") is None  # no head_dim 64 at all
 
 
+def test_decode_attention_of_a_missing_head_shape_is_read_at_the_same_batch_x_kv_heads():
+    """Decode attention's work (and its kernels' parallelism) is batch x KV heads at a given
+    number of queries per KV head: tables that depend on that product alone, however non-linearly,
+    give the missing shape exactly; interpolating in KV heads at the same batch would not. (KV
+    heads 8-128 read 32's batches on their own power-of-two batch axes: no interpolation error.)"""
+    def f(n, s):  # microseconds for n = batch x KV heads: a launch floor, then a rise
+        return 5.0 + (n * s) ** 0.8 * 1e-2
+    bs, ss = [2 ** i for i in range(12)], [128, 1024, 8192]
+    tabs = {f"bf16/{h}/{h}/128": {"values": [bs, ss], "us": [[f(b * h, s) for s in ss] for b in bs]}
+            for h in (8, 16, 64, 128)}
+    values, us, note = derive_head_table(tabs, "bf16", 32, 32, 128, "generation")
+    assert note.startswith("mean of 4 tables of 1 queries per KV head")
+    for i, b in enumerate(values[0]):  # each batch from the tables whose axis holds b x 32 / h
+        for j, s in enumerate(values[1]):
+            assert us[i][j] == pytest.approx(f(b * 32, s), rel=1e-9)
+    w = np.log(32 / 16) / np.log(64 / 16)  # what interpolating between 16 and 64 KV heads gives
+    assert not all(f(b * 16, s) ** (1 - w) * f(b * 64, s) ** w == pytest.approx(f(b * 32, s), rel=0.01)
+                   for b in bs for s in ss)
+
+
 def test_llama2_decode_attention_comes_from_measured_mha_tables_not_the_roofline():
     k = KernelCostModel("llama-2-7b", "h100-sxm", 1)
-    assert "between bf16/24/24/128 and bf16/48/48/128" in k.coverage["generation_attention"]
+    assert "bf16/24/24/128" in k.coverage["generation_attention"]
+    assert "bf16/48/48/128" in k.coverage["generation_attention"]
     k.gpu_time(BatchFeatures(num_reqs=32, num_decode_reqs=32, decode_context_tokens=32 * 700))
     assert "generation_attention" not in k.fallbacks
 
