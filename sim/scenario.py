@@ -117,14 +117,20 @@ def set_field(data: dict, dotted: str, value) -> dict:
     return out
 
 
+# --set fields whose values are text however they look: a release "0.10" is not the number 0.1
+TEXT_SET_FIELDS = ("deployment.vllm_version",)
+
+
 def parse_set(items: list[str]) -> dict[str, list]:
-    """["a.b=1,2", "c=x,y"] -> {"a.b": [1, 2], "c": ["x", "y"]} (each value read as YAML)."""
+    """["a.b=1,2", "c=x,y"] -> {"a.b": [1, 2], "c": ["x", "y"]} (each value read as YAML, but
+    TEXT_SET_FIELDS' as written)."""
     out: dict[str, list] = {}
     for item in items:
         if "=" not in item:
             raise ScenarioError(f"--set {item!r}: expected FIELD=V1,V2,... (e.g. scheduler.max_num_seqs=64,256)")
         key, vals = item.split("=", 1)
-        values = [yaml.safe_load(v) for v in vals.split(",") if v.strip() != ""]
+        read = str.strip if key.strip() in TEXT_SET_FIELDS else yaml.safe_load
+        values = [read(v) for v in vals.split(",") if v.strip() != ""]
         if not key or not values:
             raise ScenarioError(f"--set {item!r}: needs a field and at least one value")
         out[key.strip()] = values

@@ -14,6 +14,9 @@ def test_parse_set_reads_values_as_yaml():
                       "scheduler.enable_prefix_caching=true"]) == {
         "scheduler.max_num_batched_tokens": [512, 2048], "scheduler.policy": ["fcfs", "priority"],
         "scheduler.enable_prefix_caching": [True]}
+    # a release stays text: 0.10 is not the number 0.1
+    assert parse_set(["deployment.vllm_version=0.10,0.15.1, 0.33"]) == {
+        "deployment.vllm_version": ["0.10", "0.15.1", "0.33"]}
     from sim.scenario import ScenarioError
     with pytest.raises(ScenarioError, match="FIELD=V1,V2"):
         parse_set(["scheduler.max_num_seqs"])
