@@ -647,7 +647,7 @@ class KernelCostModel(CostModel):
         gen = self.model.generation_filter if generation_filter is None else generation_filter
         release = vllm_version_tuple(vllm_version)  # ValueError naming deployment.vllm_version
         impl = filter_implementation(release) if sampling_filters(sampling, gen, release) else None
-        self._filter_impl = None if impl == "flashinfer" else impl
+        self._filter_impl = impl  # filter_cost_s prices each implementation (FlashInfer: nothing extra)
         self._memo_s.clear()
         self._memo_d.clear()
         self.metadata.update(sampling=sampling, vllm_version=vllm_version, sampler_filter=impl or "none")
