@@ -238,6 +238,15 @@ def test_the_bench_reports_the_runs_itl_from_the_clients_token_count():
     assert p["itl_mean"] == pytest.approx((p["e2e_mean"] - p["ttft_mean"]) / (209.0 - 1))
     assert res["rel_error"]["ttft_mean"] == pytest.approx(p["ttft_mean"] / 0.030 - 1)
     assert math.isfinite(res["rel_error"]["e2e_mean"]) and res["stages"][0]["rate"] == 1
+    # A run that logged no count: the one its published means imply by that definition,
+    # (2000 - 30) / 9.5 + 1 tokens, so the ITL is compared as the run computed it.
+    from gpu_runs import client_tokens
+    unlogged = _row(s0_rate_rps="1", s0_duration_s="8", s1_rate_rps="", s1_duration_s="",
+                    all_measured_output_len_mean="")
+    assert client_tokens(unlogged) == pytest.approx((2000 - 30) / 9.5 + 1)
+    p = simulate((unlogged, [0], None, None))["predicted_s"]
+    assert p["itl_mean"] == pytest.approx((p["e2e_mean"] - p["ttft_mean"]) / ((2000 - 30) / 9.5))
+    assert client_tokens(_row(all_measured_output_len_mean="", all_itl_mean_ms="")) is None
 
 
 def test_a_runs_data_and_expert_parallel_columns_reach_its_deployment():
