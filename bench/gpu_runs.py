@@ -16,8 +16,8 @@ TTFT and E2E p90/p99, signed and absolute errors) and a JSON summary: the mean a
 percentage error and the signed mean error of each metric.
 
 The cost model, the CPU work and the request path are the simulator's defaults, the same for
-every run, with one setting of the runs' server build: its TP groups' per-step coordination
-(TRACED_BUILD_TP_STEP_S). That and the request path's share of the HTTP client's http_s
+every run, with one setting of the runs' server build: the tracing build's TP groups' per-step
+coordination (TRACED_BUILD_TP_STEP_S; runs on a stock vLLM image pay none, `traced_build`). That and the request path's share of the HTTP client's http_s
 (sim.clients.REQUEST_PATH_FITTED_S, a default for every HTTP client) were fitted on these runs;
 --loro refits both without each run in turn and reports that run's error, the honest measure.
 """
@@ -136,8 +136,21 @@ def scenario_for(row: dict, overheads: dict | None = None, client: dict | None =
                      # generation_config.json (its top-k/top-p priced by sim.sampling)
                      "sampling": "model_default"},
         "output": {"plots": False},
-        "cost_model": {"type": "kernels", "overheads": overheads or {"tp_step_s": TRACED_BUILD_TP_STEP_S}},
+        "cost_model": {"type": "kernels",
+                       "overheads": overheads or {"tp_step_s": TRACED_BUILD_TP_STEP_S if traced_build(row) else 0.0}},
     }
+
+
+def traced_build(row: dict) -> bool:
+    """Whether a run's server was the tracing build (its `observability_build` column; where that
+    is empty, an image of the inference-sim fork), which pays TRACED_BUILD_TP_STEP_S per step
+    with TP > 1. A stock vLLM image (`vllm/vllm-openai:...`) pays none."""
+    flag = str(row.get("observability_build") or "").strip().lower()
+    if flag in ("true", "1", "yes"):
+        return True
+    if flag in ("false", "0", "no"):
+        return False
+    return "inference-sim" in str(row.get("vllm_image") or "").lower()
 
 
 def parallel_of(row: dict) -> dict:
@@ -248,8 +261,8 @@ def loro(rows: list[dict], workers: int) -> dict:
     runs (least squares of log errors of the TTFT, E2E and ITL means), then that run predicted."""
     import math
     base_client = {"http_s": UNFITTED_HTTP_S}
-    tp1 = [r for r in rows if int(_num(r["tp"])) == 1]
-    wide = [r for r in rows if int(_num(r["tp"])) > 1]
+    wide = [r for r in rows if int(_num(r["tp"])) > 1 and traced_build(r)]  # the ones tp_step_s reaches
+    tp1 = [r for r in rows if r not in wide]
     grid: dict[float, dict] = {}
     with ProcessPoolExecutor(workers) as ex:
         flat = {r["exp_id"]: x for r, x in zip(tp1, ex.map(simulate, [(r, [0], {"tp_step_s": 0.0}, base_client)

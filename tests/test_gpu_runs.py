@@ -182,7 +182,7 @@ def _row(**kw):
            "s1_duration_s": "10", "system_prompt_len_tok": "100", "nominal_input_len_tok": "547",
            "output_len_tok": "248", "all_measured_input_len_mean": "575.45",
            "all_measured_output_len_mean": "209.0", "all_ttft_mean_ms": "30", "all_e2e_mean_ms": "2000",
-           "all_itl_mean_ms": "9.5"}
+           "all_itl_mean_ms": "9.5", "observability_build": "True"}
     row.update(kw)
     return row
 
@@ -198,6 +198,10 @@ def test_a_published_run_becomes_a_scenario_that_does_what_it_did():
     assert (w.prompt_len == 575).all() and (w.output_len == 248).all()  # the measured input, max_tokens out
     assert w.client.http_s > 0 and w.client.output_s > 0  # the streaming HTTP path
     assert data["cost_model"]["overheads"]["tp_step_s"] > 0  # the runs' traced server build
+    for flag, image, paid in (("False", "", False), ("", "vllm/vllm-openai:v0.15.1", False),
+                              ("", "ghcr.io/inference-sim/vllm:0.6.8", True), ("True", "", True)):
+        got = scenario_for(_row(observability_build=flag, vllm_image=image))["cost_model"]["overheads"]
+        assert (got["tp_step_s"] > 0) is paid  # a stock vLLM image pays no tracing coordination
     a100 = parse_scenario(scenario_for(_row(hardware="A100", gpu_kv_blocks_total="")))
     assert a100.deployment["device"] == "a100-80g" and "vllm_version" not in a100.deployment
     # Without logged blocks the pool is sized as the run's vLLM release profiles memory: the
