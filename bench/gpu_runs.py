@@ -143,14 +143,16 @@ def scenario_for(row: dict, overheads: dict | None = None, client: dict | None =
 
 def traced_build(row: dict) -> bool:
     """Whether a run's server was the tracing build (its `observability_build` column; where that
-    is empty, an image of the inference-sim fork), which pays TRACED_BUILD_TP_STEP_S per step
-    with TP > 1. A stock vLLM image (`vllm/vllm-openai:...`) pays none."""
+    is empty, its `vllm_image`), which pays TRACED_BUILD_TP_STEP_S per step with TP > 1. A stock
+    vLLM image (`vllm/vllm-openai:...`) pays none. A row that names neither is read as the
+    tracing build, the one every run of the study's H100 CSV used."""
     flag = str(row.get("observability_build") or "").strip().lower()
     if flag in ("true", "1", "yes"):
         return True
     if flag in ("false", "0", "no"):
         return False
-    return "inference-sim" in str(row.get("vllm_image") or "").lower()
+    image = str(row.get("vllm_image") or "").strip().lower()
+    return not image or "inference-sim" in image
 
 
 def parallel_of(row: dict) -> dict:

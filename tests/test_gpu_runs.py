@@ -199,7 +199,8 @@ def test_a_published_run_becomes_a_scenario_that_does_what_it_did():
     assert w.client.http_s > 0 and w.client.output_s > 0  # the streaming HTTP path
     assert data["cost_model"]["overheads"]["tp_step_s"] > 0  # the runs' traced server build
     for flag, image, paid in (("False", "", False), ("", "vllm/vllm-openai:v0.15.1", False),
-                              ("", "ghcr.io/inference-sim/vllm:0.6.8", True), ("True", "", True)):
+                              ("", "ghcr.io/inference-sim/vllm:0.6.8", True), ("True", "", True),
+                              ("", "", True)):  # neither named: the study's tracing build
         got = scenario_for(_row(observability_build=flag, vllm_image=image))["cost_model"]["overheads"]
         assert (got["tp_step_s"] > 0) is paid  # a stock vLLM image pays no tracing coordination
     a100 = parse_scenario(scenario_for(_row(hardware="A100", gpu_kv_blocks_total="")))
