@@ -17,8 +17,8 @@ percentage error and the signed mean error of each metric.
 
 The cost model, the CPU work and the request path are the simulator's defaults, the same for
 every run, with one setting of the runs' server build: the tracing build's TP groups' per-step
-coordination (TRACED_BUILD_TP_STEP_S; runs on a stock vLLM image pay none, `traced_build`). That and the request path's share of the HTTP client's http_s
-(sim.clients.REQUEST_PATH_FITTED_S, a default for every HTTP client) were fitted on these runs;
+coordination (TRACED_BUILD_TP_STEP_S; runs on a stock vLLM image pay none, `traced_build`). That
+and the request path's share of the HTTP client's http_s (sim.clients.REQUEST_PATH_FITTED_S, a default for every HTTP client) were fitted on these runs;
 --loro refits both without each run in turn and reports that run's error, the honest measure.
 """
 from __future__ import annotations
@@ -146,11 +146,9 @@ def traced_build(row: dict) -> bool:
     is empty, its `vllm_image`), which pays TRACED_BUILD_TP_STEP_S per step with TP > 1. A stock
     vLLM image (`vllm/vllm-openai:...`) pays none. A row that names neither is read as the
     tracing build, the one every run of the study's H100 CSV used."""
-    flag = str(row.get("observability_build") or "").strip().lower()
-    if flag in ("true", "1", "yes"):
-        return True
-    if flag in ("false", "0", "no"):
-        return False
+    flag = _flag(row.get("observability_build"))
+    if flag is not None:
+        return flag
     image = str(row.get("vllm_image") or "").strip().lower()
     return not image or "inference-sim" in image
 
@@ -172,12 +170,19 @@ def parallel_of(row: dict) -> dict:
             out["data_parallel"] = int(dp)
         else:
             out.update(replicas=int(dp), router="least_outstanding")
-    ep = str(row.get("expert_parallel") or "false").strip().lower()
-    if ep not in ("true", "false", "1", "0", "yes", "no"):
+    ep = _flag(row.get("expert_parallel") or "false")
+    if ep is None:
         raise ValueError(f"expert_parallel={row.get('expert_parallel')!r}: expected True or False")
-    if ep in ("true", "1", "yes"):
+    if ep:
         out["expert_parallel"] = True
     return out
+
+
+def _flag(value) -> bool | None:
+    """A True/False column as the runs write it (True, false, 1, no, ...); None when empty or not
+    one of those."""
+    text = str(value or "").strip().lower()
+    return True if text in ("true", "1", "yes") else False if text in ("false", "0", "no") else None
 
 
 def measured(row: dict) -> dict:
@@ -263,8 +268,9 @@ def loro(rows: list[dict], workers: int) -> dict:
     runs (least squares of log errors of the TTFT, E2E and ITL means), then that run predicted."""
     import math
     base_client = {"http_s": UNFITTED_HTTP_S}
-    wide = [r for r in rows if int(_num(r["tp"])) > 1 and traced_build(r)]  # the ones tp_step_s reaches
-    tp1 = [r for r in rows if r not in wide]
+    reached = [int(_num(r["tp"])) > 1 and traced_build(r) for r in rows]  # the runs tp_step_s reaches
+    wide = [r for r, x in zip(rows, reached) if x]
+    tp1 = [r for r, x in zip(rows, reached) if not x]  # TP 1 or a stock build: tp_step_s has no effect
     grid: dict[float, dict] = {}
     with ProcessPoolExecutor(workers) as ex:
         flat = {r["exp_id"]: x for r, x in zip(tp1, ex.map(simulate, [(r, [0], {"tp_step_s": 0.0}, base_client)

@@ -65,13 +65,18 @@ def filter_implementation(version: tuple[int, int]) -> str:
     return "triton" if v < FLASHINFER_FROM else "flashinfer"
 
 
+def check_generation_filter(value: str) -> None:
+    """ValueError naming generation_filter unless `value` is "" (no filter) or one of FILTERS."""
+    if value not in ("",) + FILTERS:
+        raise ValueError(f"generation_filter={value!r}: one of {['', *FILTERS]}")
+
+
 def filters(mode: str, generation_filter: str, version: tuple[int, int]) -> bool:
     """Whether requests of this workload.sampling mode filter by top-k/top-p on this model
     (generation_filter: ModelSpec.generation_filter) under vLLM release `version` (major, minor)."""
     if mode not in SAMPLING_MODES:
         raise ValueError(f"workload.sampling={mode!r}: one of {list(SAMPLING_MODES)}")
-    if generation_filter not in ("",) + FILTERS:
-        raise ValueError(f"generation_filter={generation_filter!r}: one of {['', *FILTERS]}")
+    check_generation_filter(generation_filter)
     if mode == "model_default":
         return generation_filter in FILTERS and tuple(version)[:2] >= GENERATION_CONFIG_FROM
     return mode in FILTERS

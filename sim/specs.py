@@ -19,7 +19,7 @@ import re
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from sim.sampling import FILTERS, SAMPLER_SORT_UNTIL
+from sim.sampling import SAMPLER_SORT_UNTIL, check_generation_filter
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_block": 1}
 FP8 = ("fp8", "fp8_block")  # fp8_block: weights in 128x128 blocks with their own scales (Qwen's -FP8)
@@ -100,8 +100,7 @@ class ModelSpec:
             raise ValueError(f"kv_dtype={self.kv_dtype!r}, act_dtype={self.act_dtype!r}: fp8_block is a weight format")
         if self.attn_weight_dtype:
             object.__setattr__(self, "attn_weight_dtype", canonical_dtype(self.attn_weight_dtype, "attn_weight_dtype"))
-        if self.generation_filter not in ("",) + FILTERS:
-            raise ValueError(f"generation_filter={self.generation_filter!r}: one of {['', *FILTERS]}")
+        check_generation_filter(self.generation_filter)
         if self.expert_dtype:
             e = str(self.expert_dtype).lower()
             e = e if e in EXPERT_DTYPE_BYTES else canonical_dtype(e, "expert_dtype")
