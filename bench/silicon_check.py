@@ -191,7 +191,10 @@ GENERIC = {"max_num_seqs": None, "max_num_batched_tokens": 8192, "enable_prefix_
            "kv_dtype": {"b200_sxm": "fp8", "b300_sxm": "fp8"}}
 # Per model, weights and GPU, where InferenceMAX's own script for it (benchmarks/<model>_<precision>_
 # <gpu>*.sh in the InferenceX repository) departs from the generic recipe. Keys as above, plus
-# `cudagraph_max_tokens` (its --max-cudagraph-capture-size; vLLM's default 512);
+# `cudagraph_max_tokens` (its --max-cudagraph-capture-size; None or absent: vLLM's default 512),
+# `budget_per_isl` (a --max-num-batched-tokens of that many times the row's ISL, over
+# `max_num_batched_tokens`), `gpu_memory_utilization` (absent: the scenario's 0.9) and `block_size`
+# (its --block-size; absent: 16);
 # `max_num_seqs` None is $CONC; a `kv_dtype` of None is the checkpoint's (vLLM's default).
 # gptoss_fp4_{b200,h100,h200}*.sh: capture size 2048 on every GPU; B200 fp8 KV and 512 sequences.
 # Their MoE kernels are not all in the tables at gpt-oss's shape: Hopper's Marlin MXFP4 is timed
@@ -199,6 +202,8 @@ GENERIC = {"max_num_seqs": None, "max_num_batched_tokens": 8192, "enable_prefix_
 # were measured); B200's MXFP8-activation kernel by its own table at the nearest measured shape
 # (4096 x 2048, 256 experts, top 6: experts of gpt-oss's size), scaled to gpt-oss's.
 _GPT_OSS = {"cudagraph_max_tokens": 2048, "kv_dtype": None}
+_MINIMAX_947 = {"max_num_seqs": 1024, "budget_per_isl": 2, "cudagraph_max_tokens": 2048, "kv_dtype": "fp8",
+                "block_size": 32}
 RECIPES = {
     # gptoss_fp4_b200.sh also sets VLLM_USE_FLASHINFER_MOE_MXFP4_MXFP8=1: MXFP8 activations
     ("gpt-oss-120b", None, "b200_sxm"): {"max_num_seqs": 512, "cudagraph_max_tokens": 2048, "kv_dtype": "fp8",
@@ -208,10 +213,14 @@ RECIPES = {
     # 70b_fp8_{h100,h200}_slurm.sh: kv-cache-dtype fp8 on Hopper too.
     ("llama-3.1-70b", "fp8", "h100_sxm"): {"kv_dtype": "fp8"},
     ("llama-3.1-70b", "fp8", "h200_sxm"): {"kv_dtype": "fp8"},
-    # Not taken: minimaxm2.5_fp8_{b200,h100,h200}.sh as stored today (B200: vLLM's defaults with
-    # bf16 KV). The B200 rows were measured earlier (vLLM 0.19, 2026-04) with a KV cache that held
-    # 64 requests of 8192/1024 on TP2 with little queueing, which bf16 KV cannot (fp8 KV can): the
-    # script changed since, so MiniMax keeps the generic recipe.
+    # minimaxm2.5_fp8_b200.sh from InferenceX#947 (its v0.19.0 image, merged 2026-04-03) on: fp8
+    # KV, --max-cudagraph-capture-size 2048, --max-num-batched-tokens $((ISL * 2)), --block-size 32,
+    # --stream-interval 20 (the first token and then every 20th leave at once: mean TTFT and TPOT
+    # unchanged, not modelled), vLLM's default max_num_seqs (1024), memory utilisation 0.90; its
+    # data-parallel rows pass --data-parallel-size with the same settings per rank.
+    # minimaxm2.5_fp8_b300.sh reuses it as-is.
+    ("minimax-m2", None, "b200_sxm"): _MINIMAX_947,
+    ("minimax-m2", None, "b300_sxm"): _MINIMAX_947,
     # kimik2.5_int4_{b200,h200}.sh: vLLM's defaults (B200: max_num_seqs too).
     ("kimi-k2.5", None, "b200_sxm"): {"max_num_seqs": 1024, "kv_dtype": None, "enable_prefix_caching": True},
     ("kimi-k2.5", None, "h200_sxm"): {"kv_dtype": None, "enable_prefix_caching": True},
@@ -225,11 +234,15 @@ RECIPES = {
 # - minimaxm2.5_fp8_b200.sh before InferenceX#947 (v0.17.0 -> v0.19.0, 2026-04-03) exported
 #   VLLM_USE_FLASHINFER_MOE_FP8=0 and VLLM_MOE_USE_DEEP_GEMM=0 (vLLM's Triton fused MoE,
 #   `moe_backend: triton`) and passed --enable-expert-parallel whenever EP_SIZE >= 1, on every row
-#   (#947 made it EP_SIZE > 1).
+#   (#947 made it EP_SIZE > 1); otherwise vLLM's defaults (the checkpoint's KV dtype, budget 8192,
+#   1024 sequences, capture size 512) with --gpu-memory-utilization 0.95 and --block-size 32.
 # - minimaxm2.5_fp8_h200.sh had the same `-ge 1` from InferenceX#869 (2026-03-05, v0.16.0) through
 #   its v0.18.0 image, until #1354 (2026-05-12; image v0.20.1) made it `-gt 1`: rows of releases
 #   before 0.20 measured from 2026-03-05 served with expert parallelism.
-BEFORE = {("minimax-m2", None, "b200_sxm"): [("0.19", None, {"moe_backend": "triton", "expert_parallel": True})],
+BEFORE = {("minimax-m2", None, "b200_sxm"): [("0.19", None, {
+              "moe_backend": "triton", "expert_parallel": True, "kv_dtype": None, "budget_per_isl": None,
+              "max_num_batched_tokens": 8192, "max_num_seqs": 1024, "cudagraph_max_tokens": None,
+              "gpu_memory_utilization": 0.95, "block_size": 32})],
           ("minimax-m2", None, "h200_sxm"): [("0.20", "2026-03-05", {"expert_parallel": True})]}
 
 
@@ -270,14 +283,20 @@ def server(case: dict) -> tuple[dict, dict, dict]:
         return {}, {}, {}
     r = {**GENERIC, **RECIPES.get((case["model"], case["weight_dtype"], case["system"]), {}), **_before(case)}
     kv = r["kv_dtype"].get(case["system"]) if isinstance(r["kv_dtype"], dict) else r["kv_dtype"]
+    budget = r["budget_per_isl"] * case["isl"] if r.get("budget_per_isl") else r["max_num_batched_tokens"]
     sched = {"max_num_seqs": r["max_num_seqs"] or case["concurrency"],
-             "max_num_batched_tokens": r["max_num_batched_tokens"],
+             "max_num_batched_tokens": budget,
              "enable_prefix_caching": r["enable_prefix_caching"]}
-    cm = {"overheads": {"cudagraph_max_tokens": r["cudagraph_max_tokens"]}} if "cudagraph_max_tokens" in r else {}
+    if r.get("block_size"):
+        sched["block_size"] = r["block_size"]
+    graphs = r.get("cudagraph_max_tokens")
+    cm = {"overheads": {"cudagraph_max_tokens": graphs}} if graphs else {}
     for key in ("moe_activations", "moe_backend"):
         if key in r:
             cm[key] = r[key]
     dep = {"kv_dtype": kv} if kv else {}
+    if r.get("gpu_memory_utilization"):
+        dep["gpu_memory_utilization"] = r["gpu_memory_utilization"]
     if r.get("expert_parallel"):
         dep["expert_parallel"] = True
     return dep, sched, cm

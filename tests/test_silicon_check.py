@@ -203,18 +203,33 @@ def test_a_dense_data_parallel_row_is_its_engines_side_by_side():
 
 def test_minimax_rows_of_vllm_0_17_run_the_script_of_their_image():
     """minimaxm2.5_fp8_b200.sh before InferenceX#947 (v0.17.0 -> v0.19.0) turned FlashInfer's and
-    DeepGEMM's MoE off (vLLM's Triton fused MoE) and passed --enable-expert-parallel on every row;
-    rows of v0.19.0 and of nightly builds run the generic recipe."""
-    def data(version, model="MiniMaxAI/MiniMax-M2.5", quant="fp8"):
-        r = row(model_path=model, gemm_quant_mode=quant, tp_size="2", backend_version=version)
+    DeepGEMM's MoE off (vLLM's Triton fused MoE), passed --enable-expert-parallel on every row and
+    left the rest to vLLM's defaults (the checkpoint's KV dtype, budget 8192, 1024 sequences) at
+    memory utilisation 0.95; rows of v0.19.0 and of nightly builds run #947's script: fp8 KV, a
+    budget of twice the ISL, CUDA graphs up to 2048 tokens, blocks of 32, 1024 sequences; the B300
+    script is the same."""
+    def data(version, model="MiniMaxAI/MiniMax-M2.5", quant="fp8", system="b200_sxm", isl="1024"):
+        r = row(model_path=model, gemm_quant_mode=quant, tp_size="2", backend_version=version, system=system,
+                isl=isl)
         return sc.scenario_data(sc.usable(r), protocol="auto")
     old = data("0.17.0")
     assert old["cost_model"]["moe_backend"] == "triton" and old["deployment"]["expert_parallel"] is True
+    assert "kv_dtype" not in old["deployment"] and old["deployment"]["gpu_memory_utilization"] == 0.95
+    assert old["scheduler"]["max_num_batched_tokens"] == 8192 and old["scheduler"]["max_num_seqs"] == 1024
+    assert "overheads" not in old["cost_model"]
     k = parse_scenario(old).cost_model.base
-    assert k.moe_backend == "triton" and k.expert_parallel
+    assert k.moe_backend == "triton" and k.expert_parallel and k.ovh.cudagraph_max_tokens == 512
     for version in ("0.19.0", "nightly-5b8c30d62b754b57", ""):
         new = data(version)
         assert "moe_backend" not in new.get("cost_model", {}) and "expert_parallel" not in new["deployment"]
+        assert new["deployment"]["kv_dtype"] == "fp8" and "gpu_memory_utilization" not in new["deployment"]
+        assert new["scheduler"] == {"max_num_seqs": 1024, "max_num_batched_tokens": 2048, "block_size": 32,
+                                    "enable_prefix_caching": False}
+        assert new["cost_model"]["overheads"] == {"cudagraph_max_tokens": 2048}
+    assert data("0.19.0", isl="8192")["scheduler"]["max_num_batched_tokens"] == 16384
+    assert data("0.19.0", system="b300_sxm")["scheduler"]["max_num_batched_tokens"] == 2048
+    cfg = parse_scenario(data("0.19.0")).scheduler_config
+    assert (cfg.max_num_batched_tokens, cfg.block_size, cfg.max_num_seqs) == (2048, 32, 1024)
     assert "moe_backend" not in data("0.17.0", "meta-llama/Llama-3.1-70B", "fp8").get("cost_model", {})
 
 
