@@ -45,10 +45,11 @@ class CostModel:
         decode_gpu_time_fn(), decode_cpu_time_fn()   decode-only shortcuts of those two, or None
         async_scheduling        whether the CPU work of step n+1 overlaps step n (the replica
                                 then admits an arrival during step n in step n+2)
-        group_step_time(fs)     one step of data-parallel ranks stepping together, rank i with
+        group_step_time(fs, n)  one step of n data-parallel ranks stepping together, rank i with
                                 batch fs[i]: the slowest rank's step_time with the MoE layers
-                                over every rank's tokens (set_group_tokens; a wrapper passes it
-                                on to the model it wraps, a model with no MoE notion ignores it)
+                                over the group's tokens (set_group_tokens; a wrapper passes it
+                                on to the model it wraps, a model with no MoE notion ignores
+                                it), each rank padded to the largest where dp_pads(tokens)
         residual_quantiles, noise_quantiles (and their _by_kind): empty unless fitted
         kind, metadata, describe()
 
@@ -83,8 +84,22 @@ class CostModel:
         """The tokens of every data-parallel rank in the step being timed (their MoE layers run
         on all of them), or None: a single engine. Ignored by models with no MoE notion."""
 
-    def group_step_time(self, features: list[BatchFeatures]) -> float:
-        self.set_group_tokens(sum(f.num_prefill_tokens + f.num_decode_reqs for f in features))
+    def dp_pads(self, num_tokens: int) -> bool:
+        """Whether a data-parallel step whose largest rank has num_tokens runs in CUDA graphs, so
+        that vLLM pads every rank to that count (vllm/v1/worker/dp_utils.py: the ranks agree on
+        the smallest CUDA-graph mode and pad to the largest token count unless it is none).
+        False here: a model with no CUDA-graph notion."""
+        return False
+
+    def group_step_time(self, features: list[BatchFeatures], ranks: int | None = None) -> float:
+        """One step of `ranks` data-parallel ranks (default: one per batch; an idle rank runs a
+        dummy batch), rank i with batch features[i]: the slowest rank's step_time with the MoE
+        layers over the group's tokens, every rank padded to the largest one's count where
+        dp_pads says so, else the ranks' own tokens summed."""
+        tokens = [f.num_prefill_tokens + f.num_decode_reqs for f in features]
+        top = max(tokens)
+        n = max(ranks or 0, len(features))
+        self.set_group_tokens(n * top if self.dp_pads(top) else sum(tokens))
         try:
             return max(self.step_time(f) for f in features)
         finally:

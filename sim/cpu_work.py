@@ -153,6 +153,9 @@ class WithCpuWork(CostModel):
     def set_group_tokens(self, num_tokens: int | None) -> None:
         self.base.set_group_tokens(num_tokens)
 
+    def dp_pads(self, num_tokens: int) -> bool:
+        return self.base.dp_pads(num_tokens)
+
     def gpu_time(self, f: BatchFeatures) -> float:
         return self._gpu(f)
 

@@ -968,6 +968,11 @@ class KernelCostModel(CostModel):
     def set_group_tokens(self, num_tokens: int | None) -> None:
         self._group_tokens = num_tokens if self.dp > 1 else None
 
+    def dp_pads(self, num_tokens: int) -> bool:
+        """A step of up to cudagraph_max_tokens runs in a CUDA graph (Overheads.launch_floor), so
+        vLLM pads every data-parallel rank to the largest rank's token count."""
+        return num_tokens <= self.ovh.cudagraph_max_tokens
+
     def _kernel_time(self, f: BatchFeatures) -> float:
         """The step's kernel time, as the tables (and the launch floor) give it."""
         if (not f.num_prefill_tokens and not f.num_prefill_reqs and f.num_decode_reqs

@@ -430,9 +430,9 @@ class DataParallelGroup:
     own scheduler, KV pool and requests (Replica objects without a loop of their own), stepping
     together because every MoE layer is one collective over all of them: while any rank has work,
     every rank's step starts at the same boundary (vLLM runs a dummy batch on an idle rank; its
-    time is not counted here, nor its tokens in the MoE layers), the MoE layers
-    process the tokens of all ranks (CostModel.group_step_time), and the step ends when the
-    slowest rank's attention and dense layers are done. So one rank's long prefill stalls the
+    own time is not counted here), the MoE layers process the tokens of all ranks, each padded
+    to the largest rank's count when the step runs in CUDA graphs (CostModel.group_step_time),
+    and the step ends when the slowest rank's attention and dense layers are done. So one rank's long prefill stalls the
     others' decodes. Plain steps only (no fast-forward)."""
 
     def __init__(self, sim: ReplicaOwner, ranks: list[Replica], cost_model) -> None:
@@ -470,7 +470,7 @@ class DataParallelGroup:
                 continue
             outs = [r._begin_plain(now) for r in busy]
             feats = [o.features for o in outs]
-            yield env.timeout(self.cost.group_step_time(feats))
+            yield env.timeout(self.cost.group_step_time(feats, len(ranks)))
             end = env.now
             for r, o in zip(busy, outs):
                 r._end_plain(o, now, end)

@@ -462,10 +462,20 @@ def test_data_parallel_moe_layers_take_every_ranks_tokens():
     hand = 2 * (2 - 1) / 2 * 32 * 2048 * 2 / k1.device.interconnect_bandwidth
     hand += 2 * k1.device.interconnect_latency_s + k1.ovh.dp_dispatch_s
     assert both["moe_dispatch"] == pytest.approx(48 * hand)
-    # a group step: the slower rank's (g's) terms with the MoE over both ranks' 32 tokens, plus
-    # its CPU work; the faster rank waits for it
-    assert k1.group_step_time([f, g]) == pytest.approx(sum(_with_group(k1, 32, g).values()) + k1.cpu_time(g))
+    # a group step: the slower rank's (g's) terms plus its CPU work; the faster rank waits for
+    # it. Both steps run in CUDA graphs, so vLLM pads rank 0's 8 tokens to rank 1's 24: the MoE
+    # layers take 2 x 24 tokens, and the step costs what two ranks of g would
+    assert k1.group_step_time([f, g]) == pytest.approx(sum(_with_group(k1, 48, g).values()) + k1.cpu_time(g))
+    assert k1.group_step_time([f, g]) == pytest.approx(k1.group_step_time([g, g]))
     assert k1.group_step_time([f, g]) > k1.group_step_time([f, f])
+    # an idle rank runs a dummy batch, padded as well: a group of 4 with two busy ranks
+    assert k1.group_step_time([f, g], 4) == pytest.approx(sum(_with_group(k1, 96, g).values()) + k1.cpu_time(g))
+    # a prefill chunk above the CUDA-graph limit (512 tokens) runs eagerly: no rank is padded,
+    # the MoE layers take the ranks' own 8 + 4000 tokens, and the step costs less than two
+    # ranks of that chunk would
+    p = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=4000, prefill_attn_pairs=4000 * 4001 // 2)
+    assert k1.group_step_time([f, p]) == pytest.approx(sum(_with_group(k1, 4008, p).values()) + k1.cpu_time(p))
+    assert k1.group_step_time([f, p]) < 0.8 * k1.group_step_time([p, p])
 
 
 def _with_group(k, n, f):
