@@ -299,12 +299,14 @@ class Overheads:
       leave-one-run-out errors move by less than 0.1 point.
     - dp_dispatch_s: per MoE layer and step under data-parallel attention, the dispatch and
       combine beyond their bytes over the link (KernelCostModel._dispatch_roof) and the link's two
-      latencies: the ranks' per-step synchronisation. 0 by default. Chosen among 0 / 30 / 60 us on
-      the allowed vLLM B200 rows with attention DP (`bench/silicon_check.py`: MiniMax-M2.5 on 2
-      and 4 GPUs, DP 2 and 4, 23 rows, each at its client's concurrency, batch_size x dp): median
-      TPOT error -5.2% / +5.9% / +16.1% at DP 2 and -4.6% / +8.9% / +19.3% at DP 4, where the same
-      model's rows without DP read -5.4%. (It was 60 us while those rows ran at batch_size alone,
-      a dp-th of their clients' concurrency.)
+      latencies: the ranks' per-step synchronisation. 0 by default. Chosen among 0 / 15 / 30 us on
+      the allowed vLLM B200 and B300 rows with attention DP (`bench/silicon_check.py`: MiniMax-M2.5,
+      DP 2 and 4, 18 distinct rows, each at its client's concurrency, batch_size x dp, on
+      InferenceX#947's script, with every rank padded as vLLM pads it: CostModel.group_step_time):
+      median TPOT error -2.8% / +1.0% / +3.9% at DP 2 and +1.3% / +4.1% / +7.6% at DP 4, where the
+      same model's rows without DP read -3.8%. (It was 60 us while those rows ran at batch_size
+      alone, a dp-th of their clients' concurrency; 0 was kept before the padding, on the generic
+      recipe.)
     - tp_step_s: per step and per GPU of a TP group beyond the first, coordination that no kernel
       table holds. 0 by default: stock vLLM shows none beyond its kernels (the allowed B200 rows
       of `bench/silicon_check.py`, TP 1-8, lose their TPOT accuracy with any: +60% at TP 8 with
