@@ -290,7 +290,7 @@ def server(case: dict) -> tuple[dict, dict, dict]:
     if r.get("block_size"):
         sched["block_size"] = r["block_size"]
     graphs = r.get("cudagraph_max_tokens")
-    cm = {"overheads": {"cudagraph_max_tokens": graphs}} if graphs else {}
+    cm = {"overheads": {"cudagraph_max_tokens": graphs}} if graphs is not None else {}
     for key in ("moe_activations", "moe_backend"):
         if key in r:
             cm[key] = r[key]

@@ -64,6 +64,9 @@ class NoisyCostModel(CostModel):
     def set_group_tokens(self, num_tokens: int | None) -> None:
         self.base.set_group_tokens(num_tokens)
 
+    def dp_pads(self, num_tokens: int) -> bool:
+        return self.base.dp_pads(num_tokens)
+
     def step_time(self, f) -> float:
         u, ratio = self.ratio_table(f)
         return self.base.step_time(f) * self.scale * float(np.interp(self.rng.random(), u, ratio))

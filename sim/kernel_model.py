@@ -293,20 +293,22 @@ class Overheads:
       The same clocks hold every compute-bound kernel of a large step, so the factor also scales
       the routed experts' fused-MoE tables (by the step's tokens T, as a dense GEMM's M) and the
       prefill attention (by its b x s query rows). It was not refitted for that. On the same B200
-      rows that takes the MoE models' median TTFT error from -21.7% to -16.0% (MiniMax-M2.5),
+      rows (MiniMax-M2.5 then on the generic recipe, before InferenceX#947's script was given to
+      its rows) that takes the MoE models' median TTFT error from -21.7% to -16.0% (MiniMax-M2.5),
       -26.1% to -22.5% (gpt-oss-120b) and -14.7% to -7.9% (Kimi-K2.5), and Llama-3.1-70B's from
       -8.0% to -7.6%; TPOT by at most two points (MiniMax-M2.5 -5.2% -> -3.6%); the H100 runs'
       leave-one-run-out errors move by less than 0.1 point.
     - dp_dispatch_s: per MoE layer and step under data-parallel attention, the dispatch and
       combine beyond their bytes over the link (KernelCostModel._dispatch_roof) and the link's two
       latencies: the ranks' per-step synchronisation. 0 by default. Chosen among 0 / 15 / 30 us on
-      the allowed vLLM B200 and B300 rows with attention DP (`bench/silicon_check.py`: MiniMax-M2.5,
-      DP 2 and 4, 18 distinct rows, each at its client's concurrency, batch_size x dp, on
-      InferenceX#947's script, with every rank padded as vLLM pads it: CostModel.group_step_time):
-      median TPOT error -2.8% / +1.0% / +3.9% at DP 2 and +1.3% / +4.1% / +7.6% at DP 4, where the
-      same model's rows without DP read -3.8%. (It was 60 us while those rows ran at batch_size
-      alone, a dp-th of their clients' concurrency; 0 was kept before the padding, on the generic
-      recipe.)
+      the allowed vLLM rows with attention DP (`bench/silicon_check.py`: MiniMax-M2.5, DP 2 and 4,
+      each at its client's concurrency, batch_size x dp, on InferenceX#947's script, with every
+      rank padded as vLLM pads it: CostModel.group_step_time), the value whose median TPOT error
+      is nearest the same model's rows without DP: on B200's 23 rows -6.0% / +0.5% / +4.7% at DP 2
+      and -6.1% / +1.3% / +7.1% at DP 4, against -3.2% without DP; on B300's 5, +0.4% / +2.1% /
+      +3.9% and +2.5% / +5.9% / +9.3%, against -4.3%. (It was 60 us while those rows ran at
+      batch_size alone, a dp-th of their clients' concurrency; 0 was kept before the padding, on
+      the generic recipe.)
     - tp_step_s: per step and per GPU of a TP group beyond the first, coordination that no kernel
       table holds. 0 by default: stock vLLM shows none beyond its kernels (the allowed B200 rows
       of `bench/silicon_check.py`, TP 1-8, lose their TPOT accuracy with any: +60% at TP 8 with
@@ -971,8 +973,11 @@ class KernelCostModel(CostModel):
         self._group_tokens = num_tokens if self.dp > 1 else None
 
     def dp_pads(self, num_tokens: int) -> bool:
-        """A step of up to cudagraph_max_tokens runs in a CUDA graph (Overheads.launch_floor), so
-        vLLM pads every data-parallel rank to the largest rank's token count."""
+        """Whether the group's largest rank (num_tokens) runs in a CUDA graph, up to
+        cudagraph_max_tokens tokens, prefill or decode (vLLM captures no larger batch), so that
+        vLLM pads every data-parallel rank to that count. vLLM pads to the graph size above it
+        (a few tokens more); the raw count is taken here. Only the MoE layers' tokens are padded
+        here: each rank's dense layers and attention are still timed at its own tokens."""
         return num_tokens <= self.ovh.cudagraph_max_tokens
 
     def _kernel_time(self, f: BatchFeatures) -> float:

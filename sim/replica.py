@@ -432,8 +432,8 @@ class DataParallelGroup:
     every rank's step starts at the same boundary (vLLM runs a dummy batch on an idle rank; its
     own time is not counted here), the MoE layers process the tokens of all ranks, each padded
     to the largest rank's count when the step runs in CUDA graphs (CostModel.group_step_time),
-    and the step ends when the slowest rank's attention and dense layers are done. So one rank's long prefill stalls the
-    others' decodes. Plain steps only (no fast-forward)."""
+    and the step ends when the slowest rank's attention and dense layers are done. So one rank's
+    long prefill stalls the others' decodes. Plain steps only (no fast-forward)."""
 
     def __init__(self, sim: ReplicaOwner, ranks: list[Replica], cost_model) -> None:
         self.env = sim.env

@@ -514,6 +514,25 @@ def test_data_parallel_ranks_step_together_and_a_prefill_stalls_the_others():
     assert gap(dp_t) > 3 * gap(indep)
 
 
+def test_data_parallel_idle_ranks_run_padded_dummy_batches_in_a_scenario():
+    """A lone 400-token prompt on four ranks: three ranks are idle and run dummy batches, which vLLM
+    pads to the busy rank's 400 tokens (the step runs in CUDA graphs: 400 <= 512), so the MoE
+    layers take 4 x 400 tokens. The scenario's cost model (CPU work around the kernel model)
+    passes the padding rule on; the step's recorded time is the group's, longer than the busy
+    rank's step with the idle ranks left out."""
+    from sim.scenario import run_scenario
+    import pandas as pd
+    sc = _dp_scenario(4, [(0.0, 400, 3)], expert_parallel=True)
+    cm = sc.cost_model
+    assert cm.dp_pads(400) and not cm.dp_pads(4000)
+    steps = pd.DataFrame(run_scenario(sc).step_table)
+    prefill = steps[steps.num_prefill_tokens > 0].iloc[0]
+    f = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=400, prefill_attn_pairs=400 * 401 // 2)
+    fresh = _dp_scenario(4, [(0.0, 400, 3)], expert_parallel=True).cost_model
+    assert prefill.end_s - prefill.start_s == pytest.approx(fresh.group_step_time([f], 4))
+    assert prefill.end_s - prefill.start_s > 1.2 * fresh.group_step_time([f], 1)
+
+
 def test_the_planner_grid_takes_data_parallel_and_prints_its_flags():
     from scenarios.candidates import candidates, compose, gpus_per_unit, label
     from scenarios.plan import prune_reason

@@ -216,6 +216,7 @@ def test_minimax_rows_of_vllm_0_17_run_the_script_of_their_image():
     assert old["cost_model"]["moe_backend"] == "triton" and old["deployment"]["expert_parallel"] is True
     assert "kv_dtype" not in old["deployment"] and old["deployment"]["gpu_memory_utilization"] == 0.95
     assert old["scheduler"]["max_num_batched_tokens"] == 8192 and old["scheduler"]["max_num_seqs"] == 1024
+    assert old["scheduler"]["block_size"] == 32
     assert "overheads" not in old["cost_model"]
     k = parse_scenario(old).cost_model.base
     assert k.moe_backend == "triton" and k.expert_parallel and k.ovh.cudagraph_max_tokens == 512
