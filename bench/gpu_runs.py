@@ -18,8 +18,8 @@ percentage error and the signed mean error of each metric.
 The cost model, the CPU work and the request path are the simulator's defaults, the same for
 every run, with one setting of the runs' server build: the tracing build's TP groups' per-step
 coordination (TRACED_BUILD_TP_STEP_S; runs on a stock vLLM image pay none, `traced_build`). That
-and the request path's share of the HTTP client's http_s (sim.clients.REQUEST_PATH_FITTED_S, a default for every HTTP client) were fitted on these runs;
---loro refits both without each run in turn and reports that run's error, the honest measure.
+and the request path's share of the HTTP client's http_s (sim.clients.REQUEST_PATH_FITTED_S, a
+default for every HTTP client) were fitted on these runs; --loro refits both without each run in turn and reports that run's error, the honest measure.
 """
 from __future__ import annotations
 

@@ -235,14 +235,14 @@ RECIPES = {
 #   VLLM_USE_FLASHINFER_MOE_FP8=0 and VLLM_MOE_USE_DEEP_GEMM=0 (vLLM's Triton fused MoE,
 #   `moe_backend: triton`) and passed --enable-expert-parallel whenever EP_SIZE >= 1, on every row
 #   (#947 made it EP_SIZE > 1); otherwise vLLM's defaults (the checkpoint's KV dtype, budget 8192,
-#   1024 sequences, capture size 512) with --gpu-memory-utilization 0.95 and --block-size 32.
+#   1024 sequences, capture size 512) with --gpu-memory-utilization 0.95 and --block-size 32. The
+#   keys below undo what #947's recipe sets; its 1024 sequences and blocks of 32 stay.
 # - minimaxm2.5_fp8_h200.sh had the same `-ge 1` from InferenceX#869 (2026-03-05, v0.16.0) through
 #   its v0.18.0 image, until #1354 (2026-05-12; image v0.20.1) made it `-gt 1`: rows of releases
 #   before 0.20 measured from 2026-03-05 served with expert parallelism.
 BEFORE = {("minimax-m2", None, "b200_sxm"): [("0.19", None, {
               "moe_backend": "triton", "expert_parallel": True, "kv_dtype": None, "budget_per_isl": None,
-              "max_num_batched_tokens": 8192, "max_num_seqs": 1024, "cudagraph_max_tokens": None,
-              "gpu_memory_utilization": 0.95, "block_size": 32})],
+              "cudagraph_max_tokens": None, "gpu_memory_utilization": 0.95})],
           ("minimax-m2", None, "h200_sxm"): [("0.20", "2026-03-05", {"expert_parallel": True})]}
 
 
