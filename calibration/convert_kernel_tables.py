@@ -13,7 +13,8 @@ Kept (vLLM backend only, the kernels vLLM itself runs):
   attention:   context (prefill, batch x isl, causal, no prefix) and generation (decode,
                batch x KV length) for head_dim 64/128, no sliding window, KV bf16 and fp8,
                one kernel per GPU (FA3 on Hopper, FlashInfer TRT-LLM kernels on Blackwell).
-  all-reduce:  vLLM custom all-reduce under CUDA graphs, bf16, by element count.
+  all-reduce:  vLLM custom all-reduce under CUDA graphs, bf16, by element count; with
+               --allreduce-eager (added to the files already written) the same outside graphs.
   moe (--moe, added to the files already written): vLLM's fused-MoE layer (routing excluded:
                the grouped expert GEMMs with their activation), by token count, per weight
                format (the kernel vLLM picks for it on that GPU), model shape (hidden, expert
@@ -254,6 +255,57 @@ def convert_moe_triton(site: Path, out: Path, systems: dict | None = None, packa
         print(f"{system}: {len(tables)} Triton MoE tables ({len(skewed)} skewed), {path.stat().st_size / 1e6:.2f} MB")
 
 
+def convert_allreduce_eager(site: Path, out: Path, systems: list[str] | None = None,
+                            package: str = "aisimulate_core") -> None:
+    """Add `allreduce_eager` to calibration/kernels/<system>.json (written by convert): the
+    all-reduce of a step that runs outside CUDA graphs (a prefill step of more tokens than vLLM
+    captures). Outside a graph vLLM's custom all-reduce first copies its input into a registered
+    buffer, so it takes longer than `allreduce` (timed inside graphs): the wheel times both
+    (`vLLM_custom_eager`, `vLLM_custom_graph`) in every release folder of `comm/vllm/`. The table is
+    `allreduce` (the graph times) times the median over those releases of eager / graph at each
+    GPU count and message size; a median, because one release's eager times can stray (H100 and
+    H200 in 0.31.0: 180-300 us at TP 4 and 8 for every message of 0.5-8 M elements, where its
+    other releases read 1.1-1.4x the graph times)."""
+    root = site / package / "systems" / "data"
+    for system in systems or [p.stem for p in sorted(out.glob("*.json"))]:
+        path = out / f"{system}.json"
+        doc = json.loads(path.read_text())
+        if "allreduce" not in doc or not (root / system / "comm" / "vllm").is_dir():
+            continue
+        ratios: dict[tuple[int, int], list[float]] = {}
+        used = []
+        for folder in sorted((root / system / "comm" / "vllm").iterdir()):
+            f = folder / "custom_allreduce_perf.parquet"
+            if not f.exists():
+                continue
+            c = pd.read_parquet(f)
+            c = c[c.allreduce_dtype == "bfloat16"]
+            t = c.pivot_table(index=["num_gpus", "message_size"], columns="kernel_source", values="latency",
+                              aggfunc="median")
+            if not {"vLLM_custom_eager", "vLLM_custom_graph"} <= set(t.columns):
+                continue
+            used.append(str(f.relative_to(site)))
+            for (n, size), r in (t["vLLM_custom_eager"] / t["vLLM_custom_graph"]).dropna().items():
+                ratios.setdefault((int(n), int(size)), []).append(float(r))
+        tables = {}
+        for tp, tab in doc["allreduce"]["tables"].items():
+            sizes, us = tab["values"][0], tab["us"]
+            have = [(size, float(pd.Series(ratios[int(tp), int(size)]).median()))
+                    for size in sizes if (int(tp), int(size)) in ratios]
+            if len(have) < len(sizes):
+                continue  # a GPU count the releases did not time outside graphs: none
+            tables[tp] = {"values": [sizes], "us": [sig(u * r) for u, (_s, r) in zip(us, have)]}
+        if not tables:
+            continue
+        doc["sources"]["allreduce_eager"] = used
+        doc["allreduce_eager"] = {"kernel": "vLLM_custom_eager", "dtype": "bf16", "size_unit": "elements",
+                                  "method": "allreduce x the median over the releases of eager / graph",
+                                  "tables": tables}
+        with open(path, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        print(f"{system}: eager all-reduce for TP {sorted(tables, key=int)} from {len(used)} releases")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--site", type=Path, default=None, help="site-packages of a Python with the wheel")
@@ -263,10 +315,18 @@ def main() -> None:
     ap.add_argument("--moe", action="store_true", help="add the fused-MoE tables to the files in --out")
     ap.add_argument("--moe-triton", action="store_true",
                     help="add the Triton fused-MoE tables (MOE_TRITON) to the files in --out")
+    ap.add_argument("--allreduce-eager", action="store_true",
+                    help="add the all-reduce outside CUDA graphs to the files in --out (with --aiconfigurator: "
+                         "AIC_SYSTEMS from its wheel)")
     args = ap.parse_args()
     if args.site is None:
         ap.error("--site: the site-packages folder that holds the wheel")
-    if args.moe_triton:
+    if args.allreduce_eager:
+        if args.aiconfigurator:
+            convert_allreduce_eager(args.site, args.out, list(AIC_SYSTEMS), "aiconfigurator_core")
+        else:
+            convert_allreduce_eager(args.site, args.out, list(SYSTEMS))
+    elif args.moe_triton:
         convert_moe_triton(args.site, args.out)
     elif args.moe:
         convert_moe(args.site, args.out)

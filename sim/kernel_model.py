@@ -271,7 +271,8 @@ class Overheads:
       num_layers x eager_layer_launch_s. Without this floor, a 1k-token prefill of Llama-3.1-70B
       at TP8 costs its kernels alone (~10 ms), and TTFT at TP4/TP8 came out half of what vLLM
       serves. AIConfigurator's vLLM backend adds a per-request dispatch cost of 0.8 ms per layer
-      for the same reason. Decode-only steps past the graph sizes (more than 512 running
+      for the same reason. Such a step's all-reduces (decode-only ones too) are read from the
+      eager all-reduce table, not the graph one (KernelCostModel._by_tokens). Decode-only steps past the graph sizes (more than 512 running
       requests) are not floored: the figure was fitted on prefill steps, and no data here says
       what a graph-less decode step costs on the host.
 
@@ -623,9 +624,9 @@ class KernelCostModel(CostModel):
                 self._build(t)
                 if len(_BUILT) > 64:
                     _BUILT.clear()
-                _BUILT[key] = (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar,
+                _BUILT[key] = (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar, self.g_ar_eager,
                                self.g_moe, self.coverage, self.source)
-            (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar,
+            (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar, self.g_ar_eager,
              self.g_moe, self.coverage, self.source) = _BUILT[key]
         else:
             self.source = tables.get("sources", {})
@@ -865,9 +866,15 @@ class KernelCostModel(CostModel):
                 setattr(self, attr, Grid([bs, ss], us, lambda b, s, r=roof: r(b, s),
                                          np.zeros((len(bs), len(ss)), dtype=bool)))
             cov[f"{phase}_attention"] = key if tab is not None else (derived[2] if derived else None)
-        # All-reduce by message elements.
-        self.g_ar = None
+        # All-reduce by message elements: inside CUDA graphs (g_ar), and outside them (g_ar_eager,
+        # the `allreduce_eager` table: a step of more tokens than vLLM captures, see _by_tokens;
+        # None where the tables have no such table, and g_ar serves both).
+        self.g_ar = self.g_ar_eager = None
         if tp > 1:
+            eager = (tables or {}).get("allreduce_eager", {}).get("tables", {}).get(str(tp))
+            if eager is not None:
+                self.g_ar_eager = Grid(eager["values"], eager["us"], self._ar_roof)
+            cov["allreduce_eager"] = eager is not None
             tab = (tables or {}).get("allreduce", {}).get("tables", {}).get(str(tp))
             if tab is not None:
                 self.g_ar = Grid(tab["values"], tab["us"], self._ar_roof)
@@ -884,6 +891,8 @@ class KernelCostModel(CostModel):
              "coverage": self.coverage, "sources": self.source}
         if self.g_ar is not None:
             r["g_ar"] = self.g_ar.to_json()
+        if self.g_ar_eager is not None:
+            r["g_ar_eager"] = self.g_ar_eager.to_json()
         if self.g_moe is not None:
             r["g_moe"] = self.g_moe.to_json()
         return r
@@ -894,6 +903,7 @@ class KernelCostModel(CostModel):
         self.g_ctx = Grid.from_json(r["g_ctx"], self._ctx_roof)
         self.g_gen = Grid.from_json(r["g_gen"], self._gen_roof)
         self.g_ar = Grid.from_json(r["g_ar"], self._ar_roof) if "g_ar" in r else None
+        self.g_ar_eager = Grid.from_json(r["g_ar_eager"], self._ar_roof) if "g_ar_eager" in r else None
         self.g_moe = Grid.from_json(r["g_moe"], self._moe_roof) if "g_moe" in r else None
         self.coverage = r.get("coverage", {})
         self.source = r.get("sources", {})
@@ -1146,13 +1156,17 @@ class KernelCostModel(CostModel):
             self.ovh.elementwise_latency_s, T * m.hidden_size * m.act_dtype_bytes * 2 / self.device.mem_bandwidth)
         out["allreduce"] = 0.0
         if self.g_ar is not None:
-            out["allreduce"] = (2 * L + 1) * self._look("allreduce", self.g_ar, T * m.hidden_size)
+            # a step of more tokens than vLLM captures in CUDA graphs runs without one, and so do
+            # its all-reduces: vLLM's custom all-reduce then copies each input into its registered
+            # buffer first (the eager table: 1.1-1.2x the graph time from 4 M elements, more below)
+            g_ar = self.g_ar_eager if self.g_ar_eager is not None and T > self.ovh.cudagraph_max_tokens else self.g_ar
+            out["allreduce"] = (2 * L + 1) * self._look("allreduce", g_ar, T * m.hidden_size)
             if m.qk_norm_across_heads:
                 # per layer, the q/k norms' partial sums (2 fp32 = 4 bf16 elements per token),
                 # latency-bound: read no lower than the smallest measured message; and the extra
                 # kernel that splits the norm around it
-                smallest = self.g_ar.values[0][0]
-                out["allreduce"] += L * self._look("allreduce", self.g_ar, max(4.0 * T, smallest))
+                smallest = g_ar.values[0][0]
+                out["allreduce"] += L * self._look("allreduce", g_ar, max(4.0 * T, smallest))
                 out["elementwise"] += L * self.ovh.elementwise_latency_s
         if len(self._memo_t) < 65536:
             self._memo_t[key] = (out, *self._delta(before))

@@ -157,6 +157,32 @@ def test_shipped_all_reduce_never_gets_faster_with_more_bytes():
     assert all(b >= a for a, b in zip(steps, steps[1:]))
 
 
+def test_a_step_past_the_cuda_graph_sizes_reads_the_all_reduce_timed_outside_graphs():
+    """A step of more tokens than vLLM captures runs its all-reduces outside CUDA graphs: each is
+    read from `allreduce_eager` (the shipped H100 tables: about 1.15x the graph time at 16 M
+    elements), a step inside the graphs from `allreduce`. Llama-3.1-70B at TP 4, 2,048 tokens:
+    2,048 x 8,192 = 2**24 elements, a measured size of both tables, 161 all-reduces (two per
+    layer and the final norm's)."""
+    from sim.kernel_model import Overheads
+    raw = load_tables("h100_sxm")
+    size = 2048 * 8192
+    graph_us, eager_us = (dict(zip(raw[t]["tables"]["4"]["values"][0], raw[t]["tables"]["4"]["us"]))[size]
+                          for t in ("allreduce", "allreduce_eager"))
+    assert 1.05 < eager_us / graph_us < 1.3
+    m = get_model("llama-3.1-70b")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eager = KernelCostModel(m, "h100_sxm", 4, overheads=Overheads(cudagraph_max_tokens=512))
+        graph = KernelCostModel(m, "h100_sxm", 4, overheads=Overheads(cudagraph_max_tokens=4096))
+    assert eager.coverage["allreduce_eager"] is True
+    f = prefill_step(2048)
+    assert eager.breakdown(f)["allreduce"] == pytest.approx((2 * 80 + 1) * eager_us * 1e-6 + 0.0, rel=0.01)
+    assert graph.breakdown(f)["allreduce"] == pytest.approx((2 * 80 + 1) * graph_us * 1e-6, rel=0.01)
+    # a step inside the graphs of the first model reads the graph table (512 tokens: 2**22 elements)
+    small = dict(zip(raw["allreduce"]["tables"]["4"]["values"][0], raw["allreduce"]["tables"]["4"]["us"]))[512 * 8192]
+    assert eager.breakdown(prefill_step(512))["allreduce"] == pytest.approx(161 * small * 1e-6, rel=0.01)
+
+
 def test_a_step_past_the_cuda_graph_sizes_takes_at_least_the_host_launches():
     """vLLM captures CUDA graphs up to 512 tokens; a larger step with a prefill chunk is launched
     kernel by kernel, so it cannot take less than num_layers x eager_layer_launch_s. Smaller
