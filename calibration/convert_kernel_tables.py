@@ -260,12 +260,14 @@ def convert_allreduce_eager(site: Path, out: Path, systems: list[str] | None = N
     """Add `allreduce_eager` to calibration/kernels/<system>.json (written by convert): the
     all-reduce of a step that runs outside CUDA graphs (a prefill step of more tokens than vLLM
     captures). Outside a graph vLLM's custom all-reduce first copies its input into a registered
-    buffer, so it takes longer than `allreduce` (timed inside graphs): the wheel times both
+    buffer, so on NVLink GPUs it takes longer than `allreduce` (timed inside graphs; L40S's PCIe
+    all-reduce is NCCL's either way and reads about the same): the wheel times both
     (`vLLM_custom_eager`, `vLLM_custom_graph`) in every release folder of `comm/vllm/`. The table is
     `allreduce` (the graph times) times the median over those releases of eager / graph at each
     GPU count and message size; a median, because one release's eager times can stray (H100 and
     H200 in 0.31.0: 180-300 us at TP 4 and 8 for every message of 0.5-8 M elements, where its
-    other releases read 1.1-1.4x the graph times)."""
+    other releases read 1.1-1.4x the graph times). With one release (A100) it is that release's
+    ratio, with two (L40S) their mean."""
     root = site / package / "systems" / "data"
     for system in systems or [p.stem for p in sorted(out.glob("*.json"))]:
         path = out / f"{system}.json"

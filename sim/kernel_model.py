@@ -271,8 +271,9 @@ class Overheads:
       num_layers x eager_layer_launch_s. Without this floor, a 1k-token prefill of Llama-3.1-70B
       at TP8 costs its kernels alone (~10 ms), and TTFT at TP4/TP8 came out half of what vLLM
       serves. AIConfigurator's vLLM backend adds a per-request dispatch cost of 0.8 ms per layer
-      for the same reason. Such a step's all-reduces (decode-only ones too) are read from the
-      eager all-reduce table, not the graph one (KernelCostModel._by_tokens). Decode-only steps past the graph sizes (more than 512 running
+      for the same reason. Such a step's layer all-reduces (decode-only ones too) are read from
+      the eager all-reduce table, not the graph one (KernelCostModel._by_tokens); the logits
+      gather keeps the graph table, and each data-parallel rank decides by its own tokens. Decode-only steps past the graph sizes (more than 512 running
       requests) are not floored: the figure was fitted on prefill steps, and no data here says
       what a graph-less decode step costs on the host.
 
@@ -1158,7 +1159,9 @@ class KernelCostModel(CostModel):
         if self.g_ar is not None:
             # a step of more tokens than vLLM captures in CUDA graphs runs without one, and so do
             # its all-reduces: vLLM's custom all-reduce then copies each input into its registered
-            # buffer first (the eager table: 1.1-1.2x the graph time from 4 M elements, more below)
+            # buffer first (the eager table: 1.05-1.2x the graph time from 4 M elements on NVLink
+            # GPUs, 1.3-2.9x at 1 M, 1.3-11x at 128 K and below; about 1x on L40S's PCIe from
+            # 1 M, NCCL either way)
             g_ar = self.g_ar_eager if self.g_ar_eager is not None and T > self.ovh.cudagraph_max_tokens else self.g_ar
             out["allreduce"] = (2 * L + 1) * self._look("allreduce", g_ar, T * m.hidden_size)
             if m.qk_norm_across_heads:
