@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import yaml  # noqa: E402
 
 from sim.scenario import parse_scenario, run_scenario  # noqa: E402
-from sim.specs import get_device, vllm_version_tuple  # noqa: E402
+from sim.specs import get_device, get_model, vllm_version_tuple  # noqa: E402
 from sim_speed import MOONCAKE_BLOCK as AIS_BLOCK, write_mooncake_trace  # noqa: E402  (bench/)
 
 HELD_OUT_BACKEND = "vllm"
@@ -365,9 +365,14 @@ def simulate_data(data: dict) -> dict:
 # `predict` takes them: the very request lengths ServeTwin's scenario draws (warm-up requests
 # included: AISimulate has no warm-up phase), as a Mooncake trace replayed at the row's
 # concurrency, on the row's backend, GPU and TP, with the same server settings (token budget,
-# max_num_seqs, fp8 KV where the recipe has it) and the row's GEMM quantisation.
+# max_num_seqs, fp8 KV where the recipe has it) and the row's GEMM quantisation; a mixture of
+# experts with its experts split as the row ran them (sliced, or whole with expert parallelism,
+# and its attention data parallelism) and its checkpoint's own weight formats. AISimulate's config
+# has no key for the rest of a model's script (gpt-oss's MXFP8 activations on B200, the Triton MoE
+# kernel of MiniMax-M2.5's scripts before InferenceX#947, the CUDA-graph capture size).
 AIS_MODELS = {"llama-3.1-8b": "meta-llama/Meta-Llama-3.1-8B", "llama-3.1-70b": "meta-llama/Meta-Llama-3.1-70B",
-              "qwen3-32b": "Qwen/Qwen3-32B"}
+              "qwen3-32b": "Qwen/Qwen3-32B", "gpt-oss-120b": "openai/gpt-oss-120b",
+              "minimax-m2": "MiniMaxAI/MiniMax-M2.5", "kimi-k2.5": "moonshotai/Kimi-K2.5"}
 AIS_QUANT = {"bfloat16": None, "fp8": "fp8", "fp8_block": "fp8_block"}
 
 
@@ -385,7 +390,12 @@ def aisimulate_config(case: dict, data: dict, tmp: Path) -> Path:
         timing["gemm_quant_mode"] = AIS_QUANT[case["weight_dtype"]]
     if data["deployment"].get("kv_dtype") == "fp8":
         timing["kvcache_quant_mode"] = "fp8"
-    worker = {"parallelism": {"tensor": case["tp"]},
+    par = {"tensor": case["tp"]}
+    if get_model(case["model"]).is_moe:  # the experts' split over the engine's GPUs, as the row ran it
+        dp = case.get("data_parallel", 1)
+        par.update({"attention_data": dp}, **({"moe_expert": case["tp"] * dp} if case.get("expert_parallel")
+                                               else {"moe_tensor": case["tp"] * dp}))
+    worker = {"parallelism": par,
               "scheduler": {"max_batched_tokens": cfg.max_num_batched_tokens, "max_sequences": cfg.max_num_seqs}}
     if timing:
         worker["timing"] = timing

@@ -134,6 +134,23 @@ def test_the_peer_gets_the_same_requests_and_the_published_server(tmp_path):
     assert w["timing"] == {"gemm_quant_mode": "fp8", "kvcache_quant_mode": "fp8"}
 
 
+def test_the_peer_gets_a_mixture_of_experts_split_as_the_row_ran_it(tmp_path):
+    """A MoE row tells AISimulate how its experts are split over the engine's GPUs: sliced over
+    all of them (moe_tensor) without expert parallelism, whole (moe_expert) with it, and attention
+    data parallelism as attention_data; tensor x attention_data GPUs in all, as its checker wants."""
+    def parallelism(**kw):
+        case = sc.usable(row(model_path="MiniMaxAI/MiniMax-M2.5", gemm_quant_mode="fp8", **kw))
+        data = sc.scenario_data(case, protocol="auto")
+        config = yaml.safe_load(sc.aisimulate_config(case, data, tmp_path).read_text())
+        assert config["engine"]["model"] == "MiniMaxAI/MiniMax-M2.5"
+        return config["engine"]["workers"]["aggregated"]["parallelism"]
+    assert parallelism(tp_size="4") == {"tensor": 4, "attention_data": 1, "moe_tensor": 4}
+    assert parallelism(tp_size="4", moe_ep_size="4") == {"tensor": 4, "attention_data": 1, "moe_expert": 4}
+    # InferenceMAX's `tp: 4, dp-attn: true`: four ranks of one GPU, the experts over all four
+    assert parallelism(tp_size="4", attention_dp_size="4", moe_ep_size="4") == {
+        "tensor": 1, "attention_data": 4, "moe_expert": 4}
+
+
 def test_a_bf16_gap_analysis_row_runs_aiconfigurators_collection_client_and_server(tmp_path):
     """AIConfigurator's own collection: aiperf with fixed lengths, 50 requests per slot after 2 per
     slot of warm-up; its generator's server (benchmark mode): a budget of concurrency + ISL + 1500
