@@ -300,6 +300,8 @@ class Overheads:
       -26.1% to -22.5% (gpt-oss-120b) and -14.7% to -7.9% (Kimi-K2.5), and Llama-3.1-70B's from
       -8.0% to -7.6%; TPOT by at most two points (MiniMax-M2.5 -5.2% -> -3.6%); the H100 runs'
       leave-one-run-out errors move by less than 0.1 point.
+      A GPU's own value (DeviceSpec.gemm_compute_slowdown) replaces the default unless the
+      scenario sets this key: B200's is 1.25, chosen on its Llama-3.1-70B rows (sim.specs).
     - dp_dispatch_s: per MoE layer and step under data-parallel attention, the dispatch and
       combine beyond their bytes over the link (KernelCostModel._dispatch_roof) and the link's two
       latencies: the ranks' per-step synchronisation. 0 by default. Chosen among 0 / 15 / 30 us on
@@ -586,6 +588,9 @@ class KernelCostModel(CostModel):
             raise ValueError(f"deployment.tp={tp}: must be >= 1 and divide num_heads={m.num_heads}")
         self.tp = tp
         self.ovh = overheads if isinstance(overheads, Overheads) else _overheads(overheads or {})
+        if (not isinstance(overheads, Overheads) and "gemm_compute_slowdown" not in (overheads or {})
+                and d.gemm_compute_slowdown is not None):  # the GPU's own, unless the scenario sets one
+            self.ovh = replace(self.ovh, gemm_compute_slowdown=d.gemm_compute_slowdown)
         self._tp_step = (tp - 1) * self.ovh.tp_step_s
         self._filter_impl: str | None = None
         self._plain = self.ovh.serving_slowdown == 1.0 and self._tp_step == 0.0

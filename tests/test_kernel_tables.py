@@ -253,6 +253,31 @@ def test_decode_step_time_is_step_time_of_the_same_decode_step(async_scheduling)
     assert ka.fallbacks.get("generation_attention", 0) > 0  # the cases reach past the tables
 
 
+def test_a_gpu_carries_its_own_compute_slowdown_unless_the_scenario_sets_one():
+    """B200's compute-bound kernels are priced 1.25x their tables (DeviceSpec.gemm_compute_slowdown),
+    H200's at the default 1.13; a scenario's own overheads.gemm_compute_slowdown wins, and so does
+    a profile's stored one. An 8,192-token step's GEMMs scale with the factor, a 4-request decode
+    step's do not (the factor is 1 at 64 tokens and below)."""
+    from sim.kernel_model import Overheads
+    m = get_model("llama-3.1-70b").with_dtypes(weight_dtype="fp8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        b200 = KernelCostModel(m, "b200", 2)
+        plain = KernelCostModel(m, "b200", 2, {"gemm_compute_slowdown": 1.0})
+        mine = KernelCostModel(m, "b200", 2, {"gemm_compute_slowdown": 1.1})
+        h200 = KernelCostModel(m, "h200", 2)
+        given = KernelCostModel(m, "b200", 2, overheads=Overheads())
+    assert b200.ovh.gemm_compute_slowdown == 1.25 and h200.ovh.gemm_compute_slowdown == 1.13
+    assert mine.ovh.gemm_compute_slowdown == 1.1 and given.ovh.gemm_compute_slowdown == 1.13
+    big = prefill_step(8192)
+    assert b200.breakdown(big)["gemm"] == pytest.approx(1.25 * plain.breakdown(big)["gemm"], rel=1e-9)
+    assert b200.breakdown(decode_step(4, 2000))["gemm"] == pytest.approx(plain.breakdown(decode_step(4, 2000))["gemm"],
+                                                                          rel=1e-12)
+    again = cost_model_from_profile(b200.to_profile())
+    assert again.ovh.gemm_compute_slowdown == 1.25
+    assert again.step_time(big) == pytest.approx(b200.step_time(big), rel=1e-3)  # the profile's reduced grids
+
+
 def test_compute_slowdown_reaches_every_compute_bound_kernel_of_a_large_step():
     """gemm_compute_slowdown (a GPU busy with a whole step runs slower than the tables'
     microbenchmarks) scales the compute-bound kernels of a large step alike: the dense GEMMs, the
