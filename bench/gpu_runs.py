@@ -42,8 +42,10 @@ METRICS = (("ttft_mean", "ttft_s", "mean"), ("ttft_p90", "ttft_s", "p90"), ("ttf
 TOKENIZE_OVERHEAD = 1.05  # decoded random tokens re-tokenize a few % longer (the runs' README)
 # The runs' server: a vLLM build with per-step ("journey") tracing, whose TP groups pay a
 # per-step coordination the kernel tables do not hold (sim.kernel_model.Overheads.tp_step_s;
-# stock vLLM pays none). Fitted on these runs: --loro refits it without each run.
-TRACED_BUILD_TP_STEP_S = 6.0e-4
+# stock vLLM pays none). Fitted on these runs: --loro refits it without each run. 0.3 ms since the
+# all-reduce is read from the tables of the runs' vLLM release (0.14.0's for 0.15.1; it was 0.6 ms
+# on 0.31.0's, whose small messages take 2-3x less at TP 4).
+TRACED_BUILD_TP_STEP_S = 3.0e-4
 
 
 def device_of(row: dict) -> str:

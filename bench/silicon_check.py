@@ -194,7 +194,9 @@ GENERIC = {"max_num_seqs": None, "max_num_batched_tokens": 8192, "enable_prefix_
 # `cudagraph_max_tokens` (its --max-cudagraph-capture-size; None or absent: vLLM's default 512),
 # `budget_per_isl` (a --max-num-batched-tokens of that many times the row's ISL, over
 # `max_num_batched_tokens`), `gpu_memory_utilization` (absent: the scenario's 0.9) and `block_size`
-# (its --block-size; absent: 16);
+# (its --block-size; absent: 16), `image` (the vLLM release of the script's image, for rows that name
+# no release: it prices what changed between releases, e.g. the all-reduce; the sample's nightly
+# rows, build 5b8c30d, were measured on 2026-04-03, the day #947 moved the script to v0.19.0);
 # `max_num_seqs` None is $CONC; a `kv_dtype` of None is the checkpoint's (vLLM's default).
 # gptoss_fp4_{b200,h100,h200}*.sh: capture size 2048 on every GPU; B200 fp8 KV and 512 sequences.
 # Their MoE kernels are not all in the tables at gpt-oss's shape: Hopper's Marlin MXFP4 is timed
@@ -203,7 +205,7 @@ GENERIC = {"max_num_seqs": None, "max_num_batched_tokens": 8192, "enable_prefix_
 # (4096 x 2048, 256 experts, top 6: experts of gpt-oss's size), scaled to gpt-oss's.
 _GPT_OSS = {"cudagraph_max_tokens": 2048, "kv_dtype": None}
 _MINIMAX_947 = {"max_num_seqs": 1024, "budget_per_isl": 2, "cudagraph_max_tokens": 2048, "kv_dtype": "fp8",
-                "block_size": 32}
+                "block_size": 32, "image": "0.19.0"}
 RECIPES = {
     # gptoss_fp4_b200.sh also sets VLLM_USE_FLASHINFER_MOE_MXFP4_MXFP8=1: MXFP8 activations
     ("gpt-oss-120b", None, "b200_sxm"): {"max_num_seqs": 512, "cudagraph_max_tokens": 2048, "kv_dtype": "fp8",
@@ -295,6 +297,8 @@ def server(case: dict) -> tuple[dict, dict, dict]:
         if key in r:
             cm[key] = r[key]
     dep = {"kv_dtype": kv} if kv else {}
+    if r.get("image") and not case.get("vllm_version"):
+        dep["vllm_version"] = r["image"]
     if r.get("gpu_memory_utilization"):
         dep["gpu_memory_utilization"] = r["gpu_memory_utilization"]
     if r.get("expert_parallel"):

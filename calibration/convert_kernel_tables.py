@@ -14,7 +14,8 @@ Kept (vLLM backend only, the kernels vLLM itself runs):
                batch x KV length) for head_dim 64/128, no sliding window, KV bf16 and fp8,
                one kernel per GPU (FA3 on Hopper, FlashInfer TRT-LLM kernels on Blackwell).
   all-reduce:  vLLM custom all-reduce under CUDA graphs, bf16, by element count; with
-               --allreduce-eager (added to the files already written) the same outside graphs.
+               --allreduce-eager (added to the files already written) the same outside graphs, and
+               both for every vLLM release the wheel timed.
   moe (--moe, added to the files already written): vLLM's fused-MoE layer (routing excluded:
                the grouped expert GEMMs with their activation), by token count, per weight
                format (the kernel vLLM picks for it on that GPU), model shape (hidden, expert
@@ -257,17 +258,25 @@ def convert_moe_triton(site: Path, out: Path, systems: dict | None = None, packa
 
 def convert_allreduce_eager(site: Path, out: Path, systems: list[str] | None = None,
                             package: str = "aisimulate_core") -> None:
-    """Add `allreduce_eager` to calibration/kernels/<system>.json (written by convert): the
-    all-reduce of a step that runs outside CUDA graphs (a prefill step of more tokens than vLLM
-    captures). Outside a graph vLLM's custom all-reduce first copies its input into a registered
-    buffer, so on NVLink GPUs it takes longer than `allreduce` (timed inside graphs; L40S's PCIe
-    all-reduce is NCCL's either way and reads about the same): the wheel times both
-    (`vLLM_custom_eager`, `vLLM_custom_graph`) in every release folder of `comm/vllm/`. The table is
-    `allreduce` (the graph times) times the median over those releases of eager / graph at each
-    GPU count and message size; a median, because one release's eager times can stray (H100 and
-    H200 in 0.31.0: 180-300 us at TP 4 and 8 for every message of 0.5-8 M elements, where its
-    other releases read 1.1-1.4x the graph times). With one release (A100) it is that release's
-    ratio, with two (L40S) their mean."""
+    """Add to calibration/kernels/<system>.json (written by convert) the all-reduce of a step that
+    runs outside CUDA graphs, and the all-reduce of every vLLM release the wheel timed.
+
+    `allreduce_eager`: a prefill step of more tokens than vLLM captures runs without a graph, and
+    outside a graph vLLM's custom all-reduce first copies its input into a registered buffer, so on
+    NVLink GPUs it takes longer than `allreduce` (timed inside graphs; L40S's PCIe all-reduce is
+    NCCL's either way and reads about the same). The wheel times both (`vLLM_custom_eager`,
+    `vLLM_custom_graph`) in every release folder of `comm/vllm/`. The table is `allreduce` (the
+    graph times) times the median over those releases of eager / graph at each GPU count and
+    message size; a median, because one release's eager times can stray (H100 and H200 in 0.31.0:
+    180-300 us for every message of 0.5-8 M elements at TP 4 and 8, where their other releases
+    read 1.1-1.4x the graph times). With one release (A100) it is that release's ratio, with two
+    (L40S) their mean.
+
+    `allreduce_releases`: {release: {"tables": graph times, "eager_tables": those times the same
+    median ratio}} for every release folder, because the graph times changed between releases:
+    H100's and H200's 0.31.0 read about 3 us for a small message and 5-6 us at 256 K elements at
+    TP 4 and 8, where 0.14.0-0.24.0 read 4.5 us and 10-20 us. sim/kernel_model.py reads the
+    release a deployment names (deployment.vllm_version)."""
     root = site / package / "systems" / "data"
     for system in systems or [p.stem for p in sorted(out.glob("*.json"))]:
         path = out / f"{system}.json"
@@ -275,7 +284,7 @@ def convert_allreduce_eager(site: Path, out: Path, systems: list[str] | None = N
         if "allreduce" not in doc or not (root / system / "comm" / "vllm").is_dir():
             continue
         ratios: dict[tuple[int, int], list[float]] = {}
-        used = []
+        used, graphs = [], {}
         for folder in sorted((root / system / "comm" / "vllm").iterdir()):
             f = folder / "custom_allreduce_perf.parquet"
             if not f.exists():
@@ -284,28 +293,37 @@ def convert_allreduce_eager(site: Path, out: Path, systems: list[str] | None = N
             c = c[c.allreduce_dtype == "bfloat16"]
             t = c.pivot_table(index=["num_gpus", "message_size"], columns="kernel_source", values="latency",
                               aggfunc="median")
+            if "vLLM_custom_graph" in t.columns:
+                g = c[c.kernel_source == "vLLM_custom_graph"]
+                graphs[folder.name] = (str(f.relative_to(site)),
+                                       {str(n): grid(sub, ["message_size"]) for n, sub in g.groupby("num_gpus")})
             if not {"vLLM_custom_eager", "vLLM_custom_graph"} <= set(t.columns):
                 continue
             used.append(str(f.relative_to(site)))
             for (n, size), r in (t["vLLM_custom_eager"] / t["vLLM_custom_graph"]).dropna().items():
                 ratios.setdefault((int(n), int(size)), []).append(float(r))
-        tables = {}
-        for tp, tab in doc["allreduce"]["tables"].items():
-            sizes, us = tab["values"][0], tab["us"]
-            have = [(size, float(pd.Series(ratios[int(tp), int(size)]).median()))
-                    for size in sizes if (int(tp), int(size)) in ratios]
-            if len(have) < len(sizes):
-                continue  # a GPU count the releases did not time outside graphs: none
-            tables[tp] = {"values": [sizes], "us": [sig(u * r) for u, (_s, r) in zip(us, have)]}
-        if not tables:
-            continue
-        doc["sources"]["allreduce_eager"] = used
-        doc["allreduce_eager"] = {"kernel": "vLLM_custom_eager", "dtype": "bf16", "size_unit": "elements",
-                                  "method": "allreduce x the median over the releases of eager / graph",
-                                  "tables": tables}
+
+        def eager_of(graph_tables: dict) -> dict:
+            tables = {}
+            for tp, tab in graph_tables.items():
+                sizes, us = tab["values"][0], tab["us"]
+                have = [float(pd.Series(ratios[int(tp), int(size)]).median())
+                        for size in sizes if (int(tp), int(size)) in ratios]
+                if len(have) == len(sizes):  # else a GPU count not timed outside graphs: none
+                    tables[tp] = {"values": [sizes], "us": [None if u is None else sig(u * r) for u, r in zip(us, have)]}
+            return tables
+        tables = eager_of(doc["allreduce"]["tables"])
+        if tables:
+            doc["sources"]["allreduce_eager"] = used
+            doc["allreduce_eager"] = {"kernel": "vLLM_custom_eager", "dtype": "bf16", "size_unit": "elements",
+                                      "method": "allreduce x the median over the releases of eager / graph",
+                                      "tables": tables}
+        doc["sources"]["allreduce_releases"] = {rel: src for rel, (src, _t) in graphs.items()}
+        doc["allreduce_releases"] = {rel: {"tables": t, "eager_tables": eager_of(t)} for rel, (_src, t) in graphs.items()}
         with open(path, "w") as f:
             json.dump(doc, f, separators=(",", ":"))
-        print(f"{system}: eager all-reduce for TP {sorted(tables, key=int)} from {len(used)} releases")
+        print(f"{system}: eager all-reduce for TP {sorted(tables, key=int)} from {len(used)} releases; "
+              f"graph all-reduce of releases {sorted(graphs)}")
 
 
 def main() -> None:

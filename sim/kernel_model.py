@@ -317,13 +317,13 @@ class Overheads:
       table holds. 0 by default: stock vLLM shows none beyond its kernels (the allowed B200 rows
       of `bench/silicon_check.py`, TP 1-8, lose their TPOT accuracy with any: +60% at TP 8 with
       0.6 ms). The published H100 runs of ../shared/gpu-runs, served by a vLLM build with
-      per-step tracing, do pay one: 0.6 ms there (bench/gpu_runs.py sets it for them).
+      per-step tracing, do pay one: 0.3 ms there (bench/gpu_runs.py sets it for them).
 
     elementwise_latency_s (1.5 us) and eager_layer_launch_s (1.0 ms) were chosen against the
     allowed vLLM B200 serving rows (`python bench/silicon_check.py --backend vllm --system
     b200_sxm`; the sweep is in docs/reports/2026-12-02-measurements.md), never against the held-out
     vLLM H100/H200 rows.
-    The 0.6 ms of tp_step_s for the traced build was fitted on its 11 published H100 runs
+    The 0.3 ms of tp_step_s for the traced build was fitted on its 11 published H100 runs
     (`python bench/gpu_runs.py --loro` refits it without each run and reports that run's error)."""
 
     elementwise_latency_s: float = 1.5e-6
@@ -630,9 +630,9 @@ class KernelCostModel(CostModel):
                 self._build(t)
                 if len(_BUILT) > 64:
                     _BUILT.clear()
-                _BUILT[key] = (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar, self.g_ar_eager,
+                _BUILT[key] = (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar, self.g_ar_eager, self._ar_releases,
                                self.g_moe, self.coverage, self.source)
-            (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar, self.g_ar_eager,
+            (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar, self.g_ar_eager, self._ar_releases,
              self.g_moe, self.coverage, self.source) = _BUILT[key]
         else:
             self.source = tables.get("sources", {})
@@ -654,9 +654,19 @@ class KernelCostModel(CostModel):
         """Price the sampler for requests of workload.sampling `sampling` served by vLLM release
         `vllm_version` (None: the default release): top-k/top-p filtering adds
         sim.sampling.filter_cost_s per step where the release filters without FlashInfer.
-        `generation_filter` replaces the model's own (a profile's stored spec may predate it)."""
+        `generation_filter` replaces the model's own (a profile's stored spec may predate it).
+        The release also picks the all-reduce tables: those of the latest release measured at or
+        before it (the earliest measured for an older one), since their times changed between
+        releases (calibration/convert_kernel_tables.py, `allreduce_releases`)."""
         gen = self.model.generation_filter if generation_filter is None else generation_filter
         release = vllm_version_tuple(vllm_version)  # ValueError naming deployment.vllm_version
+        if self._ar_releases:
+            rel = max((r for r in self._ar_releases if r <= release), default=min(self._ar_releases))
+            g, e = self._ar_releases[rel]
+            if (g, e) != (self.g_ar, self.g_ar_eager):
+                self.g_ar, self.g_ar_eager = g, e
+                self._memo_t.clear()
+            self.metadata["allreduce_release"] = "%d.%d" % rel
         impl = filter_implementation(release) if sampling_filters(sampling, gen, release) else None
         self._filter_impl = impl  # filter_cost_s prices each implementation (FlashInfer: nothing extra)
         self._memo_s.clear()
@@ -876,7 +886,14 @@ class KernelCostModel(CostModel):
         # the `allreduce_eager` table: a step of more tokens than vLLM captures, see _by_tokens;
         # None where the tables have no such table, and g_ar serves both).
         self.g_ar = self.g_ar_eager = None
+        self._ar_releases = {}  # release (major, minor) -> (its graph grid, its eager grid or None)
         if tp > 1:
+            for rel, doc in (tables or {}).get("allreduce_releases", {}).items():
+                g, e = doc.get("tables", {}).get(str(tp)), doc.get("eager_tables", {}).get(str(tp))
+                if g is not None:
+                    self._ar_releases[vllm_version_tuple(rel)] = (
+                        Grid(g["values"], g["us"], self._ar_roof),
+                        None if e is None else Grid(e["values"], e["us"], self._ar_roof))
             eager = (tables or {}).get("allreduce_eager", {}).get("tables", {}).get(str(tp))
             if eager is not None:
                 self.g_ar_eager = Grid(eager["values"], eager["us"], self._ar_roof)
@@ -899,6 +916,9 @@ class KernelCostModel(CostModel):
             r["g_ar"] = self.g_ar.to_json()
         if self.g_ar_eager is not None:
             r["g_ar_eager"] = self.g_ar_eager.to_json()
+        if self._ar_releases:
+            r["g_ar_releases"] = {"%d.%d" % rel: {"g_ar": g.to_json(), **({"g_ar_eager": e.to_json()} if e else {})}
+                                  for rel, (g, e) in sorted(self._ar_releases.items())}
         if self.g_moe is not None:
             r["g_moe"] = self.g_moe.to_json()
         return r
@@ -910,6 +930,10 @@ class KernelCostModel(CostModel):
         self.g_gen = Grid.from_json(r["g_gen"], self._gen_roof)
         self.g_ar = Grid.from_json(r["g_ar"], self._ar_roof) if "g_ar" in r else None
         self.g_ar_eager = Grid.from_json(r["g_ar_eager"], self._ar_roof) if "g_ar_eager" in r else None
+        self._ar_releases = {vllm_version_tuple(rel): (Grid.from_json(x["g_ar"], self._ar_roof),
+                                                       Grid.from_json(x["g_ar_eager"], self._ar_roof)
+                                                       if "g_ar_eager" in x else None)
+                             for rel, x in r.get("g_ar_releases", {}).items()}
         self.g_moe = Grid.from_json(r["g_moe"], self._moe_roof) if "g_moe" in r else None
         self.coverage = r.get("coverage", {})
         self.source = r.get("sources", {})

@@ -191,6 +191,38 @@ def test_a_step_past_the_cuda_graph_sizes_reads_the_all_reduce_timed_outside_gra
     assert eager.breakdown(decode_step(600, 100))["allreduce"] > graph.breakdown(decode_step(600, 100))["allreduce"]
 
 
+def test_the_all_reduce_is_read_from_the_tables_of_the_deployments_vllm_release():
+    """The graph all-reduce's times changed between vLLM releases (H100: 0.31.0 reads 5.5 us at
+    256 K elements and TP 4, 0.14.0-0.24.0 about 11 us). A deployment's vllm_version picks the
+    latest release measured at or before it, and the earliest for an older one; the default
+    release (0.33) reads 0.31.0. A decode step of 32 requests of Llama-3.1-70B at TP 4: 161
+    all-reduces of 32 x 8,192 = 2**18 elements, a measured size, plus the 32 rows' logits gather.
+    A profile carries every release and switches the same way."""
+    raw = load_tables("h100_sxm")["allreduce_releases"]
+
+    def us(release, size):
+        t = raw[release]["tables"]["4"]
+        return dict(zip(t["values"][0], t["us"]))[size]
+    assert us("0.14.0", 2 ** 18) > 1.5 * us("0.31.0", 2 ** 18)
+    m = get_model("llama-3.1-70b")
+    f = decode_step(32, 1000)
+
+    def layers_ar(k):
+        gather = k.g_ar(32 * -(-m.vocab_size // 4))[0] * 1e-6
+        return k.breakdown(f)["allreduce"] - gather
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for version, release in (("0.15.1", "0.14.0"), ("0.19", "0.19.0"), ("0.27.0", "0.24.0"), (None, "0.31.0"),
+                                 ("0.10.2", "0.14.0")):
+            k = KernelCostModel(m, "h100_sxm", 4, vllm_version=version)
+            assert k.metadata["allreduce_release"] == release[:4], version
+            assert layers_ar(k) == pytest.approx(161 * us(release, 2 ** 18) * 1e-6, rel=1e-6), version
+        prof = cost_model_from_profile(KernelCostModel(m, "h100_sxm", 4).to_profile())
+    old = layers_ar(prof)
+    prof.set_sampling("model_default", "0.15.1")
+    assert layers_ar(prof) == pytest.approx(161 * us("0.14.0", 2 ** 18) * 1e-6, rel=1e-3) and layers_ar(prof) > old
+
+
 def test_a_step_past_the_cuda_graph_sizes_takes_at_least_the_host_launches():
     """vLLM captures CUDA graphs up to 512 tokens; a larger step with a prefill chunk is launched
     kernel by kernel, so it cannot take less than num_layers x eager_layer_launch_s. Smaller

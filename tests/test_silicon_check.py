@@ -224,7 +224,7 @@ def test_minimax_rows_of_vllm_0_17_run_the_script_of_their_image():
     left the rest to vLLM's defaults (the checkpoint's KV dtype, budget 8192, 1024 sequences) at
     memory utilisation 0.95; rows of v0.19.0 and of nightly builds run #947's script: fp8 KV, a
     budget of twice the ISL, CUDA graphs up to 2048 tokens, blocks of 32, 1024 sequences; the B300
-    script is the same."""
+    script is the same, and so is its image's release for rows that name none."""
     def data(version, model="MiniMaxAI/MiniMax-M2.5", quant="fp8", system="b200_sxm", isl="1024"):
         r = row(model_path=model, gemm_quant_mode=quant, tp_size="2", backend_version=version, system=system,
                 isl=isl)
@@ -245,6 +245,10 @@ def test_minimax_rows_of_vllm_0_17_run_the_script_of_their_image():
                                     "enable_prefix_caching": False}
         assert new["cost_model"]["overheads"] == {"cudagraph_max_tokens": 2048}
     assert data("0.19.0", isl="8192")["scheduler"]["max_num_batched_tokens"] == 16384
+    # a row that names no release (none, or a nightly build) is priced as the release of #947's image
+    for version in ("", "nightly-5b8c30d62b754b57", "0.19.0"):
+        assert data(version)["deployment"]["vllm_version"] == "0.19.0"
+    assert data("0.17.0")["deployment"]["vllm_version"] == "0.17.0"
     assert data("0.19.0", system="b300_sxm")["scheduler"]["max_num_batched_tokens"] == 2048
     cfg = parse_scenario(data("0.19.0")).scheduler_config
     assert (cfg.max_num_batched_tokens, cfg.block_size, cfg.max_num_seqs) == (2048, 32, 1024)
