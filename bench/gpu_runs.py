@@ -44,7 +44,7 @@ TOKENIZE_OVERHEAD = 1.05  # decoded random tokens re-tokenize a few % longer (th
 # per-step coordination the kernel tables do not hold (sim.kernel_model.Overheads.tp_step_s;
 # stock vLLM pays none). Fitted on these runs: --loro refits it without each run. 0.3 ms since the
 # all-reduce is read from the tables of the runs' vLLM release (0.14.0's for 0.15.1; it was 0.6 ms
-# on 0.31.0's, whose small messages take 2-3x less at TP 4).
+# on 0.31.0's, which read 1.4x less for small messages at TP 4 and 2.1x less at 256 K elements).
 TRACED_BUILD_TP_STEP_S = 3.0e-4
 
 

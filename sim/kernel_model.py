@@ -301,7 +301,8 @@ class Overheads:
       -8.0% to -7.6%; TPOT by at most two points (MiniMax-M2.5 -5.2% -> -3.6%); the H100 runs'
       leave-one-run-out errors move by less than 0.1 point.
       A GPU's own value (DeviceSpec.gemm_compute_slowdown) replaces the default unless the
-      scenario sets this key: B200's is 1.25, chosen on its Llama-3.1-70B rows (sim.specs).
+      scenario sets this key or the caller passes an Overheads instance (taken as it is): B200's
+      is 1.25, chosen on its Llama-3.1-70B rows (sim.specs).
     - dp_dispatch_s: per MoE layer and step under data-parallel attention, the dispatch and
       combine beyond their bytes over the link (KernelCostModel._dispatch_roof) and the link's two
       latencies: the ranks' per-step synchronisation. 0 by default. Chosen among 0 / 15 / 30 us on
@@ -657,16 +658,23 @@ class KernelCostModel(CostModel):
         `generation_filter` replaces the model's own (a profile's stored spec may predate it).
         The release also picks the all-reduce tables: those of the latest release measured at or
         before it (the earliest measured for an older one), since their times changed between
-        releases (calibration/convert_kernel_tables.py, `allreduce_releases`)."""
+        releases (calibration/convert_kernel_tables.py, `allreduce_releases`); the default release
+        (0.33) reads each GPU's latest (H100, H200, B300: 0.31.0; B200: 0.24.0)."""
         gen = self.model.generation_filter if generation_filter is None else generation_filter
         release = vllm_version_tuple(vllm_version)  # ValueError naming deployment.vllm_version
         if self._ar_releases:
             rel = max((r for r in self._ar_releases if r <= release), default=min(self._ar_releases))
-            g, e = self._ar_releases[rel]
+            name, g, e = self._ar_releases[rel]
             if (g, e) != (self.g_ar, self.g_ar_eager):
                 self.g_ar, self.g_ar_eager = g, e
                 self._memo_t.clear()
-            self.metadata["allreduce_release"] = "%d.%d" % rel
+            self.metadata["allreduce_release"] = name
+            self.metadata["allreduce_source"] = self.source.get("allreduce_releases", {}).get(name)
+        elif vllm_version is not None and self.g_ar is not None and "allreduce" not in self._warned:
+            self._warned.add("allreduce")  # a profile written before the tables held releases
+            warnings.warn(f"kernel cost model ({self.model.name} on {self.device.name}, tp={self.tp}): its "
+                          f"all-reduce tables are of one vLLM release, not of deployment.vllm_version="
+                          f"{vllm_version!r} (a profile from before they held releases: regenerate it)")
         impl = filter_implementation(release) if sampling_filters(sampling, gen, release) else None
         self._filter_impl = impl  # filter_cost_s prices each implementation (FlashInfer: nothing extra)
         self._memo_s.clear()
@@ -886,18 +894,20 @@ class KernelCostModel(CostModel):
         # the `allreduce_eager` table: a step of more tokens than vLLM captures, see _by_tokens;
         # None where the tables have no such table, and g_ar serves both).
         self.g_ar = self.g_ar_eager = None
-        self._ar_releases = {}  # release (major, minor) -> (its graph grid, its eager grid or None)
+        # release (major, minor) -> (its name, its graph grid, its eager grid: the main one where
+        # that release has none); set_sampling picks one by the deployment's release
+        self._ar_releases = {}
         if tp > 1:
-            for rel, doc in (tables or {}).get("allreduce_releases", {}).items():
-                g, e = doc.get("tables", {}).get(str(tp)), doc.get("eager_tables", {}).get(str(tp))
-                if g is not None:
-                    self._ar_releases[vllm_version_tuple(rel)] = (
-                        Grid(g["values"], g["us"], self._ar_roof),
-                        None if e is None else Grid(e["values"], e["us"], self._ar_roof))
             eager = (tables or {}).get("allreduce_eager", {}).get("tables", {}).get(str(tp))
             if eager is not None:
                 self.g_ar_eager = Grid(eager["values"], eager["us"], self._ar_roof)
             cov["allreduce_eager"] = eager is not None
+            for rel, doc in (tables or {}).get("allreduce_releases", {}).items():
+                g, e = doc.get("tables", {}).get(str(tp)), doc.get("eager_tables", {}).get(str(tp))
+                if g is not None:
+                    self._ar_releases[vllm_version_tuple(rel)] = (
+                        rel, Grid(g["values"], g["us"], self._ar_roof),
+                        self.g_ar_eager if e is None else Grid(e["values"], e["us"], self._ar_roof))
             tab = (tables or {}).get("allreduce", {}).get("tables", {}).get(str(tp))
             if tab is not None:
                 self.g_ar = Grid(tab["values"], tab["us"], self._ar_roof)
@@ -917,8 +927,8 @@ class KernelCostModel(CostModel):
         if self.g_ar_eager is not None:
             r["g_ar_eager"] = self.g_ar_eager.to_json()
         if self._ar_releases:
-            r["g_ar_releases"] = {"%d.%d" % rel: {"g_ar": g.to_json(), **({"g_ar_eager": e.to_json()} if e else {})}
-                                  for rel, (g, e) in sorted(self._ar_releases.items())}
+            r["g_ar_releases"] = {name: {"g_ar": g.to_json(), **({"g_ar_eager": e.to_json()} if e else {})}
+                                  for _rel, (name, g, e) in sorted(self._ar_releases.items())}
         if self.g_moe is not None:
             r["g_moe"] = self.g_moe.to_json()
         return r
@@ -930,9 +940,9 @@ class KernelCostModel(CostModel):
         self.g_gen = Grid.from_json(r["g_gen"], self._gen_roof)
         self.g_ar = Grid.from_json(r["g_ar"], self._ar_roof) if "g_ar" in r else None
         self.g_ar_eager = Grid.from_json(r["g_ar_eager"], self._ar_roof) if "g_ar_eager" in r else None
-        self._ar_releases = {vllm_version_tuple(rel): (Grid.from_json(x["g_ar"], self._ar_roof),
+        self._ar_releases = {vllm_version_tuple(rel): (rel, Grid.from_json(x["g_ar"], self._ar_roof),
                                                        Grid.from_json(x["g_ar_eager"], self._ar_roof)
-                                                       if "g_ar_eager" in x else None)
+                                                       if "g_ar_eager" in x else self.g_ar_eager)
                              for rel, x in r.get("g_ar_releases", {}).items()}
         self.g_moe = Grid.from_json(r["g_moe"], self._moe_roof) if "g_moe" in r else None
         self.coverage = r.get("coverage", {})

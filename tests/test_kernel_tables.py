@@ -215,12 +215,40 @@ def test_the_all_reduce_is_read_from_the_tables_of_the_deployments_vllm_release(
         for version, release in (("0.15.1", "0.14.0"), ("0.19", "0.19.0"), ("0.27.0", "0.24.0"), (None, "0.31.0"),
                                  ("0.10.2", "0.14.0")):
             k = KernelCostModel(m, "h100_sxm", 4, vllm_version=version)
-            assert k.metadata["allreduce_release"] == release[:4], version
+            assert k.metadata["allreduce_release"] == release, version
             assert layers_ar(k) == pytest.approx(161 * us(release, 2 ** 18) * 1e-6, rel=1e-6), version
         prof = cost_model_from_profile(KernelCostModel(m, "h100_sxm", 4).to_profile())
     old = layers_ar(prof)
     prof.set_sampling("model_default", "0.15.1")
     assert layers_ar(prof) == pytest.approx(161 * us("0.14.0", 2 ** 18) * 1e-6, rel=1e-3) and layers_ar(prof) > old
+
+
+def test_a_scenario_prices_its_release_and_its_gpu_through_the_scenario_path():
+    """What a scenario names reaches the kernel model: deployment.vllm_version picks the
+    all-reduce release (an H100 TP-4 deployment of 0.15.1 reads 0.14.0, of the default release
+    0.31.0; B300's default 0.31.0), and B200's own compute slowdown holds when the scenario's
+    cost_model.overheads sets other keys only (as bench/silicon_check.py writes it)."""
+    from sim.scenario import parse_scenario
+
+    def cost(device, tp, version=None, overheads=None, model="llama-3.1-70b"):
+        dep = {"model": model, "device": device, "tp": tp, "weight_dtype": "fp8",
+               **({"vllm_version": version} if version else {})}
+        cm = {"type": "kernels", **({"overheads": overheads} if overheads else {})}
+        data = {"deployment": dep, "cost_model": cm,
+                "workload": {"arrival": {"type": "poisson", "rate": 1.0}, "num_requests": 4,
+                             "prompt_len": {"type": "fixed", "value": 100}, "output_len": {"type": "fixed", "value": 10}}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            c = parse_scenario(data).cost_model
+        while not isinstance(c, KernelCostModel):
+            c = c.base
+        return c
+    assert cost("h100-sxm", 4, "0.15.1").metadata["allreduce_release"] == "0.14.0"
+    assert cost("h100-sxm", 4).metadata["allreduce_release"] == "0.31.0"
+    assert cost("b300", 4).metadata["allreduce_release"] == "0.31.0"
+    assert cost("b200", 4, "0.19.0").metadata["allreduce_release"] == "0.19.0"
+    assert cost("b200", 2, overheads={"cudagraph_max_tokens": 2048}).ovh.gemm_compute_slowdown == 1.25
+    assert cost("b200", 2, overheads={"gemm_compute_slowdown": 1.0}).ovh.gemm_compute_slowdown == 1.0
 
 
 def test_a_step_past_the_cuda_graph_sizes_takes_at_least_the_host_launches():
