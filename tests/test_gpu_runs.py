@@ -89,6 +89,18 @@ def test_models_by_hugging_face_id(hf_id, name, dtype):
     assert (m.name, m.weight_dtype) == (name, dtype)
 
 
+@pytest.mark.parametrize("hf_id, name, params_b", [
+    # parameter counts as their model cards state them (Qwen2.5: 14.7B and 32.5B; QwQ-32B is
+    # Qwen2.5-32B's architecture; Qwen3: 0.6B and 1.7B, tied embeddings; Mistral-7B-v0.3: 7.25B)
+    ("Qwen/Qwen2.5-14B-Instruct", "qwen2.5-14b", 14.7), ("Qwen/Qwen2.5-32B-Instruct", "qwen2.5-32b", 32.5),
+    ("Qwen/QwQ-32B", "qwen2.5-32b", 32.5), ("Qwen/Qwen3-0.6B", "qwen3-0.6b", 0.6), ("Qwen/Qwen3-1.7B", "qwen3-1.7b", 1.7),
+    ("mistralai/Mistral-7B-Instruct-v0.3", "mistral-7b", 7.25)])
+def test_popular_dense_models_load_by_hugging_face_id_with_their_published_size(hf_id, name, params_b):
+    m = get_model(hf_id)
+    assert m.name == name and m.weight_dtype == "bfloat16"
+    assert m.weight_bytes / 2 / 1e9 == pytest.approx(params_b, rel=0.03)
+
+
 def test_an_unknown_hugging_face_id_is_refused_naming_it():
     with pytest.raises(ValueError, match="some-org/NoSuchModel-9B"):
         get_model("some-org/NoSuchModel-9B")
