@@ -94,7 +94,6 @@ def model_name(path: str) -> str | None:
     an org prefix), or None."""
     if path in MODELS:
         return MODELS[path]
-    from sim.specs import get_model
     try:
         return get_model(path).name
     except ValueError:
@@ -146,7 +145,6 @@ def usable(r: dict) -> dict | None:
         # say (tp 4 x dp 4 with moe_ep 16): so read, MiniMax-M2.5's DP rows have the errors of its
         # non-DP rows (docs/reports). Otherwise (tp_size 1 with dp 8, as TensorRT-LLM's rows write
         # it) dp ranks of tp_size GPUs each, dp x tp_size in all, which is moe_tp x moe_ep there.
-        from sim.specs import get_model
         case["tp"] = tp // dp if tp % dp == 0 else tp
         if get_model(case["model"]).is_moe:
             case["data_parallel"] = dp

@@ -310,7 +310,8 @@ def convert_allreduce_eager(site: Path, out: Path, systems: list[str] | None = N
                 have = [float(pd.Series(ratios[int(tp), int(size)]).median())
                         for size in sizes if (int(tp), int(size)) in ratios]
                 if len(have) == len(sizes):  # else a GPU count not timed outside graphs: none
-                    tables[tp] = {"values": [sizes], "us": [None if u is None else sig(u * r) for u, r in zip(us, have)]}
+                    tables[tp] = {"values": [sizes],
+                                  "us": [None if u is None else sig(u * r) for u, r in zip(us, have)]}
             return tables
         tables = eager_of(doc["allreduce"]["tables"])
         if tables:
@@ -319,7 +320,8 @@ def convert_allreduce_eager(site: Path, out: Path, systems: list[str] | None = N
                                       "method": "allreduce x the median over the releases of eager / graph",
                                       "tables": tables}
         doc["sources"]["allreduce_releases"] = {rel: src for rel, (src, _t) in graphs.items()}
-        doc["allreduce_releases"] = {rel: {"tables": t, "eager_tables": eager_of(t)} for rel, (_src, t) in graphs.items()}
+        doc["allreduce_releases"] = {rel: {"tables": t, "eager_tables": eager_of(t)}
+                                     for rel, (_src, t) in graphs.items()}
         with open(path, "w") as f:
             json.dump(doc, f, separators=(",", ":"))
         print(f"{system}: eager all-reduce for TP {sorted(tables, key=int)} from {len(used)} releases; "

@@ -273,9 +273,10 @@ class Overheads:
       serves. AIConfigurator's vLLM backend adds a per-request dispatch cost of 0.8 ms per layer
       for the same reason. Such a step's layer all-reduces (decode-only ones too) are read from
       the eager all-reduce table, not the graph one (KernelCostModel._by_tokens); the logits
-      gather keeps the graph table, and each data-parallel rank decides by its own tokens. Decode-only steps past the graph sizes (more than 512 running
-      requests) are not floored: the figure was fitted on prefill steps, and no data here says
-      what a graph-less decode step costs on the host.
+      gather keeps the graph table, and each data-parallel rank decides by its own tokens.
+      Decode-only steps past the graph sizes (more than 512 running requests) are not floored:
+      the figure was fitted on prefill steps, and no data here says what a graph-less decode
+      step costs on the host.
 
     - serving_slowdown: the kernels' time in serving over their micro-benchmark time (1: as
       measured).
@@ -631,10 +632,10 @@ class KernelCostModel(CostModel):
                 self._build(t)
                 if len(_BUILT) > 64:
                     _BUILT.clear()
-                _BUILT[key] = (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar, self.g_ar_eager, self._ar_releases,
-                               self.g_moe, self.coverage, self.source)
-            (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar, self.g_ar_eager, self._ar_releases,
-             self.g_moe, self.coverage, self.source) = _BUILT[key]
+                _BUILT[key] = (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar, self.g_ar_eager,
+                               self._ar_releases, self.g_moe, self.coverage, self.source)
+            (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar, self.g_ar_eager,
+             self._ar_releases, self.g_moe, self.coverage, self.source) = _BUILT[key]
         else:
             self.source = tables.get("sources", {})
             self._build(tables)
@@ -662,6 +663,16 @@ class KernelCostModel(CostModel):
         (0.33) reads each GPU's latest (H100, H200, B300: 0.31.0; B200: 0.24.0)."""
         gen = self.model.generation_filter if generation_filter is None else generation_filter
         release = vllm_version_tuple(vllm_version)  # ValueError naming deployment.vllm_version
+        self._select_allreduce(release, vllm_version)
+        impl = filter_implementation(release) if sampling_filters(sampling, gen, release) else None
+        self._filter_impl = impl  # filter_cost_s prices each implementation (FlashInfer: nothing extra)
+        self._memo_s.clear()
+        self._memo_d.clear()
+        self.metadata.update(sampling=sampling, vllm_version=vllm_version, sampler_filter=impl or "none")
+
+    def _select_allreduce(self, release: tuple[int, int], vllm_version: str | None) -> None:
+        """The all-reduce grids of the latest release measured at or before `release` (the
+        earliest for an older one); a warning where the tables hold one release only."""
         if self._ar_releases:
             rel = max((r for r in self._ar_releases if r <= release), default=min(self._ar_releases))
             name, g, e = self._ar_releases[rel]
@@ -675,11 +686,6 @@ class KernelCostModel(CostModel):
             warnings.warn(f"kernel cost model ({self.model.name} on {self.device.name}, tp={self.tp}): its "
                           f"all-reduce tables are of one vLLM release, not of deployment.vllm_version="
                           f"{vllm_version!r} (a profile from before they held releases: regenerate it)")
-        impl = filter_implementation(release) if sampling_filters(sampling, gen, release) else None
-        self._filter_impl = impl  # filter_cost_s prices each implementation (FlashInfer: nothing extra)
-        self._memo_s.clear()
-        self._memo_d.clear()
-        self.metadata.update(sampling=sampling, vllm_version=vllm_version, sampler_filter=impl or "none")
 
     # ------------------------------------------------------------------ rooflines
     def _gemm_roof(self, dtype: str) -> Callable[..., float]:
@@ -1201,7 +1207,8 @@ class KernelCostModel(CostModel):
             # buffer first (the eager table: 1.05-1.2x the graph time from 4 M elements on NVLink
             # GPUs, 1.3-2.9x at 1 M, 1.3-11x at 128 K and below; about 1x on L40S's PCIe from
             # 1 M, NCCL either way)
-            g_ar = self.g_ar_eager if self.g_ar_eager is not None and T > self.ovh.cudagraph_max_tokens else self.g_ar
+            eager = self.g_ar_eager is not None and T > self.ovh.cudagraph_max_tokens
+            g_ar = self.g_ar_eager if eager else self.g_ar
             out["allreduce"] = (2 * L + 1) * self._look("allreduce", g_ar, T * m.hidden_size)
             if m.qk_norm_across_heads:
                 # per layer, the q/k norms' partial sums (2 fp32 = 4 bf16 elements per token),
