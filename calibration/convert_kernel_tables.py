@@ -143,17 +143,22 @@ def convert(site: Path, out: Path, systems: dict | None = None, package: str = "
         print(f"{system}: {(out / f'{system}.json').stat().st_size / 1e6:.2f} MB")
 
 
-MOE_SYSTEMS = {"h100_sxm": "0.25.0", "h200_sxm": "0.25.0", "b200_sxm": "0.25.0", "b300_sxm": "0.25.0"}
+# The wheel's only fused-MoE tables for A100 (vLLM 0.14.0: vLLM's Triton kernel, bf16, skewed routings
+# only) and L40S (0.24.0: Triton for bf16 and fp8 blocks, Marlin for int4 and MXFP4).
+MOE_SYSTEMS = {"h100_sxm": "0.25.0", "h200_sxm": "0.25.0", "b200_sxm": "0.25.0", "b300_sxm": "0.25.0",
+               "a100_sxm": "0.14.0", "l40s": "0.24.0"}
 # weight format -> (moe_dtype of the table, kernels in order of preference: what vLLM runs)
 MOE_KERNELS = {
     "bf16": ("bfloat16", ["vllm_unquantizedfusedmoe_triton_tritonexperts",
-                          "vllm_unquantizedfusedmoe_flashinfer_trtllm_trtllmbf16experts"]),
+                          "vllm_unquantizedfusedmoe_flashinfer_trtllm_trtllmbf16experts",
+                          "vllm_fused_moe"]),  # (A100's release names its Triton kernel so)
     "fp8_block": ("fp8_block", ["vllm_fp8moe_triton_tritonexperts",
                                 "vllm_fp8moe_flashinfer_trtllm_trtllmfp8expertsmonolithic",
                                 "vllm_fp8moe_flashinfer_cutlass_flashinferexperts",
                                 "vllm_fp8moe_flashinfer_trtllm_trtllmfp8expertsmodular"]),
     "mxfp4": ("w4a16_mxfp4", ["vllm_gptossmxfp4moe_triton_oaitritonmxfp4expertsmonolithic",
-                              "vllm_gptossmxfp4moe_flashinfer_trtllm_mxfp4_bf16_trtllmmxfp4expertsmonolithic"]),
+                              "vllm_gptossmxfp4moe_flashinfer_trtllm_mxfp4_bf16_trtllmmxfp4expertsmonolithic",
+                              "vllm_gptossmxfp4moe_marlin_marlinexperts"]),  # (Marlin: L40S, no FP4 units)
     "int4": ("int4_wo", ["vllm_compressedtensorswna16marlinmoe_marlin_marlinexperts"]),
     # MXFP4 experts with MXFP8 activations (FlashInfer's TRT-LLM kernel on Blackwell, vLLM's
     # VLLM_USE_FLASHINFER_MOE_MXFP4_MXFP8=1); the kernel model reads it for
@@ -182,10 +187,14 @@ MOE_SKEWED = "power_law_1.01"
 MOE_SHAPE = ["hidden_size", "inter_size", "topk", "num_experts", "moe_tp_size", "moe_ep_size"]
 
 
-def moe_grids(every: pd.DataFrame, name: str, dt: str, kernel_of, tables: dict, skewed: dict) -> None:
+def moe_grids(every: pd.DataFrame, name: str, dt: str, kernel_of, tables: dict, skewed: dict,
+              base: str = MOE_DISTRIBUTION) -> None:
     """Add format `name`'s fused-MoE tables (moe_dtype dt) under both routings to tables / skewed,
-    keyed dtype/hidden/inter/topk/experts/moe_tp/moe_ep, each shape read from kernel_of(key)."""
-    for dist, out_tables in ((MOE_DISTRIBUTION, tables), (MOE_SKEWED, skewed)):
+    keyed dtype/hidden/inter/topk/experts/moe_tp/moe_ep, each shape read from kernel_of(key).
+    With `base` MOE_SKEWED (a file without balanced routing) the skewed tables are the base ones
+    and `skewed` stays empty."""
+    routings = [(base, tables)] + ([(MOE_SKEWED, skewed)] if base != MOE_SKEWED else [])
+    for dist, out_tables in routings:
         y = every[(every.distribution == dist) & (every.moe_dtype == dt)]
         for key, sub in y.groupby(MOE_SHAPE):
             tkey = f"{name}/" + "/".join(str(v) for v in key)
@@ -202,7 +211,9 @@ def convert_moe(site: Path, out: Path, systems: dict | None = None, package: str
         doc = json.loads(path.read_text())
         p = root / system / "moe" / "vllm" / version / "moe_perf.parquet"
         every = pd.read_parquet(p)
-        m = every[every.distribution == MOE_DISTRIBUTION]
+        # the routing read for uniform routing: balanced where measured, else the skewed one (as measured)
+        base = MOE_DISTRIBUTION if (every.distribution == MOE_DISTRIBUTION).any() else MOE_SKEWED
+        m = every[every.distribution == base]
         doc["sources"]["moe"] = str(p.relative_to(site))
         tables, skewed, kernels, by_shape = {}, {}, {}, {}
         for name, (dt, kerns) in MOE_KERNELS.items():
@@ -216,9 +227,10 @@ def convert_moe(site: Path, out: Path, systems: dict | None = None, package: str
             for k_ in (kerns[kerns.index(kern):] if name in MOE_BY_SHAPE else [kern]):
                 for key in x[x.kernel_source == k_].groupby(MOE_SHAPE).size().index:
                     owner.setdefault(f"{name}/" + "/".join(str(v) for v in key), k_)
-            moe_grids(every, name, dt, lambda tkey, owner=owner, kern=kern: owner.get(tkey, kern), tables, skewed)
+            moe_grids(every, name, dt, lambda tkey, owner=owner, kern=kern: owner.get(tkey, kern), tables, skewed,
+                      base)
             by_shape.update({k: v for k, v in owner.items() if v != kern})
-        doc["moe"] = {"kernels": kernels, "distribution": MOE_DISTRIBUTION,
+        doc["moe"] = {"kernels": kernels, "distribution": base,
                       "key": "dtype/hidden/inter/topk/experts/moe_tp/moe_ep", "tables": tables,
                       "skewed_distribution": MOE_SKEWED, "skewed_tables": skewed,
                       "kernels_by_shape": by_shape}

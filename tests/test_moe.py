@@ -227,6 +227,35 @@ def test_kernel_model_reads_the_fused_moe_table_of_the_shape():
     assert KernelCostModel("llama-3.1-8b", "h100").breakdown(f)["moe"] == 0.0
 
 
+@pytest.mark.parametrize("device, system, tp, key, skewed", [
+    # L40S: both routings measured, read as on H100
+    ("l40s", "l40s", 4, "bf16/4096/14336/2/8/4/1", True),
+    # A100: only the power-law routings were measured: that table, as measured, and no skewed one
+    ("a100-80g", "a100_sxm", 2, "bf16/4096/14336/2/8/2/1", False),
+])
+def test_a100_and_l40s_read_their_own_fused_moe_tables(device, system, tp, key, skewed):
+    import json
+    from pathlib import Path
+    k = KernelCostModel("mixtral-8x7b", device, tp)
+    assert k.describe()["table_coverage"]["moe"] == key
+    moe = json.loads((Path(__file__).resolve().parents[1] / "calibration" / "kernels" / f"{system}.json")
+                     .read_text())["moe"]
+    assert moe["distribution"] == ("balanced" if skewed else "power_law_1.01")
+    assert (key in moe["skewed_tables"]) is skewed
+    # at 64 decodes all 8 experts are touched, so no routing correction: at each measured point the
+    # slower routing (the skewed table as read), at the step's compute clocks (Overheads.
+    # gemm_compute_slowdown: 1 at 64 tokens, more above), then read as every table is
+    ts, us = moe["tables"][key]["values"][0], moe["tables"][key]["us"]
+    if skewed:
+        sk = _table_reading(moe["skewed_tables"][key])
+        us = [max(u, sk[t]) for t, u in zip(ts, us)]
+    us = _table_reading({"values": [ts], "us": [u * k.ovh.gemm_factor(t) for t, u in zip(ts, us)]})[64]
+    f = BatchFeatures(num_reqs=64, num_decode_reqs=64, decode_context_tokens=64 * 500)
+    assert k.breakdown(f)["moe"] == pytest.approx(32 * us * 1e-6)    # 32 MoE layers
+    # the roofline it replaces streams the experts at the card's full bandwidth: the kernel is slower
+    assert k.breakdown(f)["moe"] > 32 * k._moe_roof(64)
+
+
 def test_a_balanced_moe_table_is_read_for_uniform_random_routing():
     # A table measured with balanced routing (AIConfigurator's balanced_logits: T tokens x k spread
     # over min(E, T k) experts), here one whose time is the weights of the experts it touches,
