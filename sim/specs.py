@@ -557,6 +557,9 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("qwen2.5-72b", 80, 8192, 64, 8, 128, 29568, 152064, False, 32768),
     ModelSpec("qwen3-0.6b", 28, 1024, 16, 8, 128, 3072, 151936, True, 40960, qk_norm=True),
     ModelSpec("qwen3-1.7b", 28, 2048, 16, 8, 128, 6144, 151936, True, 40960, qk_norm=True),
+    # Qwen3-4B: the text model of the aisimulate wheel's Qwen3-VL-4B config (the same LLM), its
+    # own context length
+    ModelSpec("qwen3-4b", 36, 2560, 32, 8, 128, 9728, 151936, True, 40960, qk_norm=True),
     ModelSpec("qwen3-8b", 36, 4096, 32, 8, 128, 12288, 151936, False, 40960, qk_norm=True),
     ModelSpec("qwen3-14b", 40, 5120, 40, 8, 128, 17408, 151936, False, 40960, qk_norm=True),
     ModelSpec("qwen3-32b", 64, 5120, 64, 8, 128, 25600, 151936, False, 40960, qk_norm=True),
@@ -573,6 +576,8 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
               num_experts_per_tok=8, moe_intermediate_size=768, num_moe_layers=48),
     ModelSpec("qwen3-235b-a22b", 94, 4096, 64, 4, 128, 12288, 151936, False, 40960, qk_norm=True, num_experts=128,
               num_experts_per_tok=8, moe_intermediate_size=1536, num_moe_layers=94),
+    ModelSpec("qwen3-coder-480b-a35b", 62, 6144, 96, 8, 128, 8192, 151936, False, 262144, qk_norm=True,
+              num_experts=160, num_experts_per_tok=8, moe_intermediate_size=2560, num_moe_layers=62),
     ModelSpec("mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000, False, 32768, num_experts=8,
               num_experts_per_tok=2, moe_intermediate_size=14336, num_moe_layers=32),
     ModelSpec("mixtral-8x22b", 56, 6144, 48, 8, 128, 16384, 32000, False, 65536, num_experts=8,
@@ -618,8 +623,8 @@ GENERATION_FILTERS = {**dict.fromkeys(("llama-3.1-8b", "llama-3.1-70b", "llama-3
                                        "llama-3.2-3b", "llama-2-7b", "llama-2-13b", "llama-2-70b",
                                        "llama-4-scout-17b-16e", "llama-4-maverick-17b-128e"), "top_p"),
                       **dict.fromkeys(("qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b", "qwen3-0.6b",
-                                       "qwen3-1.7b", "qwen3-8b", "qwen3-14b", "qwen3-32b",
-                                       "qwen3-30b-a3b", "qwen3-235b-a22b"), "top_k_top_p")}
+                                       "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b",
+                                       "qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3-coder-480b-a35b"), "top_k_top_p")}
 MODELS = {k: replace(m, generation_filter=GENERATION_FILTERS.get(k, "")) for k, m in MODELS.items()}
 _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-3.1-8b",
                   "meta-llama-3.1-70b": "llama-3.1-70b", "meta-llama-3.1-405b": "llama-3.1-405b",
@@ -633,7 +638,16 @@ _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-
                   "mixtral-8x7b-v0.1": "mixtral-8x7b", "mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
                   "mixtral-8x22b-v0.1": "mixtral-8x22b", "mixtral-8x22b-instruct-v0.1": "mixtral-8x22b",
                   "deepseek-r1": "deepseek-v3", "deepseek-v3-0324": "deepseek-v3", "minimax-m2.5": "minimax-m2",
-                  "llama-4-scout": "llama-4-scout-17b-16e", "llama-4-maverick": "llama-4-maverick-17b-128e", "kimi-k2-thinking": "kimi-k2.5", "qwen3-30b-a3b-thinking": "qwen3-30b-a3b"}
+                  "llama-4-scout": "llama-4-scout-17b-16e", "llama-4-maverick": "llama-4-maverick-17b-128e", "kimi-k2-thinking": "kimi-k2.5", "qwen3-30b-a3b-thinking": "qwen3-30b-a3b",
+                  # later checkpoints of the same architecture (their config.json: the aisimulate
+                  # wheel's MiniMax-M2.7 and DeepSeek-V3.1 configs read as M2.5's and V3's)
+                  "minimax-m2.1": "minimax-m2", "minimax-m2.7": "minimax-m2", "deepseek-v3.1": "deepseek-v3",
+                  "deepseek-v3.1-terminus": "deepseek-v3", "qwen3-235b-a22b-thinking": "qwen3-235b-a22b",
+                  "qwen3-coder-30b-a3b": "qwen3-30b-a3b",
+                  # DeepSeek-R1's distillations keep their base model's architecture
+                  "deepseek-r1-distill-llama-70b": "llama-3.1-70b", "deepseek-r1-distill-llama-8b": "llama-3.1-8b",
+                  "deepseek-r1-distill-qwen-32b": "qwen2.5-32b", "deepseek-r1-distill-qwen-14b": "qwen2.5-14b",
+                  "deepseek-r1-distill-qwen-7b": "qwen2.5-7b"}
 
 DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
     # memory_bytes: the total CUDA reports (torch.cuda.mem_get_info), which vLLM multiplies by

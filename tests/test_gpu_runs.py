@@ -91,10 +91,14 @@ def test_models_by_hugging_face_id(hf_id, name, dtype):
 
 @pytest.mark.parametrize("hf_id, name, params_b", [
     # parameter counts as their model cards state them (Qwen2.5: 14.7B and 32.5B; QwQ-32B is
-    # Qwen2.5-32B's architecture; Qwen3: 0.6B and 1.7B, tied embeddings; Mistral-7B-v0.3: 7.25B)
+    # Qwen2.5-32B's architecture; Qwen3: 0.6B, 1.7B and 4.0B, tied embeddings; Mistral-7B-v0.3: 7.25B;
+    # DeepSeek-R1's distillations: their base's, 70.6B and 32.8B)
     ("Qwen/Qwen2.5-14B-Instruct", "qwen2.5-14b", 14.7), ("Qwen/Qwen2.5-32B-Instruct", "qwen2.5-32b", 32.5),
     ("Qwen/QwQ-32B", "qwen2.5-32b", 32.5), ("Qwen/Qwen3-0.6B", "qwen3-0.6b", 0.6), ("Qwen/Qwen3-1.7B", "qwen3-1.7b", 1.7),
-    ("mistralai/Mistral-7B-Instruct-v0.3", "mistral-7b", 7.25)])
+    ("Qwen/Qwen3-4B", "qwen3-4b", 4.0), ("Qwen/Qwen3-4B-Instruct-2507", "qwen3-4b", 4.0),
+    ("mistralai/Mistral-7B-Instruct-v0.3", "mistral-7b", 7.25),
+    ("deepseek-ai/DeepSeek-R1-Distill-Llama-70B", "llama-3.1-70b", 70.6),
+    ("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", "qwen2.5-32b", 32.8)])
 def test_popular_dense_models_load_by_hugging_face_id_with_their_published_size(hf_id, name, params_b):
     m = get_model(hf_id)
     assert m.name == name and m.weight_dtype == "bfloat16"

@@ -133,7 +133,11 @@ def test_kimi_k2_5_int4_experts_in_groups_of_32_by_hand():
     ("moonshotai/Kimi-K2.5", "kimi-k2.5"), ("moonshotai/Kimi-K2-Thinking", "kimi-k2.5"),
     ("meta-llama/Llama-4-Scout-17B-16E-Instruct", "llama-4-scout-17b-16e"),
     ("meta-llama/Llama-4-Maverick-17B-128E-Instruct", "llama-4-maverick-17b-128e"),
-    ("meta-llama/Llama-4-Maverick-17B-128E-Instruct-FP8", "llama-4-maverick-17b-128e")])
+    ("meta-llama/Llama-4-Maverick-17B-128E-Instruct-FP8", "llama-4-maverick-17b-128e"),
+    # later checkpoints of the same architectures
+    ("MiniMaxAI/MiniMax-M2.7", "minimax-m2"), ("MiniMaxAI/MiniMax-M2.1", "minimax-m2"),
+    ("deepseek-ai/DeepSeek-V3.1", "deepseek-v3"), ("Qwen/Qwen3-235B-A22B-Thinking-2507-FP8", "qwen3-235b-a22b"),
+    ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "qwen3-30b-a3b"), ("Qwen/Qwen3-Coder-480B-A35B-Instruct", "qwen3-coder-480b-a35b")])
 def test_moe_catalog_names(name, family):
     m = get_model(name)
     assert m.name == family and m.is_moe and m.num_experts_per_tok >= 1
@@ -150,6 +154,23 @@ def test_catalog_matches_the_config(cfg):
               "num_sliding_layers", "expert_dtype", "weight_dtype"):
         assert getattr(m, f) == getattr(c, f), f
     assert m.weight_bytes == c.weight_bytes and m.kv_bytes_per_token == c.kv_bytes_per_token
+
+
+def test_qwen3_coder_480b_from_its_config_is_the_catalog_entry_and_its_published_size():
+    # Qwen3-Coder-480B-A35B-Instruct's public config.json (the fields the reader takes)
+    cfg = {**QWEN3_30B_A3B, "hidden_size": 6144, "num_hidden_layers": 62, "num_attention_heads": 96,
+           "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 8192, "moe_intermediate_size": 2560,
+           "num_experts": 160, "num_experts_per_tok": 8, "max_position_embeddings": 262144, "mlp_only_layers": [],
+           "decoder_sparse_step": 1, "tie_word_embeddings": False, "vocab_size": 151936}
+    m, c = ModelSpec.from_hf_config(cfg), get_model("qwen3-coder-480b-a35b")
+    for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "num_experts", "num_experts_per_tok",
+              "moe_intermediate_size", "num_moe_layers", "qk_norm"):
+        assert getattr(m, f) == getattr(c, f), f
+    assert m.weight_bytes == c.weight_bytes
+    assert c.weight_bytes / 2 == pytest.approx(480e9, rel=0.01)                 # 480B parameters
+    # 35B active: all but the routed experts, and 8 of each layer's 160 experts
+    active = (c.weight_bytes - c.expert_weight_bytes_per_gpu(1)) / 2 + c.expert_weight_bytes_per_gpu(1) / 2 * 8 / 160
+    assert active == pytest.approx(35e9, rel=0.03)
 
 
 def test_what_the_reader_does_not_understand_is_refused_by_field():
