@@ -219,6 +219,8 @@ def convert_moe(site: Path, out: Path, systems: dict | None = None, package: str
         for name, (dt, kerns) in MOE_KERNELS.items():
             x = m[(m.moe_dtype == dt) & m.kernel_source.isin(kerns)]
             if x.empty:
+                if ((every.moe_dtype == dt) & every.kernel_source.isin(kerns)).any():
+                    print(f"{system}: {name} measured without {base} routing only: not converted")
                 continue
             kern = next(k for k in kerns if (x.kernel_source == k).any())
             kernels[name] = kern

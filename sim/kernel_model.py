@@ -458,6 +458,12 @@ MOE_FORMATS = {"bfloat16": "bf16", "float16": "bf16", "fp8_block": "fp8_block", 
                "mxfp4": "mxfp4", "int4": "int4", "int4_g32": "int4"}
 
 
+def _is_triton(kernel: str) -> bool:
+    """Whether a fused-MoE table's kernel is vLLM's Triton one: named so from vLLM 0.24, and
+    `vllm_fused_moe` in the earlier releases the wheel measured (A100's 0.14; B200's 0.19)."""
+    return "triton" in kernel or kernel == "vllm_fused_moe"
+
+
 def _grouped_expert_gemms(m: ModelSpec, T: float, tp: int) -> list[tuple[float, int, int]]:
     """(M, N, K) of one MoE layer's routed experts for T tokens, as one grouped GEMM: the e experts
     the tokens touch (ModelSpec.experts_touched), each against its share of the T x top-k rows,
@@ -804,7 +810,7 @@ class KernelCostModel(CostModel):
                 return tot, ok
             moe_doc = (tables or {}).get("moe", {})
             fmt = MOE_FORMATS.get(edt)
-            if self.moe_backend == "triton" and fmt and "triton" not in moe_doc.get("kernels", {}).get(fmt, "triton"):
+            if self.moe_backend == "triton" and fmt and not _is_triton(moe_doc.get("kernels", {}).get(fmt, "triton")):
                 moe_doc = (tables or {}).get("moe_triton", {})
                 if fmt not in moe_doc.get("kernels", {}):
                     raise ValueError(f"cost_model.moe_backend='triton': vLLM's Triton fused-MoE kernel was not "

@@ -684,6 +684,13 @@ _DEVICE_ALIASES = {"h100": "h100-sxm", "h100-sxm5": "h100-sxm", "h100-80gb": "h1
                    "h100-80gb-hbm3": "h100-sxm", "h100-sxm5-80gb": "h100-sxm", "h200-141gb-hbm3e": "h200",
                    "a100-sxm4-80gb": "a100-80g", "a100-sxm4-40gb": "a100-40g"}
 _MODEL_SUFFIXES = ("-instruct", "-chat", "-hf", "-base", "-it")
+# Where a checkpoint read as a catalog architecture differs from the catalog entry in fields that do
+# not change its shape, by a pattern on its Hugging Face name (lower case): Qwen3's 2507 releases and
+# Qwen3-Coder serve 262,144-token contexts; DeepSeek-R1's distillations 131,072, with generation
+# defaults of temperature 0.6 and top-p 0.95 (their generation_config.json).
+CHECKPOINT_FIELDS = ((r"^qwen3-.*-2507", {"max_position_embeddings": 262144}),
+                     (r"^qwen3-coder-", {"max_position_embeddings": 262144}),
+                     (r"^deepseek-r1-distill-", {"max_position_embeddings": 131072, "generation_filter": "top_p"}))
 
 
 def _model_key(name: str) -> tuple[str, bool]:
@@ -786,6 +793,10 @@ def _lookup_model(value: str, base_dir: Path | None = None) -> ModelSpec:
         raise ValueError(f"deployment.model={value!r}: unknown; known: {sorted(MODELS)} "
                          "(or a path to a HF config.json)")
     m = MODELS[key]
+    raw = value.strip().lower().split("/")[-1]
+    over = {k: v for pattern, fields in CHECKPOINT_FIELDS for k, v in fields.items() if re.search(pattern, raw)}
+    if over:
+        m = replace(m, **over)
     if not fp8:
         return m
     m = m.with_dtypes(weight_dtype="fp8")

@@ -105,6 +105,18 @@ def test_popular_dense_models_load_by_hugging_face_id_with_their_published_size(
     assert m.weight_bytes / 2 / 1e9 == pytest.approx(params_b, rel=0.03)
 
 
+def test_checkpoints_read_as_a_catalog_architecture_keep_their_own_context_and_sampling():
+    # Qwen3's 2507 releases and Qwen3-Coder: 262,144 positions (Qwen3-4B itself: 40,960);
+    # DeepSeek-R1's distillations: 131,072 and top-p sampling, whatever their base's
+    assert get_model("Qwen/Qwen3-4B").max_position_embeddings == 40960
+    assert get_model("Qwen/Qwen3-4B-Instruct-2507").max_position_embeddings == 262144
+    assert get_model("Qwen/Qwen3-Coder-30B-A3B-Instruct").max_position_embeddings == 262144
+    r1 = get_model("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B")
+    assert (r1.max_position_embeddings, r1.generation_filter) == (131072, "top_p")
+    assert get_model("Qwen/QwQ-32B").generation_filter == "top_k_top_p"
+    assert get_model("Qwen/Qwen3-30B-A3B-Instruct-2507-FP8").weight_dtype == "fp8"   # with a dtype suffix too
+
+
 def test_an_unknown_hugging_face_id_is_refused_naming_it():
     with pytest.raises(ValueError, match="some-org/NoSuchModel-9B"):
         get_model("some-org/NoSuchModel-9B")

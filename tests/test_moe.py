@@ -277,6 +277,25 @@ def test_a100_and_l40s_read_their_own_fused_moe_tables(device, system, tp, key, 
     assert k.breakdown(f)["moe"] > 32 * k._moe_roof(64)
 
 
+def test_a100s_power_law_moe_table_is_read_as_measured_and_is_vllms_triton_kernel():
+    # A100's only table was timed with power-law routing: at 8 decodes of Qwen3-30B-A3B (8 of 128
+    # experts each) it is read as measured, not corrected as a balanced table would be for uniform
+    # routing (which would read a different time here), and it is vLLM's Triton kernel
+    import json
+    from pathlib import Path
+    from sim.kernel_model import _uniform_routing
+    k = KernelCostModel("qwen3-30b-a3b", "a100-80g", 1)
+    key = "bf16/2048/768/8/128/1/1"
+    tab = json.loads((Path(__file__).resolve().parents[1] / "calibration" / "kernels" / "a100_sxm.json")
+                     .read_text())["moe"]["tables"][key]
+    f = BatchFeatures(num_reqs=8, num_decode_reqs=8, decode_context_tokens=8 * 500)
+    assert k.breakdown(f)["moe"] == pytest.approx(48 * _table_reading(tab)[8] * 1e-6)   # 48 MoE layers
+    (axis,), as_balanced = _uniform_routing(tab, get_model("qwen3-30b-a3b"), "balanced")
+    assert dict(zip(axis, as_balanced))[8] != pytest.approx(_table_reading(tab)[8], rel=0.02)
+    tri = KernelCostModel("qwen3-30b-a3b", "a100-80g", 1, moe_backend="triton")
+    assert tri.breakdown(f)["moe"] == k.breakdown(f)["moe"]
+
+
 def test_a_balanced_moe_table_is_read_for_uniform_random_routing():
     # A table measured with balanced routing (AIConfigurator's balanced_logits: T tokens x k spread
     # over min(E, T k) experts), here one whose time is the weights of the experts it touches,
