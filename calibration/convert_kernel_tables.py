@@ -147,6 +147,10 @@ def convert(site: Path, out: Path, systems: dict | None = None, package: str = "
 # only) and L40S (0.24.0: Triton for bf16 and fp8 blocks, Marlin for int4 and MXFP4).
 MOE_SYSTEMS = {"h100_sxm": "0.25.0", "h200_sxm": "0.25.0", "b200_sxm": "0.25.0", "b300_sxm": "0.25.0",
                "a100_sxm": "0.14.0", "l40s": "0.24.0"}
+# A file without balanced routing names a GPU whose tables have both routings for the same kernel
+# (vLLM's Triton fused MoE) and shapes: the kernel model takes the uniform-routing reading from its
+# ratio (sim.kernel_model._routing_ratio). A100's: L40S's, which has 65 of its 106 shapes.
+MOE_ROUTING_REFERENCE = {"a100_sxm": "l40s"}
 # weight format -> (moe_dtype of the table, kernels in order of preference: what vLLM runs)
 MOE_KERNELS = {
     "bf16": ("bfloat16", ["vllm_unquantizedfusedmoe_triton_tritonexperts",
@@ -236,6 +240,8 @@ def convert_moe(site: Path, out: Path, systems: dict | None = None, package: str
                       "key": "dtype/hidden/inter/topk/experts/moe_tp/moe_ep", "tables": tables,
                       "skewed_distribution": MOE_SKEWED, "skewed_tables": skewed,
                       "kernels_by_shape": by_shape}
+        if base != MOE_DISTRIBUTION and system in MOE_ROUTING_REFERENCE:
+            doc["moe"]["routing_reference"] = MOE_ROUTING_REFERENCE[system]
         with open(path, "w") as f:
             json.dump(doc, f, separators=(",", ":"))
         print(f"{system}: {len(tables)} MoE tables ({len(skewed)} skewed), {path.stat().st_size / 1e6:.2f} MB")

@@ -520,6 +520,18 @@ def _moe_reading(tables: dict, skewed: dict, key: str, spec: ModelSpec, distribu
     return vals, us
 
 
+def _routing_ratio(ref_moe: dict, key: str, spec: ModelSpec):
+    """T -> the two-routing reading (_moe_reading of a balanced table and its skewed one) over
+    the skewed table's alone, for table `key` of another GPU's `moe` section that has both; None
+    where it lacks either. Not below 1: the skewed table is one of the two."""
+    tabs, sk = ref_moe.get("tables", {}), ref_moe.get("skewed_tables", {})
+    if ref_moe.get("distribution") != "balanced" or key not in tabs or key not in sk:
+        return None
+    both = Grid(*_moe_reading(tabs, sk, key, spec, "balanced"), None)
+    alone = Grid(sk[key]["values"], sk[key]["us"], None)
+    return lambda T: max(1.0, both(T)[0] / alone(T)[0])
+
+
 def _kernel_shape(m: ModelSpec, kernel: str, fmt: str, slices: int) -> ModelSpec:
     """m's experts as the fused-MoE kernel `kernel` holds them, each expert sliced `slices` ways:
     vLLM pads MXFP4 experts for FlashInfer's TRT-LLM kernels (Blackwell) to multiples of 256 in
@@ -828,6 +840,18 @@ class KernelCostModel(CostModel):
             mtp, mep = (1, self.moe_ranks) if self.expert_parallel else (self.moe_ranks, 1)
             skewed = moe_doc.get("skewed_tables", {})
             ts = _log_grid(1, 262144)
+            # Tables timed with skewed routing only (A100's) take the uniform-routing reading from
+            # a GPU that has both for the same kernel and shape (moe.routing_reference): at each
+            # T, its two-routing reading over its skewed table alone (_routing_ratio).
+            ref_name = moe_doc.get("routing_reference") if dist != "balanced" else None
+            ref_moe = load_tables(ref_name).get("moe", {}) if ref_name else {}
+
+            def reading(k, spec):
+                vals, us = _moe_reading(mt, skewed, k, spec, dist)
+                ratio = _routing_ratio(ref_moe, k, spec)
+                if ratio is None:
+                    return (vals, us), ""
+                return (vals, [u * ratio(T) for T, u in zip(vals[0], us)]), f" (uniform routing by {ref_name}'s ratio)"
 
             def measured(f, tp_, ep_):
                 """((axes, microseconds) for a Grid, note, exact) from the tables of format f at
@@ -835,12 +859,13 @@ class KernelCostModel(CostModel):
                 estimate's ratio over ts; None without either."""
                 key = f"{f}/{m.hidden_size}/{m.moe_intermediate_size}/{m.num_experts_per_tok}/{m.num_experts}/{tp_}/{ep_}"
                 if key in mt:
-                    return _moe_reading(mt, skewed, key, m, dist), key, True
+                    got_, note = reading(key, m)
+                    return got_, key + note, True
                 ref = _nearest_moe_table(mt, f, m, tp_, ep_)
                 if ref is None:
                     return None
                 rkey, rspec = ref
-                vals, us = _moe_reading(mt, skewed, rkey, rspec, dist)
+                (vals, us), note = reading(rkey, rspec)
                 rgrid = Grid(vals, us, None)
                 lo, hi = vals[0][0], vals[0][-1]
                 mine = _kernel_shape(m, moe_doc.get("kernels", {}).get(f, ""), f,
@@ -849,7 +874,7 @@ class KernelCostModel(CostModel):
                 for T in ts:
                     q = min(max(T, lo), hi)
                     out.append(rgrid(q)[0] * estimate(mine, T)[0] / estimate(rspec, q)[0])
-                return ([ts], out), f"scaled from {rkey}", False
+                return ([ts], out), f"scaled from {rkey}{note}", False
 
             got = measured(fmt, mtp, mep) if fmt else None
             if got is None and fmt and self.expert_parallel:
