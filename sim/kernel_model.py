@@ -529,7 +529,15 @@ def _routing_ratio(ref_moe: dict, key: str, spec: ModelSpec):
         return None
     both = Grid(*_moe_reading(tabs, sk, key, spec, "balanced"), None)
     alone = Grid(sk[key]["values"], sk[key]["us"], None)
-    return lambda T: max(1.0, both(T)[0] / alone(T)[0])
+    # past the shorter of the two tables' token axes, the ratio at its end (each table alone
+    # would clamp to its own end)
+    lo = max(tabs[key]["values"][0][0], sk[key]["values"][0][0])
+    hi = min(tabs[key]["values"][0][-1], sk[key]["values"][0][-1])
+
+    def ratio(T):
+        q = min(max(T, lo), hi)
+        return max(1.0, both(q)[0] / alone(q)[0])
+    return ratio
 
 
 def _kernel_shape(m: ModelSpec, kernel: str, fmt: str, slices: int) -> ModelSpec:

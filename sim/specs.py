@@ -793,7 +793,7 @@ def _lookup_model(value: str, base_dir: Path | None = None) -> ModelSpec:
         raise ValueError(f"deployment.model={value!r}: unknown; known: {sorted(MODELS)} "
                          "(or a path to a HF config.json)")
     m = MODELS[key]
-    raw = value.strip().lower().split("/")[-1]
+    raw = value.strip().lower().split("/")[-1].replace("_", "-")
     over = {k: v for pattern, fields in CHECKPOINT_FIELDS for k, v in fields.items() if re.search(pattern, raw)}
     if over:
         m = replace(m, **over)

@@ -115,6 +115,7 @@ def test_checkpoints_read_as_a_catalog_architecture_keep_their_own_context_and_s
     assert (r1.max_position_embeddings, r1.generation_filter) == (131072, "top_p")
     assert get_model("Qwen/QwQ-32B").generation_filter == "top_k_top_p"
     assert get_model("Qwen/Qwen3-30B-A3B-Instruct-2507-FP8").weight_dtype == "fp8"   # with a dtype suffix too
+    assert get_model("qwen3_30b_a3b_instruct_2507").max_position_embeddings == 262144  # underscores as dashes
 
 
 def test_an_unknown_hugging_face_id_is_refused_naming_it():

@@ -298,6 +298,24 @@ def test_a100s_power_law_moe_table_takes_uniform_routing_from_l40s_and_is_vllms_
     assert tri.breakdown(f)["moe"] == k.breakdown(f)["moe"]
 
 
+def test_the_routing_ratio_holds_its_value_past_the_shorter_token_axis():
+    # a reference whose balanced table runs to 64 tokens and whose skewed one stops at 16: the
+    # ratio past 16 is the one at 16, not the balanced table's own growth over a clamped skewed one
+    from sim.kernel_model import _routing_ratio
+    spec = ModelSpec("toy", 2, 64, 4, 4, 16, 128, 100, num_experts=4, num_experts_per_tok=1,
+                     moe_intermediate_size=32, num_moe_layers=2)
+    key = "bf16/64/32/1/4/1/1"
+    ref = {"distribution": "balanced",
+           "tables": {key: {"values": [[1, 4, 16, 64]], "us": [10.0, 20.0, 30.0, 90.0]}},
+           "skewed_tables": {key: {"values": [[1, 4, 16]], "us": [10.0, 15.0, 20.0]}}}
+    r = _routing_ratio(ref, key, spec)
+    # at 16 tokens uniform routing touches e = 4 (1 - (3/4)^16) experts: the balanced time x e / 4
+    e16 = 4 * (1 - 0.75 ** 16)
+    assert r(16) == pytest.approx(30.0 * e16 / 4 / 20.0, rel=1e-6)
+    assert r(64) == r(1000) == r(16)
+    assert _routing_ratio({**ref, "distribution": "power_law_1.01"}, key, spec) is None
+
+
 def test_a_balanced_moe_table_is_read_for_uniform_random_routing():
     # A table measured with balanced routing (AIConfigurator's balanced_logits: T tokens x k spread
     # over min(E, T k) experts), here one whose time is the weights of the experts it touches,
