@@ -565,6 +565,9 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("qwen3-32b", 64, 5120, 64, 8, 128, 25600, 151936, False, 40960, qk_norm=True),
     ModelSpec("mistral-7b", 32, 4096, 32, 8, 128, 14336, 32768, False, 32768),
     ModelSpec("mistral-nemo", 40, 5120, 32, 8, 128, 14336, 131072, False, 1024000),
+    # Mistral-Small-24B-2501 and Phi-4, from their config.json
+    ModelSpec("mistral-small-24b", 40, 5120, 32, 8, 128, 32768, 131072, False, 32768),
+    ModelSpec("phi-4", 40, 5120, 40, 10, 128, 17920, 100352, False, 16384),
     ModelSpec("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000, False, 4096),
     ModelSpec("llama-2-13b", 40, 5120, 40, 40, 128, 13824, 32000, False, 4096),
     ModelSpec("llama-2-70b", 80, 8192, 64, 8, 128, 28672, 32000, False, 4096),

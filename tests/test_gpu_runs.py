@@ -98,7 +98,9 @@ def test_models_by_hugging_face_id(hf_id, name, dtype):
     ("Qwen/Qwen3-4B", "qwen3-4b", 4.0), ("Qwen/Qwen3-4B-Instruct-2507", "qwen3-4b", 4.0),
     ("mistralai/Mistral-7B-Instruct-v0.3", "mistral-7b", 7.25),
     ("deepseek-ai/DeepSeek-R1-Distill-Llama-70B", "llama-3.1-70b", 70.6),
-    ("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", "qwen2.5-32b", 32.8)])
+    ("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", "qwen2.5-32b", 32.8),
+    # their model cards: Mistral-Small-24B-Instruct-2501 23.6B, Phi-4 14.7B
+    ("mistralai/Mistral-Small-24B-Instruct-2501", "mistral-small-24b", 23.6), ("microsoft/phi-4", "phi-4", 14.7)])
 def test_popular_dense_models_load_by_hugging_face_id_with_their_published_size(hf_id, name, params_b):
     m = get_model(hf_id)
     assert m.name == name and m.weight_dtype == "bfloat16"
