@@ -22,7 +22,17 @@ HF_NAMES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
             "gpt-oss-20b": "openai/gpt-oss-20b", "gpt-oss-120b": "openai/gpt-oss-120b",
             "deepseek-v3": "deepseek-ai/DeepSeek-V3", "kimi-k2": "moonshotai/Kimi-K2-Instruct",
             "minimax-m2": "MiniMaxAI/MiniMax-M2",
-            "llama-4-scout-17b-16e": "meta-llama/Llama-4-Scout-17B-16E-Instruct"}
+            "llama-4-scout-17b-16e": "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+            "llama-3.1-405b": "meta-llama/Llama-3.1-405B-Instruct",
+            "llama-2-7b": "meta-llama/Llama-2-7b-chat-hf", "llama-2-13b": "meta-llama/Llama-2-13b-chat-hf",
+            "llama-2-70b": "meta-llama/Llama-2-70b-chat-hf", "codellama-34b": "codellama/CodeLlama-34b-Instruct-hf",
+            "qwen2.5-14b": "Qwen/Qwen2.5-14B-Instruct", "qwen2.5-32b": "Qwen/Qwen2.5-32B-Instruct",
+            "qwen3-0.6b": "Qwen/Qwen3-0.6B", "qwen3-1.7b": "Qwen/Qwen3-1.7B", "qwen3-4b": "Qwen/Qwen3-4B",
+            "qwen3-coder-480b-a35b": "Qwen/Qwen3-Coder-480B-A35B-Instruct",
+            "mistral-nemo": "mistralai/Mistral-Nemo-Instruct-2407",
+            "mistral-small-24b": "mistralai/Mistral-Small-24B-Instruct-2501", "phi-4": "microsoft/phi-4",
+            "yi-34b": "01-ai/Yi-34B-Chat", "kimi-k2.5": "moonshotai/Kimi-K2.5",
+            "llama-4-maverick-17b-128e": "meta-llama/Llama-4-Maverick-17B-128E-Instruct"}
 
 # Checkpoints published with fp8 weights for catalog models whose own checkpoint is bf16: what a
 # plan timed with `deployment.weight_dtype: fp8` (or fp8_block) is served from.
@@ -30,7 +40,10 @@ FP8_HF_NAMES = {"llama-3.1-8b": "nvidia/Llama-3.1-8B-Instruct-FP8",
                 "llama-3.1-70b": "nvidia/Llama-3.1-70B-Instruct-FP8",
                 "qwen3-8b": "Qwen/Qwen3-8B-FP8", "qwen3-14b": "Qwen/Qwen3-14B-FP8", "qwen3-32b": "Qwen/Qwen3-32B-FP8",
                 "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B-Instruct-2507-FP8",
-                "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B-Instruct-2507-FP8"}
+                "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B-Instruct-2507-FP8",
+                "qwen3-4b": "Qwen/Qwen3-4B-FP8", "llama-3.1-405b": "meta-llama/Llama-3.1-405B-Instruct-FP8",
+                "qwen3-coder-480b-a35b": "Qwen/Qwen3-Coder-480B-A35B-Instruct-FP8",
+                "llama-4-maverick-17b-128e": "meta-llama/Llama-4-Maverick-17B-128E-Instruct-FP8"}
 FP8_DTYPES = ("fp8", "fp8_block")
 
 

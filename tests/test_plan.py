@@ -459,6 +459,20 @@ def test_tp_beyond_one_node_is_pruned_unless_the_interconnect_is_declared(tmp_pa
     assert prune_reason(base, cand, 110) is None
 
 
+def test_every_catalog_model_is_served_from_a_checkpoint_of_its_own_architecture():
+    # A plan's vllm serve line names a Hugging Face repository (not a catalog name), which must load
+    # as the architecture and weight format the plan timed; its fp8 checkpoint as the same in fp8
+    from scenarios.candidates import FP8_HF_NAMES, hf_checkpoint
+    from sim.specs import MODELS
+    for name, m in MODELS.items():
+        repo, quant = hf_checkpoint(name, None, m.weight_dtype)
+        assert "/" in repo and quant is None, name
+        served = get_model(repo)
+        assert (served.name, served.weight_dtype, served.expert_dtype) == (name, m.weight_dtype, m.expert_dtype), repo
+    for name, repo in FP8_HF_NAMES.items():
+        assert get_model(repo).name == name and get_model(repo).weight_dtype in ("fp8", "fp8_block"), repo
+
+
 def test_a_plan_timed_with_fp8_weights_is_served_from_an_fp8_checkpoint():
     # The serve line must load what the simulation timed: fp8 weights of a model whose own
     # checkpoint is bf16 come from its published fp8 checkpoint, else from vLLM's online fp8
