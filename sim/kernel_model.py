@@ -714,6 +714,25 @@ class KernelCostModel(CostModel):
                           f"{vllm_version!r} (a profile from before they held releases: regenerate it)")
 
     # ------------------------------------------------------------------ rooflines
+    def _derived_gemm_grid(self, dtype: str, roof, tables: dict | None) -> tuple["Grid | None", str | None]:
+        """A GEMM grid for fp8 weights on a GPU whose tables lack that format (A100: none; L40S: no
+        128x128 blocks): the measured table of the nearest format at each (M, N, K), times the
+        ratio of the two formats' rooflines there (the same math and bytes for fp8 blocks read
+        from the per-channel fp8 table; from bf16, the weights' bytes halve, and the math goes at
+        the fp8 rate where the GPU has one, else at bf16's, as vLLM's weight-only fp8 kernels run
+        on Ampere). Every lookup counts as a fallback. (None, None) without a table to read."""
+        gem = (tables or {}).get("gemm", {})
+        src = "fp8" if dtype == "fp8_block" and "fp8" in gem else "bf16" if "bf16" in gem else None
+        if src is None:
+            return None, None
+        t = gem[src]
+        sroof = self._gemm_roof("fp8" if src == "fp8" else "bfloat16")
+        us = np.array(t["us"], dtype=float)
+        for idx in np.ndindex(us.shape):
+            M, N, K = (t["values"][d][i] for d, i in enumerate(idx))
+            us[idx] *= roof(M, N, K) / sroof(M, N, K)
+        return Grid(t["values"], us.tolist(), roof, np.zeros(us.shape, dtype=bool)), f"{src} table x roofline ratio"
+
     def _gemm_roof(self, dtype: str) -> Callable[..., float]:
         d, m = self.device, self.model
         sub_byte = dtype in WEIGHT_ONLY_4BIT  # weight-only formats: bf16 math after dequantizing
@@ -761,12 +780,17 @@ class KernelCostModel(CostModel):
         # each GEMM from the table of its weight dtype.
         grids: dict[str, tuple] = {}
 
+        derived = {}
+
         def grid_of(dtype):
             if dtype not in grids:
                 gname = GEMM_NAMES.get(dtype)
                 t = (tables or {}).get("gemm", {}).get(gname) if gname else None
                 roof = self._gemm_roof(dtype)
-                grids[dtype] = (Grid(t["values"], t["us"], roof) if t else None, roof, t)
+                g = Grid(t["values"], t["us"], roof) if t else None
+                if g is None and dtype in ("fp8", "fp8_block"):
+                    g, derived[dtype] = self._derived_gemm_grid(dtype, roof, tables)
+                grids[dtype] = (g, roof, t)
             return grids[dtype]
         # (the router's few columns are often below the tables' N axis: its roofline is not
         # counted as a fallback of the layer, it is a fraction of a percent of it)
@@ -803,7 +827,9 @@ class KernelCostModel(CostModel):
             ok_h.append(e)
         self.g_layer = Grid([ms], layer, self._layer_roof, ok_l)
         self.g_head = Grid([ms], head, self._head_roof, ok_h)
-        cov["gemm"] = all(grids[dtype][0] is not None for _n, _k, _w, dtype, _c in step)
+        cov["gemm"] = all(grids[dtype][2] is not None for _n, _k, _w, dtype, _c in step)
+        if any(derived.values()):
+            cov["gemm_derived"] = {k: v for k, v in derived.items() if v}
         cov["lm_head_gemm"] = bool(grid_a)
         # Routed experts of one MoE layer, as a function of the step's tokens T: vLLM's fused-MoE
         # kernel measured for this very shape and sharding where the tables have it (`moe`:

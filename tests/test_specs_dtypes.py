@@ -154,3 +154,29 @@ def test_devices_by_nvidia_smi_name_with_the_memory_cuda_reports(product, name, 
                                "a10g": 23028, "b300": 275040}[name] * 2 ** 20
     with pytest.raises(ScenarioError, match="H100 PCIe"):  # another part: never read as the SXM one
         parse_scenario({"deployment": {"model": "llama-3.1-8b", "device": "NVIDIA H100 PCIe"}, "workload": WORKLOAD})
+
+
+def test_fp8_weights_on_a_gpu_without_fp8_tables_read_the_nearest_table_at_the_rooflines_ratio():
+    # A100 has only bf16 GEMM tables and no fp8 tensor cores: fp8 weights go at bf16's math rate
+    # with half the weight bytes. Each (M, N, K) of the bf16 table is scaled by the ratio of the
+    # two rooflines there, so a large prefill (compute-bound) costs what bf16 costs, and a decode
+    # batch (weight-bound) about half; every lookup is counted as a fallback.
+    from engine.core.features import BatchFeatures
+    m = get_model("llama-3.1-8b")
+    bf16, fp8 = KernelCostModel(m, "a100-80g"), KernelCostModel(m.with_dtypes(weight_dtype="fp8"), "a100-80g")
+    assert fp8.describe()["table_coverage"]["gemm"] is False
+    assert fp8.describe()["table_coverage"]["gemm_derived"] == {"fp8": "bf16 table x roofline ratio"}
+    prefill = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=4096, prefill_attn_pairs=4096 * 4097 // 2)
+    decode = BatchFeatures(num_reqs=8, num_decode_reqs=8, decode_context_tokens=8 * 1000)
+    assert fp8.breakdown(prefill)["gemm"] == pytest.approx(bf16.breakdown(prefill)["gemm"], rel=0.02)
+    assert 0.45 < fp8.breakdown(decode)["gemm"] / bf16.breakdown(decode)["gemm"] < 0.7
+    before = sum(fp8.fallbacks.values())
+    fp8.gpu_time(decode)
+    assert sum(fp8.fallbacks.values()) > before
+    # L40S has per-channel fp8 tables but no 128x128-block ones: blocks read the fp8 table as is
+    blk = KernelCostModel(m.with_dtypes(weight_dtype="fp8_block"), "l40s")
+    per = KernelCostModel(m.with_dtypes(weight_dtype="fp8"), "l40s")
+    assert blk.describe()["table_coverage"]["gemm_derived"] == {"fp8_block": "fp8 table x roofline ratio"}
+    assert blk.breakdown(decode)["gemm"] == pytest.approx(per.breakdown(decode)["gemm"], rel=1e-9)
+    # GPUs with the format's own table are untouched
+    assert "gemm_derived" not in KernelCostModel(m.with_dtypes(weight_dtype="fp8"), "h100").describe()["table_coverage"]
