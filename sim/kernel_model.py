@@ -1048,9 +1048,13 @@ class KernelCostModel(CostModel):
                 r[1] = [max(a, b) for a, b in zip(r[1], q)]
             if term not in self._warned:
                 self._warned.add(term)
+                cov = getattr(self, "coverage", None) or {}
+                derived = (term == "gemm" and cov.get("gemm_derived")) or (
+                    term == "moe" and any(w in str(cov.get("moe")) for w in ("scaled from", " x bf16 ")))
+                how = "a table derived from another shape or format (table_coverage) " if derived else ""
                 warnings.warn(f"kernel cost model ({self.model.name} on {self.device.name}, tp={self.tp}): "
                               f"{term} at {tuple(round(x, 1) for x in q)} is outside the measured kernel "
-                              "table; using the roofline scaled to the nearest measured point "
+                              f"table; using {how or 'the roofline scaled to the nearest measured point '}"
                               "(counted in fallbacks)", stacklevel=3)
         return t * 1e-6
 
