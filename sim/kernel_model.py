@@ -779,8 +779,7 @@ class KernelCostModel(CostModel):
         # router GEMMs weighted by how many layers have them) and the LM head, as functions of M;
         # each GEMM from the table of its weight dtype.
         grids: dict[str, tuple] = {}
-
-        derived = {}
+        derived: dict[str, str] = {}  # fp8 formats read from another format's table: how
 
         def grid_of(dtype):
             if dtype not in grids:
@@ -789,7 +788,9 @@ class KernelCostModel(CostModel):
                 roof = self._gemm_roof(dtype)
                 g = Grid(t["values"], t["us"], roof) if t else None
                 if g is None and dtype in ("fp8", "fp8_block"):
-                    g, derived[dtype] = self._derived_gemm_grid(dtype, roof, tables)
+                    g, how = self._derived_gemm_grid(dtype, roof, tables)
+                    if how:
+                        derived[dtype] = how
                 grids[dtype] = (g, roof, t)
             return grids[dtype]
         # (the router's few columns are often below the tables' N axis: its roofline is not
@@ -828,8 +829,8 @@ class KernelCostModel(CostModel):
         self.g_layer = Grid([ms], layer, self._layer_roof, ok_l)
         self.g_head = Grid([ms], head, self._head_roof, ok_h)
         cov["gemm"] = all(grids[dtype][2] is not None for _n, _k, _w, dtype, _c in step)
-        if any(derived.values()):
-            cov["gemm_derived"] = {k: v for k, v in derived.items() if v}
+        if derived:
+            cov["gemm_derived"] = derived
         cov["lm_head_gemm"] = bool(grid_a)
         # Routed experts of one MoE layer, as a function of the step's tokens T: vLLM's fused-MoE
         # kernel measured for this very shape and sharding where the tables have it (`moe`:

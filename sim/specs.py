@@ -696,9 +696,14 @@ CHECKPOINT_FIELDS = ((r"^qwen3-.*-2507", {"max_position_embeddings": 262144}),
                      (r"^deepseek-r1-distill-", {"max_position_embeddings": 131072, "generation_filter": "top_p"}))
 
 
+def _repo_name(name: str) -> str:
+    """A model name's last path part, lower case, underscores as dashes (what its keys match)."""
+    return name.strip().lower().split("/")[-1].replace("_", "-")
+
+
 def _model_key(name: str) -> tuple[str, bool]:
     """Normalized catalog key of a model name, and whether it names an fp8 checkpoint."""
-    k = name.strip().lower().split("/")[-1].replace("_", "-")
+    k = _repo_name(name)
     fp8 = False
     if re.search(r"-fp8(-dynamic|-static)?$", k):
         fp8, k = True, re.sub(r"-fp8(-dynamic|-static)?$", "", k)
@@ -796,7 +801,7 @@ def _lookup_model(value: str, base_dir: Path | None = None) -> ModelSpec:
         raise ValueError(f"deployment.model={value!r}: unknown; known: {sorted(MODELS)} "
                          "(or a path to a HF config.json)")
     m = MODELS[key]
-    raw = value.strip().lower().split("/")[-1].replace("_", "-")
+    raw = _repo_name(value)
     over = {k: v for pattern, fields in CHECKPOINT_FIELDS for k, v in fields.items() if re.search(pattern, raw)}
     if over:
         m = replace(m, **over)
