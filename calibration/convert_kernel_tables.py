@@ -4,7 +4,7 @@ sim/kernel_model.py reads. Run once, with a Python that has pandas + pyarrow and
 (the simulator itself never imports aisimulate):
 
     VENV/bin/python calibration/convert_kernel_tables.py --site VENV/lib/python3.11/site-packages \
-        [--out calibration/kernels] [--aiconfigurator | --moe]
+        [--out calibration/kernels] [--aiconfigurator | --moe | --linear-attention]
 
 Kept (vLLM backend only, the kernels vLLM itself runs):
   gemm:        bf16 (torch linear), fp8 per-tensor (CutlassFP8ScaledMM) and fp8 128x128 blocks
@@ -13,6 +13,10 @@ Kept (vLLM backend only, the kernels vLLM itself runs):
   attention:   context (prefill, batch x isl, causal, no prefix) and generation (decode,
                batch x KV length) for head_dim 64/128, no sliding window, KV bf16 and fp8,
                one kernel per GPU (FA3 on Hopper, FlashInfer TRT-LLM kernels on Blackwell).
+  linear attention (--linear-attention, added to the files already written): vLLM's Gated
+               DeltaNet kernels (Qwen3.5, Qwen3-Next) per layer, prefill by batch x tokens and
+               decode by batch, keyed by the heads one GPU holds; and the head-dim-256 attention
+               tables of those models' full-attention layers.
   all-reduce:  vLLM custom all-reduce under CUDA graphs, bf16, by element count; with
                --allreduce-eager (added to the files already written) the same outside graphs, and
                both for every vLLM release the wheel timed.
@@ -83,6 +87,27 @@ def grid(df: pd.DataFrame, axes: list[str]) -> dict:
     return {"axes": axes, "values": values, "us": build([], 0)}
 
 
+def attention_tables(root: Path, system: str, av: str, attn_kernel: str | None, phase: str,
+                     head_dims: tuple[int, ...]) -> tuple[Path, str, dict]:
+    """(parquet path, kernel, tables) of one attention phase: the GPU's kernel (attn_kernel, or
+    B200_ATTN's per phase), no sliding window, bf16 queries, KV bf16 and fp8, at these head dims;
+    context by batch x isl (causal, no prefix), generation by batch x KV tokens read."""
+    p = root / system / "attention" / "vllm" / av / f"{phase}_attention_perf.parquet"
+    a = pd.read_parquet(p)
+    kern = attn_kernel or B200_ATTN[phase]
+    window = a.window_size == 0 if "window_size" in a.columns else True  # older tables: none
+    a = a[(a.kernel_source == kern) & window & (a.head_dim.isin(list(head_dims))) & (a.attn_dtype == "bfloat16")]
+    axis = "isl"
+    if phase == "generation":
+        a = a.assign(kv_len=a.isl + a.step)  # KV tokens read per sequence
+        axis = "kv_len"
+    tables = {}
+    for kv_name, kv_dt in KV_DTYPES.items():
+        for (h, kvh, d), sub in a[a.kv_cache_dtype == kv_dt].groupby(["num_heads", "num_key_value_heads", "head_dim"]):
+            tables[f"{kv_name}/{h}/{kvh}/{d}"] = grid(sub, ["batch_size", axis])
+    return p, kern, tables
+
+
 def convert(site: Path, out: Path, systems: dict | None = None, package: str = "aisimulate_core") -> None:
     root = site / package / "systems" / "data"
     out.mkdir(parents=True, exist_ok=True)
@@ -113,22 +138,9 @@ def convert(site: Path, out: Path, systems: dict | None = None, package: str = "
             x = x[x.n.isin(ns) & x.k.isin(ks)]
             doc["gemm"][name] = {"kernel": " > ".join(kerns), **grid(x, ["m", "n", "k"])}
         # attention --------------------------------------------------------------------
-        for phase, axis in (("context", "isl"), ("generation", "step")):
-            p = root / system / "attention" / "vllm" / av / f"{phase}_attention_perf.parquet"
-            a = pd.read_parquet(p)
+        for phase in ("context", "generation"):
+            p, kern, tables = attention_tables(root, system, av, attn_kernel, phase, (64, 128))
             doc["sources"][f"{phase}_attention"] = str(p.relative_to(site))
-            kern = attn_kernel or B200_ATTN[phase]
-            window = a.window_size == 0 if "window_size" in a.columns else True  # older tables: none
-            a = a[(a.kernel_source == kern) & window & (a.head_dim.isin([64, 128]))
-                  & (a.attn_dtype == "bfloat16")]
-            if phase == "generation":
-                a = a.assign(kv_len=a.isl + a.step)  # KV tokens read per sequence
-                axis = "kv_len"
-            tables = {}
-            for kv_name, kv_dt in KV_DTYPES.items():
-                for (h, kvh, d), sub in a[a.kv_cache_dtype == kv_dt].groupby(
-                        ["num_heads", "num_key_value_heads", "head_dim"]):
-                    tables[f"{kv_name}/{h}/{kvh}/{d}"] = grid(sub, ["batch_size", axis])
             doc[f"{phase}_attention"] = {"kernel": kern, "key": "kv_dtype/q_heads/kv_heads/head_dim",
                                          "tables": tables}
         # all-reduce -------------------------------------------------------------------
@@ -348,6 +360,60 @@ def convert_allreduce_eager(site: Path, out: Path, systems: list[str] | None = N
               f"graph all-reduce of releases {sorted(graphs)}")
 
 
+# Gated DeltaNet (Qwen3.5, Qwen3-Next linear attention) as vLLM runs it, from the wheel's vLLM
+# 0.25.0 tables: per layer, prefill = the causal conv1d over the chunk (causal_conv1d_fn) + the
+# chunked gated delta rule (chunk_gated_delta_rule_flashinfer), by batch x tokens per sequence;
+# decode = the conv1d's one-token update (causal_conv1d_update) + the recurrent step
+# (fused_recurrent_gated_delta_rule_packed_decode), by batch; both kernels summed at each point.
+# Keyed by the heads one GPU holds: k_heads/v_heads/k_dim/v_dim. B300 has no vLLM table: B200's (the
+# same kernels on the same architecture). The full-attention layers of the same models have head
+# dim 256: those attention tables are added from the system's attention release.
+LINEAR_ATTENTION = {"h100_sxm": ("h100_sxm", "0.25.0"), "h200_sxm": ("h200_sxm", "0.25.0"),
+                    "b200_sxm": ("b200_sxm", "0.25.0"), "b300_sxm": ("b200_sxm", "0.25.0")}
+GDN_KERNELS = {"context": ["causal_conv1d_fn", "chunk_gated_delta_rule_flashinfer"],
+               "generation": ["causal_conv1d_update", "fused_recurrent_gated_delta_rule_packed_decode"]}
+GDN_KEY = ["num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"]
+
+
+def convert_linear_attention(site: Path, out: Path, systems: dict | None = None,
+                             package: str = "aisimulate_core") -> None:
+    """Add `linear_attention` (LINEAR_ATTENTION) and the head-dim-256 attention tables to
+    calibration/kernels/<system>.json (written by convert)."""
+    root = site / package / "systems" / "data"
+    for system, (src, version) in (systems or LINEAR_ATTENTION).items():
+        path = out / f"{system}.json"
+        doc = json.loads(path.read_text())
+        p = root / src / "linear_attention" / "vllm" / version / "gdn_perf.parquet"
+        g = pd.read_parquet(p)
+        doc["sources"]["linear_attention"] = str(p.relative_to(site))
+        la = {"kernels": GDN_KERNELS, "key": "k_heads/v_heads/k_dim/v_dim"}
+        for phase, kerns in GDN_KERNELS.items():
+            x = g[(g.phase == phase) & g.kernel_source.isin(kerns)]
+            axes = ["batch_size", "seq_len"] if phase == "context" else ["batch_size"]
+            # one latency per kernel and point (the median over the models that share the heads:
+            # d_model does not enter these kernels), then the two kernels summed
+            per = x.groupby(GDN_KEY + axes + ["kernel_source"])["latency"].median().unstack("kernel_source")
+            per = per.dropna()  # a point needs both kernels
+            tables = {}
+            for key, sub in per.reset_index().groupby(GDN_KEY):
+                sub = sub.assign(latency=sub[kerns].sum(axis=1))
+                tables["/".join(str(v) for v in key)] = grid(sub, axes)
+            la[phase] = tables
+        doc["linear_attention"] = la
+        attn_version = (SYSTEMS.get(system) or AIC_SYSTEMS[system])[1]
+        attn_kernel = (SYSTEMS.get(system) or AIC_SYSTEMS[system])[3]
+        added = 0
+        for phase in ("context", "generation"):
+            _p, kern, tables = attention_tables(root, system, attn_version, attn_kernel, phase, (256,))
+            assert kern == doc[f"{phase}_attention"]["kernel"], (system, phase, kern)
+            doc[f"{phase}_attention"]["tables"].update(tables)
+            added += len(tables)
+        with open(path, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        print(f"{system}: GDN tables for {len(la['context'])} head configurations (from {src} {version}); "
+              f"{added} head-dim-256 attention tables")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--site", type=Path, default=None, help="site-packages of a Python with the wheel")
@@ -357,6 +423,9 @@ def main() -> None:
     ap.add_argument("--moe", action="store_true", help="add the fused-MoE tables to the files in --out")
     ap.add_argument("--moe-triton", action="store_true",
                     help="add the Triton fused-MoE tables (MOE_TRITON) to the files in --out")
+    ap.add_argument("--linear-attention", action="store_true",
+                    help="add the Gated DeltaNet tables and the head-dim-256 attention tables (LINEAR_ATTENTION) "
+                         "to the files in --out")
     ap.add_argument("--allreduce-eager", action="store_true",
                     help="add the all-reduce outside CUDA graphs to the files in --out (with --aiconfigurator: "
                          "AIC_SYSTEMS from its wheel)")
@@ -368,6 +437,8 @@ def main() -> None:
             convert_allreduce_eager(args.site, args.out, list(AIC_SYSTEMS), "aiconfigurator_core")
         else:
             convert_allreduce_eager(args.site, args.out, list(SYSTEMS))
+    elif args.linear_attention:
+        convert_linear_attention(args.site, args.out)
     elif args.moe_triton:
         convert_moe_triton(args.site, args.out)
     elif args.moe:

@@ -32,7 +32,10 @@ HF_NAMES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
             "mistral-nemo": "mistralai/Mistral-Nemo-Instruct-2407",
             "mistral-small-24b": "mistralai/Mistral-Small-24B-Instruct-2501", "phi-4": "microsoft/phi-4",
             "yi-34b": "01-ai/Yi-34B-Chat", "kimi-k2.5": "moonshotai/Kimi-K2.5",
-            "llama-4-maverick-17b-128e": "meta-llama/Llama-4-Maverick-17B-128E-Instruct"}
+            "llama-4-maverick-17b-128e": "meta-llama/Llama-4-Maverick-17B-128E-Instruct",
+            "qwen3.5-397b-a17b": "Qwen/Qwen3.5-397B-A17B", "qwen3.5-122b-a10b": "Qwen/Qwen3.5-122B-A10B",
+            "qwen3.5-35b-a3b": "Qwen/Qwen3.5-35B-A3B", "qwen3.5-27b": "Qwen/Qwen3.5-27B",
+            "qwen3-next-80b-a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct"}
 
 # Checkpoints published with fp8 weights for catalog models whose own checkpoint is bf16: what a
 # plan timed with `deployment.weight_dtype: fp8` (or fp8_block) is served from.
@@ -43,7 +46,10 @@ FP8_HF_NAMES = {"llama-3.1-8b": "nvidia/Llama-3.1-8B-Instruct-FP8",
                 "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B-Instruct-2507-FP8",
                 "qwen3-4b": "Qwen/Qwen3-4B-FP8", "llama-3.1-405b": "meta-llama/Llama-3.1-405B-Instruct-FP8",
                 "qwen3-coder-480b-a35b": "Qwen/Qwen3-Coder-480B-A35B-Instruct-FP8",
-                "llama-4-maverick-17b-128e": "meta-llama/Llama-4-Maverick-17B-128E-Instruct-FP8"}
+                "llama-4-maverick-17b-128e": "meta-llama/Llama-4-Maverick-17B-128E-Instruct-FP8",
+                "qwen3.5-397b-a17b": "Qwen/Qwen3.5-397B-A17B-FP8", "qwen3.5-122b-a10b": "Qwen/Qwen3.5-122B-A10B-FP8",
+                "qwen3.5-35b-a3b": "Qwen/Qwen3.5-35B-A3B-FP8", "qwen3.5-27b": "Qwen/Qwen3.5-27B-FP8",
+                "qwen3-next-80b-a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct-FP8"}
 FP8_DTYPES = ("fp8", "fp8_block")
 
 

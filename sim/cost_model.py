@@ -225,7 +225,7 @@ class AnalyticCostModel(CostModel):
         epeak = d.peak_flops("bfloat16" if edt in WEIGHT_ONLY_4BIT else edt)
         self._expert_flop_s = (2 * m.num_moe_layers * m.num_experts_per_tok
                                * sum(n * k for n, k in m.expert_gemms(tp).values()) / (epeak * e.flops)) if m.is_moe else 0.0
-        self._attn_time_per_pair = 4 * m.num_layers * m.num_heads * m.head_dim / tp / (d.flops * e.attention_flops)
+        self._attn_time_per_pair = 4 * m.num_attention_layers * m.num_heads * m.head_dim / tp / (d.flops * e.attention_flops)
         # KV bytes of this GPU's KV heads (replicated, not divided, when TP > KV heads).
         self._kv_time_per_token = m.kv_bytes_per_token_per_gpu(tp) / (d.mem_bandwidth * e.bandwidth)
         if tp > 1:

@@ -33,7 +33,7 @@ import numpy as np
 
 from engine.core.features import BatchFeatures
 from sim.cost_model import PROFILE_FORMAT, CostModel, FittedCostModel
-from sim.specs import (EXPERT_DTYPE_BYTES, WEIGHT_ONLY_4BIT, DeviceSpec, ModelSpec, get_device, get_model,
+from sim.specs import (DTYPE_BYTES, EXPERT_DTYPE_BYTES, WEIGHT_ONLY_4BIT, DeviceSpec, ModelSpec, get_device, get_model,
                        vllm_version_tuple)
 from sim.sampling import filter_cost_s, filter_implementation, filters as sampling_filters
 
@@ -644,6 +644,10 @@ class KernelCostModel(CostModel):
         if m.is_mla:
             self.kv_heads, self.attn_head_dim = 1, m.kv_lora_rank + m.qk_rope_head_dim
         self.g_moe = None
+        self.g_gdn_ctx = self.g_gdn_gen = None  # linear-attention layers (hybrids): _build
+        if m.num_linear_layers and (m.linear_num_k_heads % tp or m.linear_num_v_heads % tp):
+            raise ValueError(f"deployment.tp={tp}: must divide the linear-attention heads "
+                             f"({m.linear_num_k_heads} key, {m.linear_num_v_heads} value heads of {m.name})")
         if reduced is not None:
             self._from_reduced(reduced)
         elif tables is None or isinstance(tables, str):
@@ -659,9 +663,10 @@ class KernelCostModel(CostModel):
                 if len(_BUILT) > 64:
                     _BUILT.clear()
                 _BUILT[key] = (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar, self.g_ar_eager,
-                               self._ar_releases, self.g_moe, self.coverage, self.source)
+                               self._ar_releases, self.g_moe, self.g_gdn_ctx, self.g_gdn_gen, self.coverage,
+                               self.source)
             (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar, self.g_ar_eager,
-             self._ar_releases, self.g_moe, self.coverage, self.source) = _BUILT[key]
+             self._ar_releases, self.g_moe, self.g_gdn_ctx, self.g_gdn_gen, self.coverage, self.source) = _BUILT[key]
         else:
             self.source = tables.get("sources", {})
             self._build(tables)
@@ -793,9 +798,10 @@ class KernelCostModel(CostModel):
                         derived[dtype] = how
                 grids[dtype] = (g, roof, t)
             return grids[dtype]
-        # (the router's few columns are often below the tables' N axis: its roofline is not
+        # (the router's and in_proj_ba's few columns are often below the tables' N axis: their roofline is not
         # counted as a fallback of the layer, it is a fraction of a percent of it)
-        step = [(n, k, layers / m.num_layers, dtype, name != "router") for name, n, k, layers, dtype in m.step_gemms(tp)]
+        step = [(n, k, layers / m.num_layers, dtype, name not in ("router", "in_proj_ba"))
+                for name, n, k, layers, dtype in m.step_gemms(tp)]
         for _n, _k, _w, dtype, _c in step:
             grid_of(dtype)
         grid_a, roof_a, ga = grid_of(m.act_dtype)
@@ -939,6 +945,25 @@ class KernelCostModel(CostModel):
                     ok_m.append(ok)
                 cov["moe"] = "dense GEMM tables" if ge is not None else None
                 self.g_moe = Grid([ts], moe, self._moe_roof, ok_m)
+        # Linear attention (Gated DeltaNet) of a hybrid's linear layers, for this GPU's heads: the
+        # `linear_attention` tables (calibration/convert_kernel_tables.py --linear-attention):
+        # prefill by batch x tokens per sequence, decode by batch, each the conv1d and the delta
+        # rule's kernels together; the roofline without them (counted as fallbacks).
+        if m.num_linear_layers:
+            la = (tables or {}).get("linear_attention", {})
+            lkey = (f"{m.linear_num_k_heads // tp}/{m.linear_num_v_heads // tp}/"
+                    f"{m.linear_k_head_dim}/{m.linear_v_head_dim}")
+            for phase, roof, attr, axes in (("context", self._gdn_ctx_roof, "g_gdn_ctx",
+                                             [_log_grid(1, 4096, 1), _log_grid(1, 262144, 1)]),
+                                            ("generation", self._gdn_gen_roof, "g_gdn_gen", [_log_grid(1, 4096, 1)])):
+                tab = la.get(phase, {}).get(lkey)
+                if tab is not None:
+                    setattr(self, attr, Grid(tab["values"], tab["us"], roof))
+                else:
+                    pts = np.array(np.meshgrid(*axes, indexing="ij")).reshape(len(axes), -1).T
+                    us = np.array([roof(*q) * 1e6 for q in pts]).reshape([len(a) for a in axes])
+                    setattr(self, attr, Grid(axes, us.tolist(), roof, np.zeros(us.shape, dtype=bool)))
+                cov[f"linear_attention_{phase}"] = lkey if tab is not None else None
         # Attention for this GPU's heads.
         kvn = KV_NAMES.get(m.kv_dtype, "bf16")
         key = f"{kvn}/{self.q_heads}/{self.kv_heads}/{self.attn_head_dim}"
@@ -1003,6 +1028,8 @@ class KernelCostModel(CostModel):
                                   for _rel, (name, g, e) in sorted(self._ar_releases.items())}
         if self.g_moe is not None:
             r["g_moe"] = self.g_moe.to_json()
+        if self.g_gdn_ctx is not None:
+            r["g_gdn_ctx"], r["g_gdn_gen"] = self.g_gdn_ctx.to_json(), self.g_gdn_gen.to_json()
         return r
 
     def _from_reduced(self, r: dict) -> None:
@@ -1017,6 +1044,12 @@ class KernelCostModel(CostModel):
                                                        if "g_ar_eager" in x else self.g_ar_eager)
                              for rel, x in r.get("g_ar_releases", {}).items()}
         self.g_moe = Grid.from_json(r["g_moe"], self._moe_roof) if "g_moe" in r else None
+        if "g_gdn_ctx" in r:
+            self.g_gdn_ctx = Grid.from_json(r["g_gdn_ctx"], self._gdn_ctx_roof)
+            self.g_gdn_gen = Grid.from_json(r["g_gdn_gen"], self._gdn_gen_roof)
+        elif self.model.num_linear_layers:
+            raise ValueError(f"a kernel profile of {self.model.name} without its linear-attention grids "
+                             "(made before ServeTwin timed them): regenerate it")
         self.coverage = r.get("coverage", {})
         self.source = r.get("sources", {})
 
@@ -1030,6 +1063,28 @@ class KernelCostModel(CostModel):
         m = self.model
         roof = self._gemm_roof(m.expert_dtype or m.weight_dtype)
         return sum(roof(*g) for g in _grouped_expert_gemms(m, T, self.moe_ranks))
+
+    def _gdn_ctx_roof(self, b, s):
+        """One linear-attention layer's prefill kernels for b sequences of s new tokens, by the
+        roofline: the conv1d (taps x channels per token) and the chunked delta rule (per token and
+        value head, the state's k x v products both ways and a chunk of 64 tokens' k and v), over
+        reading the chunk's q, k, v and writing its output, and each sequence's state read and
+        written."""
+        m, tp, d = self.model, self.tp, self.device
+        T = b * s
+        hv, dk, dv = m.linear_num_v_heads // tp, m.linear_k_head_dim, m.linear_v_head_dim
+        conv = m.linear_conv_dim(tp)
+        flops = T * (2 * conv * m.linear_conv_kernel + hv * (4 * dk * dv + 2 * 64 * (dk + dv)))
+        by = (T * (2 * conv + hv * dv) * m.act_dtype_bytes
+              + 2 * b * hv * dk * dv * DTYPE_BYTES[m.linear_state_dtype])
+        return max(flops / d.flops, by / d.mem_bandwidth) + 5e-6
+
+    def _gdn_gen_roof(self, n):
+        """One linear-attention layer's decode kernels for n sequences, by the roofline: each
+        sequence's state (the conv window and the k x v matrices) read and written once."""
+        m, tp, d = self.model, self.tp, self.device
+        st = m.linear_state_bytes_per_request_per_gpu(tp) / m.num_linear_layers
+        return 2 * n * st / d.mem_bandwidth + 5e-6
 
     def _head_roof(self, M):
         return self._gemm_roof(self.model.act_dtype)(M, -(-self.model.vocab_size // self.tp), self.model.hidden_size)
@@ -1177,19 +1232,20 @@ class KernelCostModel(CostModel):
         m = self.model
         if m.num_sliding_layers and y > m.sliding_window:
             return pre + self._decode_attention(n, y) + head + sampler
+        A = m.num_attention_layers
         if row is not None:
             t, exact = self.g_gen.on_row(row, n, y)
             if exact:
                 self.lookups += 1
-                return pre + (0.0 + m.num_layers * (t * 1e-6)) + head + sampler
-        att = 0.0 + m.num_layers * self._look("generation_attention", self.g_gen, n, y)
+                return pre + (0.0 + A * (t * 1e-6)) + head + sampler
+        att = 0.0 + A * self._look("generation_attention", self.g_gen, n, y)
         return pre + att + head + sampler
 
     def _decode_attention(self, n: int, y: float) -> float:
-        """Attention of n decodes reading y KV tokens each, every layer: sliding-window layers read
-        at most their window."""
+        """Attention of n decodes reading y KV tokens each, every attention layer: sliding-window
+        layers read at most their window (linear-attention layers: _decode_terms)."""
         m = self.model
-        full = m.num_layers - m.num_sliding_layers
+        full = m.num_full_attention_layers
         att = full * self._look("generation_attention", self.g_gen, n, y) if full else 0.0
         if m.num_sliding_layers:
             att += m.num_sliding_layers * self._look("generation_attention", self.g_gen, n,
@@ -1200,11 +1256,18 @@ class KernelCostModel(CostModel):
         """The step's attention kernels over every layer. Prefill chunks are read from the context
         table at the causal length with the chunks' query-key pairs (sqrt(2 x pairs / chunks)); in
         a sliding-window layer a query sees at most the window's keys, so its pairs are at most
-        prefill tokens x window."""
+        prefill tokens x window. A hybrid's linear-attention layers run their own kernels: prefill
+        by the chunks' batch and mean length, decode by the batch."""
         m, att = self.model, 0.0
+        if m.num_linear_layers:
+            if f.num_prefill_reqs:
+                att += m.num_linear_layers * self._look("linear_attention", self.g_gdn_ctx, f.num_prefill_reqs,
+                                                        max(f.num_prefill_tokens / f.num_prefill_reqs, 1.0))
+            if f.num_decode_reqs:
+                att += m.num_linear_layers * self._look("linear_attention", self.g_gdn_gen, f.num_decode_reqs)
         if f.num_prefill_reqs:
             b = f.num_prefill_reqs
-            full = m.num_layers - m.num_sliding_layers
+            full = m.num_full_attention_layers
             if full:
                 s = math.sqrt(2.0 * f.prefill_attn_pairs / b)
                 att += full * self._look("context_attention", self.g_ctx, b, max(s, 1.0))
@@ -1223,6 +1286,8 @@ class KernelCostModel(CostModel):
         tk = self._by_tokens(n)
         head, sampler, gather = self._by_rows(n)
         pre = 0 + tk["gemm"] + tk["moe"] + tk.get("moe_dispatch", 0.0) + tk["elementwise"] + (tk["allreduce"] + gather)
+        if self.model.num_linear_layers:  # linear-attention layers: by the batch alone
+            pre += self.model.num_linear_layers * self._look("linear_attention", self.g_gdn_gen, n)
         num_lookups, fallbacks = self._delta(before)
         grid = self.g_gen
         row = grid.row(n) if grid._fast == grid._call2 else None

@@ -85,6 +85,22 @@ class ModelSpec:
     # most sliding_window tokens per request, so the per-token KV counts the other layers only.
     sliding_window: int = 0
     num_sliding_layers: int = 0
+    # Gated DeltaNet linear-attention layers (Qwen3.5, Qwen3-Next; 0: none). num_linear_layers of
+    # the num_layers mix tokens with a gated delta rule instead of attention: linear_num_k_heads key
+    # heads of linear_k_head_dim and linear_num_v_heads value heads of linear_v_head_dim, after a
+    # causal conv1d of linear_conv_kernel taps. Such a layer keeps no KV: each request holds a
+    # fixed state per layer (the conv window and a k x v matrix per value head, in
+    # linear_state_dtype) whatever its length.
+    num_linear_layers: int = 0
+    linear_num_k_heads: int = 0
+    linear_num_v_heads: int = 0
+    linear_k_head_dim: int = 0
+    linear_v_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    linear_state_dtype: str = "bfloat16"
+    # Full-attention layers whose q projection also makes a sigmoid output gate per head (Qwen3.5,
+    # Qwen3-Next): its width doubles
+    attn_output_gate: bool = False
     # A vision encoder and projector loaded with the model (Llama-4's checkpoints are multimodal):
     # its weights, in the activation dtype, split by TP; no text step reads them
     vision_params: int = 0
@@ -115,6 +131,18 @@ class ModelSpec:
                 raise ValueError(f"num_moe_layers={self.num_moe_layers!r}: must be in 1..num_layers={self.num_layers}")
         if not 0 <= self.num_sliding_layers <= self.num_layers:
             raise ValueError(f"num_sliding_layers={self.num_sliding_layers!r}: must be in 0..num_layers={self.num_layers}")
+        if not 0 <= self.num_linear_layers < self.num_layers - self.num_sliding_layers:
+            raise ValueError(f"num_linear_layers={self.num_linear_layers!r}: must be in 0..num_layers - 1 "
+                             f"({self.num_layers - 1}; a model keeps at least one attention layer)")
+        if self.num_linear_layers:
+            for key in ("linear_num_k_heads", "linear_num_v_heads", "linear_k_head_dim", "linear_v_head_dim",
+                        "linear_conv_kernel"):
+                if getattr(self, key) <= 0:
+                    raise ValueError(f"{key}={getattr(self, key)!r}: a model with linear-attention layers needs it > 0")
+            if self.linear_num_v_heads % self.linear_num_k_heads:
+                raise ValueError(f"linear_num_v_heads={self.linear_num_v_heads}: must be a multiple of "
+                                 f"linear_num_k_heads={self.linear_num_k_heads}")
+            object.__setattr__(self, "linear_state_dtype", canonical_dtype(self.linear_state_dtype, "linear_state_dtype"))
 
     # ------------------------------------------------------------ dtypes
     @property
@@ -156,6 +184,21 @@ class ModelSpec:
         return self.kv_lora_rank > 0
 
     @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are linear attention (Gated DeltaNet) rather than attention."""
+        return self.num_linear_layers > 0
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with softmax attention (full or sliding-window): all but the linear ones."""
+        return self.num_layers - self.num_linear_layers
+
+    @property
+    def num_full_attention_layers(self) -> int:
+        """Layers whose KV grows with the context: all but sliding-window and linear ones."""
+        return self.num_layers - self.num_sliding_layers - self.num_linear_layers
+
+    @property
     def dense_dtype_bytes(self) -> int:
         """Embeddings, LM head and norms: unquantized (act dtype) when the linear layers are fp8."""
         return self.act_dtype_bytes if self.weight_dtype in FP8 else self.weight_dtype_bytes
@@ -184,7 +227,24 @@ class ModelSpec:
             out["kv_b"] = (q * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
             out["o_proj"] = (h, q * self.v_head_dim)
             return out
-        return {"qkv": ((q + 2 * self.kv_heads_per_gpu(tp)) * d, h), "o_proj": (h, q * d)}
+        gate = 2 if self.attn_output_gate else 1  # q and its output gate in one projection
+        return {"qkv": ((gate * q + 2 * self.kv_heads_per_gpu(tp)) * d, h), "o_proj": (h, q * d)}
+
+    def linear_conv_dim(self, tp: int = 1) -> int:
+        """Channels of a linear-attention layer's causal conv1d on one GPU (q, k and v)."""
+        return (2 * self.linear_num_k_heads * self.linear_k_head_dim
+                + self.linear_num_v_heads * self.linear_v_head_dim) // tp
+
+    def linear_attention_gemm_shapes(self, tp: int = 1) -> dict[str, tuple[int, int]]:
+        """(N, K) of one linear-attention layer's GEMMs on one GPU: the projection to q, k, v and
+        the output gate z, the one to the decay and step sizes (b, a: one each per value head),
+        and the output projection."""
+        if not self.num_linear_layers:
+            return {}
+        h, vd = self.hidden_size, self.linear_num_v_heads * self.linear_v_head_dim
+        return {"in_proj_qkvz": ((self.linear_conv_dim(1) + vd) // tp, h),
+                "in_proj_ba": (2 * self.linear_num_v_heads // tp, h),
+                "out_proj": (h, vd // tp)}
 
     def gemm_shapes(self, tp: int = 1) -> dict[str, tuple[int, int]]:
         """(N, K) of one dense layer's GEMMs on one GPU (y[M, N] = x[M, K] @ W[K, N])."""
@@ -195,7 +255,11 @@ class ModelSpec:
         """Every dense GEMM of a forward, per layer kind: (name, N, K, layers, weight dtype).
         Routed experts are not here (their work depends on the tokens: expert_gemms)."""
         L, h = self.num_layers, self.hidden_size
-        out = [(k, n, kk, L, self.attn_dtype) for k, (n, kk) in self.attention_gemm_shapes(tp).items()]
+        A = self.num_attention_layers
+        out = [(k, n, kk, A, self.attn_dtype) for k, (n, kk) in self.attention_gemm_shapes(tp).items()]
+        # (in_proj_ba: a few columns per GPU, in the activation dtype, as vLLM keeps them)
+        out += [(k, n, kk, self.num_linear_layers, self.act_dtype if k == "in_proj_ba" else self.attn_dtype)
+                for k, (n, kk) in self.linear_attention_gemm_shapes(tp).items()]
         dense = L - self.num_moe_layers
         if dense:
             out += [("gate_up", 2 * self.intermediate_size // tp, h, dense, self.weight_dtype),
@@ -224,12 +288,24 @@ class ModelSpec:
         return E * (1.0 - (1.0 - k / E) ** num_tokens)
 
     @property
+    def linear_attention_params_per_layer(self) -> int:
+        """A linear-attention layer's weights: its projections, the conv1d's taps, the decay and
+        step-size biases (A_log, dt_bias: one per value head) and the gated RMSNorm's weight."""
+        if not self.num_linear_layers:
+            return 0
+        proj = sum(n * k for n, k in self.linear_attention_gemm_shapes(1).values())
+        return (proj + self.linear_conv_dim(1) * self.linear_conv_kernel + 2 * self.linear_num_v_heads
+                + self.linear_v_head_dim)
+
+    @property
     def attention_params_per_layer(self) -> int:
+        """One attention layer's weights (q/k/v/o, or MLA's projections and norms)."""
         if self.is_mla:
             # the full projections, kept whole: sum of N*K at tp=1, plus the latent's two norms
             return sum(n * k for n, k in self.attention_gemm_shapes(1).values()) + self.kv_lora_rank + self.q_lora_rank
         h, d = self.hidden_size, self.head_dim
-        return h * self.num_heads * d + 2 * h * self.num_kv_heads * d + self.num_heads * d * h
+        gate = 2 if self.attn_output_gate else 1
+        return gate * h * self.num_heads * d + 2 * h * self.num_kv_heads * d + self.num_heads * d * h
 
     @property
     def expert_params(self) -> int:
@@ -244,7 +320,9 @@ class ModelSpec:
         dense = (L - self.num_moe_layers) * 3 * h * self.intermediate_size
         moe = self.num_moe_layers * (3 * h * self.shared_intermediate_size + h * self.num_experts)
         mlp = (dense + moe + self.expert_params) // L
-        return self.attention_params_per_layer + mlp + 2 * h  # + two RMSNorm weights
+        mix = (self.num_attention_layers * self.attention_params_per_layer
+               + self.num_linear_layers * self.linear_attention_params_per_layer) // L
+        return mix + mlp + 2 * h  # + two RMSNorm weights
 
     @property
     def embedding_params(self) -> int:
@@ -319,8 +397,9 @@ class ModelSpec:
 
     def kv_bytes_per_token_per_gpu(self, tp: int = 1) -> int:
         """One GPU's KV bytes per token (tp=0: all KV heads). MLA keeps the whole latent on every
-        rank; sliding-window layers are left out (at most sliding_window tokens per request)."""
-        layers = self.num_layers - self.num_sliding_layers
+        rank; sliding-window layers are left out (at most sliding_window tokens per request), and
+        so are linear-attention layers (a fixed state per request: linear_state_bytes_per_request_per_gpu)."""
+        layers = self.num_full_attention_layers
         if self.is_mla:
             return layers * (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_dtype_bytes
         heads = self.num_kv_heads if tp == 0 else self.kv_heads_per_gpu(tp)
@@ -333,6 +412,17 @@ class ModelSpec:
             return 0
         tokens = -(-self.sliding_window // block_size) * block_size + block_size
         return 2 * self.num_sliding_layers * self.kv_heads_per_gpu(tp) * self.head_dim * self.kv_dtype_bytes * tokens
+
+    def linear_state_bytes_per_request_per_gpu(self, tp: int = 1) -> int:
+        """One request's state in the linear-attention layers on one GPU: per layer, the conv1d's
+        last linear_conv_kernel - 1 inputs (activation dtype) and a k x v matrix per value head
+        (linear_state_dtype), each split by TP."""
+        if not self.num_linear_layers:
+            return 0
+        conv = self.linear_conv_dim(tp) * (self.linear_conv_kernel - 1) * self.act_dtype_bytes
+        ssm = (self.linear_num_v_heads // tp * self.linear_k_head_dim * self.linear_v_head_dim
+               * DTYPE_BYTES[self.linear_state_dtype])
+        return self.num_linear_layers * (conv + ssm)
 
     def with_dtypes(self, weight_dtype: str | None = None, kv_dtype: str | None = None,
                     act_dtype: str | None = None) -> "ModelSpec":
@@ -356,6 +446,10 @@ class ModelSpec:
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2",
                    "gpt_oss", "minimax_m2", "llama4", "llama4_text")
+# Hybrids of Gated DeltaNet linear attention and gated full attention (every
+# full_attention_interval-th layer, or as layer_types lists them): Qwen3-Next and Qwen3.5, dense or
+# MoE (Qwen3.5's checkpoints are multimodal: their text_config, and a vision encoder)
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text")
 # Keys that make a config a mixture of experts (or MLA): a dense family carrying one is refused.
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
              "kv_lora_rank")
@@ -414,22 +508,55 @@ def llama4_vision_params(vc: dict | None, text_hidden: int) -> int:
     return L * layer + embed + adapter + vc["vision_output_dim"] * text_hidden
 
 
+def qwen_vision_params(vc: dict | None) -> int:
+    """Weights of a Qwen3-VL / Qwen3.5 vision encoder: ViT blocks (fused qkv and output projection
+    with biases, a two-layer MLP with biases, two LayerNorms), the patch embedding (a 3-D conv over
+    temporal_patch_size x patch_size^2 pixels of in_channels), the learned position embedding, and
+    the merger that folds spatial_merge_size^2 patches into one token of out_hidden_size."""
+    if not vc or not vc.get("depth"):
+        return 0
+    h, i, L = vc["hidden_size"], vc["intermediate_size"], vc["depth"]
+    block = 4 * h * h + 4 * h + 2 * h * i + i + h + 4 * h
+    patch = vc.get("in_channels", 3) * vc.get("temporal_patch_size", 2) * vc["patch_size"] ** 2 * h + h
+    pos = vc.get("num_position_embeddings", 0) * h
+    m = h * vc.get("spatial_merge_size", 2) ** 2
+    merger = 2 * h + m * m + m + m * vc["out_hidden_size"] + vc["out_hidden_size"]
+    return L * block + patch + pos + merger
+
+
+def _hybrid_layers(cfg: dict, L: int, where: str) -> int:
+    """How many of L layers are linear attention: layer_types where the config lists them, else
+    all but every full_attention_interval-th layer."""
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != L:
+            raise ValueError(f"config.json ({where}) layer_types lists {len(types)} layers, num_hidden_layers={L}")
+        unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+        if unknown:
+            raise ValueError(f"config.json ({where}) layer_types={unknown}: only linear_attention and "
+                             "full_attention layers are known")
+        return sum(t == "linear_attention" for t in types)
+    every = _need(cfg, "full_attention_interval", where)
+    return L - L // every
+
+
 def hf_config_fields(cfg: dict) -> dict:
-    """ModelSpec fields from a HF config.json: dense Llama, Mistral, Qwen2 and Qwen3 decoders, and
-    the mixtures of experts Mixtral, Qwen2-MoE/Qwen3-MoE, DeepSeek-V2/V3 and Kimi-K2 (MLA),
-    gpt-oss, MiniMax-M2 and Llama-4 (its text_config). Anything else (another model_type, a
+    """ModelSpec fields from a HF config.json: dense Llama, Mistral, Qwen2 and Qwen3 decoders, the
+    mixtures of experts Mixtral, Qwen2-MoE/Qwen3-MoE, DeepSeek-V2/V3 and Kimi-K2 (MLA), gpt-oss,
+    MiniMax-M2 and Llama-4 (its text_config), and the linear-attention hybrids Qwen3-Next and
+    Qwen3.5 (dense or MoE; its text_config). Anything else (another model_type, a
     dense family with expert fields, a quantization it does not know) is a ValueError naming the
     field: never timed as something else."""
     outer = cfg
     if "text_config" in cfg and "num_hidden_layers" not in cfg:
         cfg = cfg["text_config"]
     mt = str(cfg.get("model_type") or outer.get("model_type") or "").lower()
+    known = DENSE_MODEL_TYPES + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES
     if not mt:
-        raise ValueError("config.json lacks 'model_type' (known: "
-                         f"{', '.join(DENSE_MODEL_TYPES + MOE_MODEL_TYPES)})")
-    if mt not in DENSE_MODEL_TYPES + MOE_MODEL_TYPES:
+        raise ValueError(f"config.json lacks 'model_type' (known: {', '.join(known)})")
+    if mt not in known:
         raise ValueError(f"config.json model_type={mt!r}: not a model ServeTwin can time (known: "
-                         f"{', '.join(DENSE_MODEL_TYPES + MOE_MODEL_TYPES)})")
+                         f"{', '.join(known)})")
     if mt in DENSE_MODEL_TYPES:
         for k in _MOE_KEYS:
             if cfg.get(k):
@@ -450,7 +577,23 @@ def hf_config_fields(cfg: dict) -> dict:
               tie_word_embeddings=bool(cfg.get("tie_word_embeddings", outer.get("tie_word_embeddings", False))),
               max_position_embeddings=cfg.get("max_position_embeddings", 131072),
               weight_dtype=wdtype or torch_dtype, act_dtype=act,
-              qk_norm=mt in ("qwen3", "qwen3_moe") or bool(cfg.get("use_qk_norm")), expert_dtype=edtype)
+              qk_norm=mt in ("qwen3", "qwen3_moe") + HYBRID_MODEL_TYPES or bool(cfg.get("use_qk_norm")),
+              expert_dtype=edtype)
+    if mt in HYBRID_MODEL_TYPES:
+        kw.update(num_linear_layers=_hybrid_layers(cfg, L, w),
+                  linear_num_k_heads=_need(cfg, "linear_num_key_heads", w),
+                  linear_num_v_heads=_need(cfg, "linear_num_value_heads", w),
+                  linear_k_head_dim=_need(cfg, "linear_key_head_dim", w),
+                  linear_v_head_dim=_need(cfg, "linear_value_head_dim", w),
+                  linear_conv_kernel=_need(cfg, "linear_conv_kernel_dim", w),
+                  # the delta rule's state: the config's mamba_ssm_dtype (Qwen3.5: float32), else
+                  # the model's dtype (vLLM's mamba_ssm_cache_dtype "auto")
+                  linear_state_dtype=cfg.get("mamba_ssm_dtype") or torch_dtype,
+                  attn_output_gate=bool(cfg.get("attn_output_gate", True)),
+                  vision_params=qwen_vision_params(outer.get("vision_config")))
+        if not cfg.get("num_experts"):  # Qwen3.5's dense models
+            _need(cfg, "intermediate_size", w)
+            return kw
     if mt in DENSE_MODEL_TYPES:
         _need(cfg, "intermediate_size", w)
         return kw
@@ -458,7 +601,7 @@ def hf_config_fields(cfg: dict) -> dict:
     if mt == "mixtral":
         kw.update(num_experts=_need(cfg, "num_local_experts", w), moe_intermediate_size=_need(cfg, "intermediate_size", w),
                   num_moe_layers=L)
-    elif mt in ("qwen2_moe", "qwen3_moe"):
+    elif mt in ("qwen2_moe", "qwen3_moe") + HYBRID_MODEL_TYPES:
         step = cfg.get("decoder_sparse_step") or 1
         dense = set(cfg.get("mlp_only_layers") or [])
         moe = sum(1 for i in range(L) if i not in dense and (i + 1) % step == 0)
@@ -541,6 +684,23 @@ class DeviceSpec:
 LLAMA4_VISION_CONFIG = {"hidden_size": 1408, "image_size": 336, "intermediate_size": 5632, "num_channels": 3,
                         "num_hidden_layers": 34, "patch_size": 14, "pixel_shuffle_ratio": 0.5,
                         "projector_input_dim": 4096, "projector_output_dim": 4096, "vision_output_dim": 4096}
+# Qwen3.5's vision encoder (the same in every size; its merger projects to the text model's width)
+QWEN35_VISION_CONFIG = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "in_channels": 3,
+                        "num_position_embeddings": 2304, "patch_size": 16, "spatial_merge_size": 2,
+                        "temporal_patch_size": 2}
+
+
+def _qwen35(name: str, layers: int, hidden: int, heads: int, kv_heads: int, v_heads: int, **moe) -> "ModelSpec":
+    """A Qwen3.5 model from its config.json's numbers: a full-attention layer (gated, head dim 256)
+    every fourth layer, Gated DeltaNet (16 key heads, v_heads value heads, dims 128, 4 conv taps,
+    float32 state) in the others, 248,320 tokens, 262,144 positions, and its vision encoder."""
+    return ModelSpec(name, layers, hidden, heads, kv_heads, 256, moe.pop("intermediate_size", 0), 248320, False,
+                     262144, qk_norm=True, num_linear_layers=layers - layers // 4, linear_num_k_heads=16,
+                     linear_num_v_heads=v_heads, linear_k_head_dim=128, linear_v_head_dim=128, linear_conv_kernel=4,
+                     linear_state_dtype="float32", attn_output_gate=True,
+                     vision_params=qwen_vision_params({**QWEN35_VISION_CONFIG, "out_hidden_size": hidden}), **moe)
+
+
 # Catalog models whose fp8 checkpoints keep the attention projections in 16 bits (RedHat's
 # FP8-dynamic Llama-4 recipe ignores self_attn; _keeps_attention_unquantized reads it from a config)
 FP8_KEEPS_16BIT_ATTENTION = ("llama-4-scout-17b-16e",)
@@ -616,18 +776,34 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("llama-4-maverick-17b-128e", 48, 5120, 40, 8, 128, 16384, 202048, False, 1048576,
               num_experts=128, num_experts_per_tok=1, moe_intermediate_size=8192, shared_intermediate_size=8192,
               num_moe_layers=24, vision_params=llama4_vision_params(LLAMA4_VISION_CONFIG, 5120)),
+    # Linear-attention hybrids (Gated DeltaNet + gated full attention every fourth layer), from
+    # their config.json: Qwen3.5 (the aisimulate wheel's configs) and Qwen3-Next-80B-A3B (no vision
+    # encoder; 151,936 tokens; its state in the model's dtype)
+    _qwen35("qwen3.5-397b-a17b", 60, 4096, 32, 2, 64, num_experts=512, num_experts_per_tok=10,
+            moe_intermediate_size=1024, shared_intermediate_size=1024, num_moe_layers=60),
+    _qwen35("qwen3.5-122b-a10b", 48, 3072, 32, 2, 64, num_experts=256, num_experts_per_tok=8,
+            moe_intermediate_size=1024, shared_intermediate_size=1024, num_moe_layers=48),
+    _qwen35("qwen3.5-35b-a3b", 40, 2048, 16, 2, 32, num_experts=256, num_experts_per_tok=8,
+            moe_intermediate_size=512, shared_intermediate_size=512, num_moe_layers=40),
+    _qwen35("qwen3.5-27b", 64, 5120, 24, 4, 48, intermediate_size=17408),
+    ModelSpec("qwen3-next-80b-a3b", 48, 2048, 16, 2, 256, 5120, 151936, False, 262144, qk_norm=True,
+              num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, shared_intermediate_size=512,
+              num_moe_layers=48, num_linear_layers=36, linear_num_k_heads=16, linear_num_v_heads=32,
+              linear_k_head_dim=128, linear_v_head_dim=128, linear_conv_kernel=4, attn_output_gate=True),
 ]}
 # generation_config.json's sampling defaults of the checkpoints a catalog name serves (the instruct
 # ones where base and instruct differ), as their public files read (written from them, not
 # re-read offline): Llama 2, 3.1, 3.2 and 4: top_p 0.9 (an early Llama-2 revision 0.6); Qwen2.5
-# instruct: top_p 0.8, top_k 20 (and repetition_penalty 1.05, not priced); Qwen3 (dense and MoE):
-# top_p 0.95, top_k 20. The others set none that filters, or are not known here ("").
+# instruct: top_p 0.8, top_k 20 (and repetition_penalty 1.05, not priced); Qwen3 (dense and MoE),
+# Qwen3-Next and Qwen3.5: top_p 0.95 (Qwen3-Next instruct 0.8), top_k 20. The others set none that filters, or are not known here ("").
 GENERATION_FILTERS = {**dict.fromkeys(("llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "llama-3.2-1b",
                                        "llama-3.2-3b", "llama-2-7b", "llama-2-13b", "llama-2-70b",
                                        "llama-4-scout-17b-16e", "llama-4-maverick-17b-128e"), "top_p"),
                       **dict.fromkeys(("qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b", "qwen3-0.6b",
                                        "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b",
-                                       "qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3-coder-480b-a35b"), "top_k_top_p")}
+                                       "qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3-coder-480b-a35b",
+                                       "qwen3.5-397b-a17b", "qwen3.5-122b-a10b", "qwen3.5-35b-a3b", "qwen3.5-27b",
+                                       "qwen3-next-80b-a3b"), "top_k_top_p")}
 MODELS = {k: replace(m, generation_filter=GENERATION_FILTERS.get(k, "")) for k, m in MODELS.items()}
 _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-3.1-8b",
                   "meta-llama-3.1-70b": "llama-3.1-70b", "meta-llama-3.1-405b": "llama-3.1-405b",
@@ -914,8 +1090,8 @@ def memory_breakdown(model: ModelSpec, device: DeviceSpec, tp: int = 1, gpu_memo
                      data_parallel: int = 1, vllm_version: str | None = None) -> dict:
     """Per-GPU memory of one replica (one data-parallel rank) as vLLM sizes its pool: memory x
     utilisation - the loaded model (weight shard, ModelSpec.loaded_bytes_per_gpu) -
-    activation/graph reserve = KV bytes; KV per token per GPU from
-    that GPU's KV heads. With data-parallel attention the routed experts spread over tp x dp GPUs.
+    activation/graph reserve = KV bytes (less, for a linear-attention hybrid, the per-request
+    state of up to max_num_seqs requests); KV per token per GPU from that GPU's KV heads. With data-parallel attention the routed experts spread over tp x dp GPUs.
     The reserve is profiled at the server's max_num_batched_tokens and max_num_seqs (None: vLLM's
     defaults on this GPU, DeviceSpec.serve_defaults), as vllm_version profiles it
     (activation_reserve_bytes)."""
@@ -928,6 +1104,13 @@ def memory_breakdown(model: ModelSpec, device: DeviceSpec, tp: int = 1, gpu_memo
     weights = model.weight_bytes_per_gpu(tp, tp * data_parallel)
     loaded = model.loaded_bytes_per_gpu(tp, tp * data_parallel)
     kv = usable - loaded - reserve
+    # A linear-attention hybrid's per-request state comes from the same pool (vLLM's hybrid KV
+    # cache manager gives each running request one state block per group of linear layers): set
+    # aside here for max_num_seqs requests, or as many as half the pool holds when fewer fit, so
+    # that the pool left counts tokens of the attention layers only.
+    state = model.linear_state_bytes_per_request_per_gpu(tp)
+    state_requests = min(max_num_seqs, int(max(kv, 0.0) / 2 // state)) if state else 0
+    kv -= state_requests * state
     per_token = model.kv_bytes_per_token_per_gpu(tp)
     blocks = int(kv // (per_token * block_size)) if kv > 0 else 0
     return {"model": model.name, "device": device.name, "tp": tp, "weight_dtype": model.weight_dtype,
@@ -935,6 +1118,7 @@ def memory_breakdown(model: ModelSpec, device: DeviceSpec, tp: int = 1, gpu_memo
             "weight_bytes_per_gpu": weights, "loaded_bytes_per_gpu": loaded, "reserve_bytes": reserve,
             "kv_bytes_per_gpu": max(kv, 0.0), "kv_bytes_per_token": model.kv_bytes_per_token,
             "kv_heads_per_gpu": model.kv_heads_per_gpu(tp), "kv_bytes_per_token_per_gpu": per_token,
+            **({"linear_state_bytes_per_request": state, "linear_state_requests": state_requests} if state else {}),
             "kv_blocks": blocks, "kv_tokens": blocks * block_size, "fits": blocks >= 2}
 
 

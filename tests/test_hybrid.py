@@ -1,0 +1,158 @@
+"""Linear-attention hybrids (Qwen3.5, Qwen3-Next): Gated DeltaNet layers read from config.json,
+sized by hand (weights, KV of the attention layers only, a fixed state per request), refused
+when not understood, and timed from the measured GDN kernel tables."""
+import warnings
+
+import numpy as np
+import pytest
+
+from engine.core.features import BatchFeatures
+from sim.kernel_model import KernelCostModel, load_tables
+from sim.specs import GiB, ModelSpec, get_device, get_model, memory_breakdown
+
+# Qwen3.5-397B-A17B's public config.json: the text_config fields the reader takes, and its
+# vision_config (values as published)
+QWEN35_397B = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe", "tie_word_embeddings": False,
+    "text_config": {"model_type": "qwen3_5_moe_text", "attn_output_gate": True, "dtype": "bfloat16",
+                    "full_attention_interval": 4, "head_dim": 256, "hidden_size": 4096,
+                    "layer_types": [t for _ in range(15) for t in ("linear_attention",) * 3 + ("full_attention",)],
+                    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+                    "linear_num_value_heads": 64, "linear_value_head_dim": 128, "max_position_embeddings": 262144,
+                    "mlp_only_layers": [], "moe_intermediate_size": 1024, "num_attention_heads": 32,
+                    "num_experts": 512, "num_experts_per_tok": 10, "num_hidden_layers": 60, "num_key_value_heads": 2,
+                    "shared_expert_intermediate_size": 1024, "vocab_size": 248320, "mamba_ssm_dtype": "float32"},
+    "vision_config": {"depth": 27, "hidden_size": 1152, "in_channels": 3, "intermediate_size": 4304,
+                      "num_position_embeddings": 2304, "out_hidden_size": 4096, "patch_size": 16,
+                      "spatial_merge_size": 2, "temporal_patch_size": 2}}
+
+
+def test_qwen35_397b_from_its_config_is_the_catalog_entry_and_its_published_size():
+    m, c = ModelSpec.from_hf_config(QWEN35_397B), get_model("Qwen/Qwen3.5-397B-A17B")
+    for f in ("num_layers", "num_linear_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+              "shared_intermediate_size", "linear_num_v_heads", "linear_state_dtype", "attn_output_gate",
+              "vision_params", "qk_norm"):
+        assert getattr(m, f) == getattr(c, f), f
+    assert m.weight_bytes == c.weight_bytes and m.num_linear_layers == 45 and m.num_full_attention_layers == 15
+    # 397B parameters in all (text and vision), 17B active: all but the routed experts, and 10 of
+    # each layer's 512
+    assert (c.num_params + c.vision_params) == pytest.approx(397e9, rel=0.01)
+    active = c.num_params - c.expert_params * (1 - 10 / 512)
+    assert active == pytest.approx(17e9, rel=0.03)
+
+
+def test_qwen35_layers_by_hand():
+    m = get_model("qwen3.5-397b-a17b")
+    h = 4096
+    # a full-attention layer: q and its gate (2 x 32 x 256), k and v (2 x 2 x 256), o_proj
+    assert m.attention_params_per_layer == 2 * h * 32 * 256 + 2 * h * 2 * 256 + 32 * 256 * h
+    # a linear-attention layer: q, k (16 heads x 128 each), v and z (64 x 128 each) in one projection,
+    # b and a (64 each), out_proj, the conv1d's 4 taps over q, k and v, A_log and dt_bias, the norm
+    conv = 2 * 16 * 128 + 64 * 128
+    assert m.linear_attention_params_per_layer == (h * (conv + 64 * 128) + h * 2 * 64 + 64 * 128 * h
+                                                   + conv * 4 + 2 * 64 + 128)
+    # KV: the 15 attention layers' 2 KV heads of 256, bf16
+    assert m.kv_bytes_per_token == 15 * 2 * 2 * 256 * 2
+    # per request and GPU at TP 8: each linear layer's conv window (3 inputs of conv / 8 channels,
+    # bf16) and 8 value heads' 128 x 128 fp32 matrices
+    assert m.linear_state_bytes_per_request_per_gpu(8) == 45 * (conv // 8 * 3 * 2 + 8 * 128 * 128 * 4)
+    # GEMMs at TP 8: the gated q projection is twice as wide; the linear layers' projections split
+    shapes = {name: (n, k, layers) for name, n, k, layers, _dt in m.step_gemms(8)}
+    assert shapes["qkv"] == ((2 * 4 + 2 * 1) * 256, h, 15)
+    assert shapes["in_proj_qkvz"] == ((conv + 64 * 128) // 8, h, 45)
+    assert shapes["out_proj"] == (h, 64 * 128 // 8, 45)
+
+
+def test_the_pool_holds_the_state_of_max_num_seqs_requests():
+    m = get_model("qwen3.5-397b-a17b").with_dtypes(weight_dtype="fp8_block")
+    d = get_device("h200")
+    kw = dict(tp=8, gpu_memory_utilization=0.9, block_size=16, max_num_batched_tokens=8192)
+    few, many = memory_breakdown(m, d, max_num_seqs=64, **kw), memory_breakdown(m, d, max_num_seqs=256, **kw)
+    st = m.linear_state_bytes_per_request_per_gpu(8)
+    assert few["linear_state_requests"] == 64 and many["linear_state_requests"] == 256
+    # usable - loaded = reserve + the states + KV, at either max_num_seqs (the reserve's sampler
+    # rows differ too)
+    for b, n in ((few, 64), (many, 256)):
+        assert b["usable_bytes"] - b["loaded_bytes_per_gpu"] == pytest.approx(
+            b["reserve_bytes"] + n * st + b["kv_bytes_per_gpu"], rel=1e-12)
+        assert b["kv_blocks"] == int(b["kv_bytes_per_gpu"] // (m.kv_bytes_per_token_per_gpu(8) * 16))
+    # never more than half the pool: a deployment that holds fewer states still runs
+    tight = memory_breakdown(m, d, max_num_seqs=100000, **kw)
+    assert 0 < tight["linear_state_requests"] < 100000 and tight["kv_blocks"] > 0
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("layer_types", ["linear_attention", "sliding_attention"] * 30, "layer_types=['sliding_attention']"),
+    ("layer_types", ["linear_attention"] * 10, "layer_types lists 10 layers"),
+    ("linear_num_value_heads", None, "lacks 'linear_num_value_heads'")])
+def test_a_hybrid_config_it_does_not_understand_is_refused_naming_the_field(field, value, message):
+    cfg = {**QWEN35_397B, "text_config": dict(QWEN35_397B["text_config"])}
+    cfg["text_config"][field] = value
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        ModelSpec.from_hf_config(cfg)
+
+
+def test_tp_must_divide_the_linear_heads():
+    # 16 key heads: TP 32 would split a head (32 query heads allow it)
+    with pytest.raises(ValueError, match="deployment.tp=32: must divide the linear-attention heads"):
+        KernelCostModel("qwen3.5-397b-a17b", "h200", 32)
+
+
+def _gdn(phase, key, device="h200_sxm"):
+    tab = load_tables(device)["linear_attention"][phase][key]
+    return tab
+
+
+def test_linear_layers_read_the_measured_gdn_kernels():
+    """A decode-only step's and a one-sequence prefill's token mixing: the 15 attention layers
+    from the attention tables plus the 45 linear layers' GDN kernels read at a measured point of
+    their tables (Grid's monotone suffix minimum, as the kernel model keeps it)."""
+    m = get_model("qwen3.5-397b-a17b").with_dtypes(weight_dtype="fp8_block")
+    k = KernelCostModel(m, "h200", 8)
+    assert k.coverage["linear_attention_context"] == k.coverage["linear_attention_generation"] == "2/8/128/128"
+    gen = _gdn("generation", "2/8/128/128")
+    reading = dict(zip(gen["values"][0], np.minimum.accumulate(np.array(gen["us"])[::-1])[::-1]))
+    n, y = 64, 1024
+    f = BatchFeatures(num_reqs=n, num_decode_reqs=n, decode_context_tokens=n * y)
+    att = k.breakdown(f)["attention"]
+    full = 15 * k.g_gen(n, y)[0] * 1e-6
+    assert att - full == pytest.approx(45 * reading[64] * 1e-6, rel=1e-9)
+    # the decode fast path (memoised per batch) and the breakdown agree
+    assert k.decode_gpu_time(n, n * y) == pytest.approx(sum(k.breakdown(f).values()), rel=1e-9)
+    ctx = _gdn("context", "2/8/128/128")
+    b_i, s_i = ctx["values"][0].index(1), ctx["values"][1].index(8192)
+    us = np.array(ctx["us"], dtype=float)
+    cell = np.nanmin(us[b_i:, s_i:])  # the suffix minimum at (1, 8192)
+    f = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=8192, prefill_attn_pairs=8192 * 8193 // 2)
+    att = k.breakdown(f)["attention"]
+    full = 15 * k.g_ctx(1, np.sqrt(2.0 * (8192 * 8193 // 2)))[0] * 1e-6
+    assert att - full == pytest.approx(45 * cell * 1e-6, rel=1e-9)
+    assert not k.fallbacks.get("linear_attention")
+
+
+def test_without_a_gdn_table_the_roofline_is_counted():
+    m = get_model("qwen3.5-35b-a3b")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        k = KernelCostModel(m, "a100-80g", 1)
+        assert k.coverage["linear_attention_generation"] is None
+        f = BatchFeatures(num_reqs=8, num_decode_reqs=8, decode_context_tokens=8 * 512)
+        k.breakdown(f)
+    assert k.fallbacks["linear_attention"] >= 1
+    # the roofline streams each request's state in and out once per layer
+    st = m.linear_state_bytes_per_request_per_gpu(1) / m.num_linear_layers
+    assert k._gdn_gen_roof(8) == pytest.approx(2 * 8 * st / get_device("a100-80g").mem_bandwidth + 5e-6)
+
+
+def test_a_hybrid_runs_through_a_scenario():
+    from sim.scenario import parse_scenario, run_scenario
+    data = {"deployment": {"model": "Qwen/Qwen3.5-397B-A17B-FP8", "device": "h200", "tp": 8},
+            "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 8192},
+            "workload": {"num_requests": 40, "arrival": {"type": "poisson", "rate": 4},
+                         "prompt_len": {"type": "fixed", "value": 1000}, "output_len": {"type": "fixed", "value": 50}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = run_scenario(parse_scenario(data)).summary
+    assert s["requests"]["completed"] == 40
+    # a decode step of a few sequences: above one weight pass of the active experts at HBM speed
+    assert s["tpot_s"]["p50"] > 17e9 / 8 / 4.8e12
