@@ -35,7 +35,8 @@ HF_NAMES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
             "llama-4-maverick-17b-128e": "meta-llama/Llama-4-Maverick-17B-128E-Instruct",
             "qwen3.5-397b-a17b": "Qwen/Qwen3.5-397B-A17B", "qwen3.5-122b-a10b": "Qwen/Qwen3.5-122B-A10B",
             "qwen3.5-35b-a3b": "Qwen/Qwen3.5-35B-A3B", "qwen3.5-27b": "Qwen/Qwen3.5-27B",
-            "qwen3-next-80b-a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct"}
+            "qwen3-next-80b-a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct",
+            "deepseek-v3.2": "deepseek-ai/DeepSeek-V3.2", "glm-5": "zai-org/GLM-5"}
 
 # Checkpoints published with fp8 weights for catalog models whose own checkpoint is bf16: what a
 # plan timed with `deployment.weight_dtype: fp8` (or fp8_block) is served from.
@@ -49,7 +50,7 @@ FP8_HF_NAMES = {"llama-3.1-8b": "nvidia/Llama-3.1-8B-Instruct-FP8",
                 "llama-4-maverick-17b-128e": "meta-llama/Llama-4-Maverick-17B-128E-Instruct-FP8",
                 "qwen3.5-397b-a17b": "Qwen/Qwen3.5-397B-A17B-FP8", "qwen3.5-122b-a10b": "Qwen/Qwen3.5-122B-A10B-FP8",
                 "qwen3.5-35b-a3b": "Qwen/Qwen3.5-35B-A3B-FP8", "qwen3.5-27b": "Qwen/Qwen3.5-27B-FP8",
-                "qwen3-next-80b-a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct-FP8"}
+                "qwen3-next-80b-a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct-FP8", "glm-5": "zai-org/GLM-5-FP8"}
 FP8_DTYPES = ("fp8", "fp8_block")
 
 

@@ -798,9 +798,10 @@ class KernelCostModel(CostModel):
                         derived[dtype] = how
                 grids[dtype] = (g, roof, t)
             return grids[dtype]
-        # (the router's and in_proj_ba's few columns are often below the tables' N axis: their roofline is not
+        # (the router's, in_proj_ba's and the indexer's key and weight projections' few columns are
+        # often below the tables' N axis: their roofline is not
         # counted as a fallback of the layer, it is a fraction of a percent of it)
-        step = [(n, k, layers / m.num_layers, dtype, name not in ("router", "in_proj_ba"))
+        step = [(n, k, layers / m.num_layers, dtype, name not in ("router", "in_proj_ba", "index_k", "index_weights"))
                 for name, n, k, layers, dtype in m.step_gemms(tp)]
         for _n, _k, _w, dtype, _c in step:
             grid_of(dtype)
@@ -964,6 +965,8 @@ class KernelCostModel(CostModel):
                     us = np.array([roof(*q) * 1e6 for q in pts]).reshape([len(a) for a in axes])
                     setattr(self, attr, Grid(axes, us.tolist(), roof, np.zeros(us.shape, dtype=bool)))
                 cov[f"linear_attention_{phase}"] = lkey if tab is not None else None
+        if m.index_topk:  # the sparse attention's indexer: no table, the roofline (_indexer_roof)
+            cov["sparse_attention_indexer"] = None
         # Attention for this GPU's heads.
         kvn = KV_NAMES.get(m.kv_dtype, "bf16")
         key = f"{kvn}/{self.q_heads}/{self.kv_heads}/{self.attn_head_dim}"
@@ -1063,6 +1066,24 @@ class KernelCostModel(CostModel):
         m = self.model
         roof = self._gemm_roof(m.expert_dtype or m.weight_dtype)
         return sum(roof(*g) for g in _grouped_expert_gemms(m, T, self.moe_ranks))
+
+    def _indexer_roof(self, pairs: float, rows: float, keys: float) -> float:
+        """One layer's sparse-attention indexer by the roofline (no table holds it): the scores of
+        `pairs` (query, earlier token) pairs over index_n_heads heads of index_head_dim in fp8 (on
+        every TP rank: its projections are replicated), reading `keys` cached fp8 keys with their
+        scales, writing each pair's fp32 score and reading it back for the top-k, and the `rows`
+        queries' top-k indices. A decode reads each of its sequence's keys (keys = pairs); a
+        prefill chunk's queries share them (keys: its context once)."""
+        m, d = self.model, self.device
+        flops = 2.0 * pairs * m.index_n_heads * m.index_head_dim
+        by = keys * (m.index_head_dim + 4) + pairs * 8 + rows * m.index_topk * 4
+        return max(flops / d.peak_flops("fp8"), by / d.mem_bandwidth) + 5e-6
+
+    def _roofline_term(self, term: str, seconds: float) -> float:
+        """A term no kernel table holds, by its roofline: counted as a lookup and a fallback."""
+        self.lookups += 1
+        self.fallbacks[term] = self.fallbacks.get(term, 0) + 1
+        return seconds
 
     def _gdn_ctx_roof(self, b, s):
         """One linear-attention layer's prefill kernels for b sequences of s new tokens, by the
@@ -1230,7 +1251,7 @@ class KernelCostModel(CostModel):
         if y < 1.0:
             y = 1.0
         m = self.model
-        if m.num_sliding_layers and y > m.sliding_window:
+        if (m.num_sliding_layers and y > m.sliding_window) or m.index_topk:
             return pre + self._decode_attention(n, y) + head + sampler
         A = m.num_attention_layers
         if row is not None:
@@ -1243,9 +1264,13 @@ class KernelCostModel(CostModel):
 
     def _decode_attention(self, n: int, y: float) -> float:
         """Attention of n decodes reading y KV tokens each, every attention layer: sliding-window
-        layers read at most their window (linear-attention layers: _decode_terms)."""
+        layers read at most their window, sparse attention at most its top-k latents after its
+        indexer scored all y (linear-attention layers: _decode_terms)."""
         m = self.model
         full = m.num_full_attention_layers
+        if m.index_topk:  # sparse attention: the latent attention reads the top-k; the indexer all
+            return full * (self._look("generation_attention", self.g_gen, n, min(y, float(m.index_topk)))
+                           + self._roofline_term("indexer", self._indexer_roof(n * y, n, n * y)))
         att = full * self._look("generation_attention", self.g_gen, n, y) if full else 0.0
         if m.num_sliding_layers:
             att += m.num_sliding_layers * self._look("generation_attention", self.g_gen, n,
@@ -1268,7 +1293,16 @@ class KernelCostModel(CostModel):
         if f.num_prefill_reqs:
             b = f.num_prefill_reqs
             full = m.num_full_attention_layers
-            if full:
+            if full and m.index_topk:
+                # sparse attention: each query reads at most top-k latents; the indexer scores
+                # every earlier token
+                pairs = min(f.prefill_attn_pairs, f.num_prefill_tokens * m.index_topk)
+                s = math.sqrt(2.0 * pairs / b)
+                att += full * (self._look("context_attention", self.g_ctx, b, max(s, 1.0))
+                               + self._roofline_term("indexer", self._indexer_roof(
+                                   f.prefill_attn_pairs, f.num_prefill_tokens,
+                                   f.prefill_context_tokens + f.num_prefill_tokens)))
+            elif full:
                 s = math.sqrt(2.0 * f.prefill_attn_pairs / b)
                 att += full * self._look("context_attention", self.g_ctx, b, max(s, 1.0))
             if m.num_sliding_layers:

@@ -81,6 +81,13 @@ class ModelSpec:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     q_lora_rank: int = 0
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5; index_topk 0: none), on top of MLA: a
+    # lightning indexer (index_n_heads heads of index_head_dim, its keys cached per token and layer
+    # in fp8 with a 4-byte scale) scores every earlier token for each query, and the latent attention
+    # reads only the index_topk best. The indexer's projections are replicated on every TP rank.
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
     # Sliding-window attention layers (gpt-oss: every other layer, window 128): their KV holds at
     # most sliding_window tokens per request, so the per-token KV counts the other layers only.
     sliding_window: int = 0
@@ -131,6 +138,9 @@ class ModelSpec:
                 raise ValueError(f"num_moe_layers={self.num_moe_layers!r}: must be in 1..num_layers={self.num_layers}")
         if not 0 <= self.num_sliding_layers <= self.num_layers:
             raise ValueError(f"num_sliding_layers={self.num_sliding_layers!r}: must be in 0..num_layers={self.num_layers}")
+        if self.index_topk and not (self.kv_lora_rank and self.index_n_heads > 0 and self.index_head_dim > 0):
+            raise ValueError(f"index_topk={self.index_topk!r}: sparse attention needs latent attention "
+                             "(kv_lora_rank) and index_n_heads, index_head_dim > 0")
         if not 0 <= self.num_linear_layers < self.num_layers - self.num_sliding_layers:
             raise ValueError(f"num_linear_layers={self.num_linear_layers!r}: must be in 0..num_layers - 1 "
                              f"({self.num_layers - 1}; a model keeps at least one attention layer)")
@@ -212,7 +222,8 @@ class ModelSpec:
     def attention_gemm_shapes(self, tp: int = 1) -> dict[str, tuple[int, int]]:
         """(N, K) of one layer's attention GEMMs on one GPU. MLA (DeepSeek): q down/up (or one q
         projection), the KV latent's down projection (replicated on every rank, as vLLM runs it),
-        its up projection to per-head keys and values, and o_proj."""
+        its up projection to per-head keys and values, and o_proj; with sparse attention the
+        indexer's query, key and head-weight projections (replicated)."""
         h, d = self.hidden_size, self.head_dim
         q = self.num_heads // tp
         if self.is_mla:
@@ -226,6 +237,10 @@ class ModelSpec:
             out["kv_a"] = (self.kv_lora_rank + self.qk_rope_head_dim, h)
             out["kv_b"] = (q * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
             out["o_proj"] = (h, q * self.v_head_dim)
+            if self.index_topk:  # the indexer's query (from the q latent), key and head weights
+                out["index_q"] = (self.index_n_heads * self.index_head_dim, self.q_lora_rank or h)
+                out["index_k"] = (self.index_head_dim, h)
+                out["index_weights"] = (self.index_n_heads, h)
             return out
         gate = 2 if self.attn_output_gate else 1  # q and its output gate in one projection
         return {"qkv": ((gate * q + 2 * self.kv_heads_per_gpu(tp)) * d, h), "o_proj": (h, q * d)}
@@ -401,7 +416,12 @@ class ModelSpec:
         so are linear-attention layers (a fixed state per request: linear_state_bytes_per_request_per_gpu)."""
         layers = self.num_full_attention_layers
         if self.is_mla:
-            return layers * (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_dtype_bytes
+            latent = (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_dtype_bytes
+            if self.index_topk:
+                if self.kv_dtype_bytes == 1:  # vLLM's fp8_ds_mla: fp8 latent, 4 fp32 scales, bf16 rope
+                    latent = self.kv_lora_rank + 16 + 2 * self.qk_rope_head_dim
+                latent += self.index_head_dim + 4  # the indexer's fp8 key and its scale
+            return layers * latent
         heads = self.num_kv_heads if tp == 0 else self.kv_heads_per_gpu(tp)
         return 2 * layers * heads * self.head_dim * self.kv_dtype_bytes
 
@@ -445,7 +465,7 @@ class ModelSpec:
 # HF model_type -> family. Dense families are read as Llama-like decoders.
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2",
-                   "gpt_oss", "minimax_m2", "llama4", "llama4_text")
+                   "deepseek_v32", "glm_moe_dsa", "gpt_oss", "minimax_m2", "llama4", "llama4_text")
 # Hybrids of Gated DeltaNet linear attention and gated full attention (every
 # full_attention_interval-th layer, or as layer_types lists them): Qwen3-Next and Qwen3.5, dense or
 # MoE (Qwen3.5's checkpoints are multimodal: their text_config, and a vision encoder)
@@ -542,7 +562,8 @@ def _hybrid_layers(cfg: dict, L: int, where: str) -> int:
 
 def hf_config_fields(cfg: dict) -> dict:
     """ModelSpec fields from a HF config.json: dense Llama, Mistral, Qwen2 and Qwen3 decoders, the
-    mixtures of experts Mixtral, Qwen2-MoE/Qwen3-MoE, DeepSeek-V2/V3 and Kimi-K2 (MLA), gpt-oss,
+    mixtures of experts Mixtral, Qwen2-MoE/Qwen3-MoE, DeepSeek-V2/V3 and Kimi-K2 (MLA),
+    DeepSeek-V3.2 and GLM-5 (MLA with sparse attention), gpt-oss,
     MiniMax-M2 and Llama-4 (its text_config), and the linear-attention hybrids Qwen3-Next and
     Qwen3.5 (dense or MoE; its text_config). Anything else (another model_type, a
     dense family with expert fields, a quantization it does not know) is a ValueError naming the
@@ -607,7 +628,7 @@ def hf_config_fields(cfg: dict) -> dict:
         moe = sum(1 for i in range(L) if i not in dense and (i + 1) % step == 0)
         kw.update(num_experts=_need(cfg, "num_experts", w), moe_intermediate_size=_need(cfg, "moe_intermediate_size", w),
                   shared_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0, num_moe_layers=moe)
-    elif mt in ("deepseek_v2", "deepseek_v3", "kimi_k2"):
+    elif mt in ("deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa"):
         first = cfg.get("first_k_dense_replace") or 0
         freq = cfg.get("moe_layer_freq") or 1
         moe = sum(1 for i in range(L) if i >= first and i % freq == 0)
@@ -619,6 +640,13 @@ def hf_config_fields(cfg: dict) -> dict:
                   q_lora_rank=cfg.get("q_lora_rank") or 0)
         kw["head_dim"] = kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"]
         kw["num_kv_heads"] = heads
+        if mt in ("deepseek_v32", "glm_moe_dsa"):  # sparse attention: the indexer
+            kinds = sorted(set(cfg.get("indexer_types") or ["full"]) - {"full"})
+            if kinds:
+                raise ValueError(f"config.json ({w}) indexer_types={kinds}: only layers with their own "
+                                 "indexer ('full') are known")
+            kw.update(index_topk=_need(cfg, "index_topk", w), index_n_heads=_need(cfg, "index_n_heads", w),
+                      index_head_dim=_need(cfg, "index_head_dim", w))
     elif mt == "gpt_oss":
         types = cfg.get("layer_types") or []
         kw.update(num_experts=_need(cfg, "num_local_experts", w), moe_intermediate_size=_need(cfg, "intermediate_size", w),
@@ -755,6 +783,17 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
               num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, shared_intermediate_size=2048,
               num_moe_layers=58, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
               q_lora_rank=1536),
+    # DeepSeek-V3.2: V3 with the sparse attention's indexer (64 heads of 128, top 2048 tokens)
+    ModelSpec("deepseek-v3.2", 61, 7168, 128, 128, 192, 18432, 129280, False, 163840, weight_dtype="fp8_block",
+              num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, shared_intermediate_size=2048,
+              num_moe_layers=58, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+              q_lora_rank=1536, index_topk=2048, index_n_heads=64, index_head_dim=128),
+    # GLM-5 (and 5.1): MLA with sparse attention (indexer 32 heads of 128, top 2048), 78 layers,
+    # the first 3 dense, from its config.json
+    ModelSpec("glm-5", 78, 6144, 64, 64, 256, 12288, 154880, False, 202752,
+              num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, shared_intermediate_size=2048,
+              num_moe_layers=75, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256,
+              q_lora_rank=2048, index_topk=2048, index_n_heads=32, index_head_dim=128),
     ModelSpec("kimi-k2", 61, 7168, 64, 64, 192, 18432, 163840, False, 131072, weight_dtype="fp8_block",
               num_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, shared_intermediate_size=2048,
               num_moe_layers=60, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
@@ -822,7 +861,7 @@ _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-
                   # wheel's MiniMax-M2.7 and DeepSeek-V3.1 configs read as M2.5's and V3's)
                   "minimax-m2.1": "minimax-m2", "minimax-m2.7": "minimax-m2", "deepseek-v3.1": "deepseek-v3",
                   "deepseek-v3.1-terminus": "deepseek-v3", "qwen3-235b-a22b-thinking": "qwen3-235b-a22b",
-                  "qwen3-coder-30b-a3b": "qwen3-30b-a3b",
+                  "qwen3-coder-30b-a3b": "qwen3-30b-a3b", "deepseek-v3.2-exp": "deepseek-v3.2", "glm-5.1": "glm-5",
                   # DeepSeek-R1's distillations keep their base model's architecture
                   "deepseek-r1-distill-llama-70b": "llama-3.1-70b", "deepseek-r1-distill-llama-8b": "llama-3.1-8b",
                   "deepseek-r1-distill-qwen-32b": "qwen2.5-32b", "deepseek-r1-distill-qwen-14b": "qwen2.5-14b",

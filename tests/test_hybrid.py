@@ -156,3 +156,53 @@ def test_a_hybrid_runs_through_a_scenario():
     assert s["requests"]["completed"] == 40
     # a decode step of a few sequences: above one weight pass of the active experts at HBM speed
     assert s["tpot_s"]["p50"] > 17e9 / 8 / 4.8e12
+
+
+# GLM-5's public config.json (the fields the reader takes, values as published)
+GLM_5 = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "dtype": "bfloat16",
+         "first_k_dense_replace": 3, "hidden_size": 6144, "index_head_dim": 128, "index_n_heads": 32,
+         "index_topk": 2048, "intermediate_size": 12288, "kv_lora_rank": 512, "max_position_embeddings": 202752,
+         "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_routed_experts": 256, "n_shared_experts": 1,
+         "num_attention_heads": 64, "num_experts_per_tok": 8, "num_hidden_layers": 78, "num_key_value_heads": 64,
+         "q_lora_rank": 2048, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256,
+         "tie_word_embeddings": False, "vocab_size": 154880}
+
+
+def test_glm5_from_its_config_is_the_catalog_entry_and_its_published_size():
+    m, c = ModelSpec.from_hf_config(GLM_5), get_model("zai-org/GLM-5")
+    for f in ("num_layers", "num_moe_layers", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "q_lora_rank",
+              "index_topk", "index_n_heads", "index_head_dim", "num_experts", "num_experts_per_tok"):
+        assert getattr(m, f) == getattr(c, f), f
+    assert m.weight_bytes == c.weight_bytes and c.num_moe_layers == 75
+    assert c.num_params == pytest.approx(744e9, rel=0.01)                      # 744B parameters
+    assert get_model("deepseek-ai/DeepSeek-V3.2").num_params == pytest.approx(671e9, rel=0.01)
+    # KV per token and layer: the latent (512 + 64) in bf16 and the indexer's fp8 key with its
+    # scale; with an fp8 cache vLLM's fp8_ds_mla layout (512 fp8, 4 fp32 scales, 64 bf16)
+    assert c.kv_bytes_per_token == 78 * ((512 + 64) * 2 + 128 + 4)
+    assert c.with_dtypes(kv_dtype="fp8").kv_bytes_per_token == 78 * (512 + 16 + 128 + 128 + 4)
+
+
+def test_a_shared_indexer_is_refused_naming_the_field():
+    cfg = {**GLM_5, "indexer_types": ["full", "shared"] * 39}
+    with pytest.raises(ValueError, match=r"indexer_types=\['shared'\]"):
+        ModelSpec.from_hf_config(cfg)
+
+
+def test_sparse_attention_reads_the_top_k_and_its_indexer_every_token():
+    """Past index_topk tokens of context a decode's latent attention reads no more; what grows is
+    the indexer, which streams every cached fp8 key (128 bytes + a 4-byte scale) and writes and
+    reads back an fp32 score for each: memory-bound at these sizes, so per layer the difference of
+    two context lengths is their extra bytes over the bandwidth."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        k = KernelCostModel("glm-5", "h200", 8)
+        n = 32
+
+        def att(y):
+            return k.breakdown(BatchFeatures(num_reqs=n, num_decode_reqs=n, decode_context_tokens=n * y))["attention"]
+        extra_bytes = n * (16384 - 4096) * (128 + 4 + 8)
+        assert att(16384) - att(4096) == pytest.approx(78 * extra_bytes / get_device("h200").mem_bandwidth, rel=1e-6)
+        assert k.decode_gpu_time(n, n * 16384) == pytest.approx(
+            sum(k.breakdown(BatchFeatures(num_reqs=n, num_decode_reqs=n, decode_context_tokens=n * 16384)).values()),
+            rel=1e-9)
+    assert k.fallbacks["indexer"] >= 2 and k.coverage["sparse_attention_indexer"] is None
