@@ -414,6 +414,50 @@ def convert_linear_attention(site: Path, out: Path, systems: dict | None = None,
               f"{added} head-dim-256 attention tables")
 
 
+# vLLM's whole multi-head latent attention layer (DeepSeek-V3's shape: hidden 7168, q latent 1536,
+# KV latent 512 + rope 64, heads of 128 + 64 and values of 128; Kimi-K2 has the same with half the
+# heads): the projections, RoPE, cache write and attention, per GPU's heads, from the wheel's vLLM
+# 0.25.0 `mla/*_module` tables. Prefill (batch x isl, no prefix) and decode (batch x KV tokens),
+# per KV-cache dtype and the projections' weight format. The backend vLLM runs: prefill through
+# FlashAttention on the decompressed keys (FLASH_ATTN) on every GPU; decode FA3's MLA kernel
+# (FLASH_ATTN_MLA) with a bf16 cache and FlashMLA with an fp8 one on Hopper, FlashInfer's MLA
+# (FLASHINFER_MLA) on Blackwell. B300: B200's tables.
+MLA_MODULE = {"h100_sxm": ("h100_sxm", "0.25.0"), "h200_sxm": ("h200_sxm", "0.25.0"),
+              "b200_sxm": ("b200_sxm", "0.25.0"), "b300_sxm": ("b200_sxm", "0.25.0")}
+MLA_KERNELS = {"context": {"bf16": "FLASH_ATTN", "fp8": "FLASH_ATTN"},
+               "generation_hopper": {"bf16": "FLASH_ATTN_MLA", "fp8": "FLASHMLA"},
+               "generation_blackwell": {"bf16": "FLASHINFER_MLA", "fp8": "FLASHINFER_MLA"}}
+MLA_GEMM = {"bfloat16": "bf16", "fp8_block": "fp8_block"}
+
+
+def convert_mla_module(site: Path, out: Path, systems: dict | None = None,
+                       package: str = "aisimulate_core") -> None:
+    """Add `mla_module` (MLA_MODULE) to calibration/kernels/<system>.json (written by convert)."""
+    root = site / package / "systems" / "data"
+    for system, (src, version) in (systems or MLA_MODULE).items():
+        path = out / f"{system}.json"
+        doc = json.loads(path.read_text())
+        gen_kernels = MLA_KERNELS["generation_blackwell" if src.startswith("b") else "generation_hopper"]
+        mod = {"model_shape": "deepseek-v3", "key": "kv_dtype/weight_dtype/heads",
+               "kernels": {"context": MLA_KERNELS["context"], "generation": gen_kernels}}
+        for phase, axis, kernels in (("context", "isl", MLA_KERNELS["context"]), ("generation", "step", gen_kernels)):
+            p = root / src / "mla" / "vllm" / version / f"mla_{phase}_module_perf.parquet"
+            x = pd.read_parquet(p)
+            doc["sources"][f"mla_{phase}_module"] = str(p.relative_to(site))
+            x = x[(x.model == "deepseek-ai/DeepSeek-V3") & x.gemm_type.isin(list(MLA_GEMM))]
+            tables = {}
+            for kv_name, kv_dt in KV_DTYPES.items():
+                y = x[(x.kv_cache_dtype == kv_dt) & (x.kernel_source == kernels[kv_name])]
+                for (g, h), sub in y.groupby(["gemm_type", "num_heads"]):
+                    tables[f"{kv_name}/{MLA_GEMM[g]}/{h}"] = grid(sub, ["batch_size", axis])
+            mod[phase] = tables
+        doc["mla_module"] = mod
+        with open(path, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        print(f"{system}: MLA module tables, prefill {len(mod['context'])}, decode {len(mod['generation'])} "
+              f"(from {src} {version})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--site", type=Path, default=None, help="site-packages of a Python with the wheel")
@@ -426,6 +470,8 @@ def main() -> None:
     ap.add_argument("--linear-attention", action="store_true",
                     help="add the Gated DeltaNet tables and the head-dim-256 attention tables (LINEAR_ATTENTION) "
                          "to the files in --out")
+    ap.add_argument("--mla-module", action="store_true",
+                    help="add vLLM's measured MLA layer tables (MLA_MODULE) to the files in --out")
     ap.add_argument("--allreduce-eager", action="store_true",
                     help="add the all-reduce outside CUDA graphs to the files in --out (with --aiconfigurator: "
                          "AIC_SYSTEMS from its wheel)")
@@ -437,6 +483,8 @@ def main() -> None:
             convert_allreduce_eager(args.site, args.out, list(AIC_SYSTEMS), "aiconfigurator_core")
         else:
             convert_allreduce_eager(args.site, args.out, list(SYSTEMS))
+    elif args.mla_module:
+        convert_mla_module(args.site, args.out)
     elif args.linear_attention:
         convert_linear_attention(args.site, args.out)
     elif args.moe_triton:

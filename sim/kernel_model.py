@@ -580,6 +580,25 @@ def _nearest_moe_table(tables: dict, fmt: str, m: ModelSpec, moe_tp: int, moe_ep
     return best[1], spec
 
 
+# The MLA layer shape the `mla_module` tables were measured at (DeepSeek-V3's; Kimi-K2's is the same)
+MLA_MODULE_SHAPE = {"hidden_size": 7168, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                    "qk_nope_head_dim": 128, "v_head_dim": 128}
+MLA_MODULE_DTYPES = {"bfloat16": "bf16", "fp8_block": "fp8_block"}
+
+
+def _mla_module_key(m: ModelSpec, tp: int, doc: dict | None) -> str | None:
+    """The `mla_module` table key (kv_dtype/weight_dtype/heads) that times this model's MLA layer
+    on one GPU of a TP group, or None: a model of another shape or with sparse attention, an
+    attention weight format or head count the tables lack, or no such tables."""
+    if not doc or not m.is_mla or m.index_topk:
+        return None
+    if any(getattr(m, f) != v for f, v in MLA_MODULE_SHAPE.items()):
+        return None
+    w = MLA_MODULE_DTYPES.get(m.attn_dtype)
+    key = f"{KV_NAMES.get(m.kv_dtype, 'bf16')}/{w}/{m.num_heads // tp}"
+    return key if w and key in doc.get("context", {}) and key in doc.get("generation", {}) else None
+
+
 class KernelCostModel(CostModel):
     """Per-step seconds from measured kernel tables for one deployment (model x device x TP)."""
 
@@ -645,6 +664,8 @@ class KernelCostModel(CostModel):
             self.kv_heads, self.attn_head_dim = 1, m.kv_lora_rank + m.qk_rope_head_dim
         self.g_moe = None
         self.g_gdn_ctx = self.g_gdn_gen = None  # linear-attention layers (hybrids): _build
+        self._mla_key = None  # an MLA layer's prefill read from the mla_module tables: _build
+        self.g_mla_proj = None  # and then its decode tokens' projections by themselves
         if m.num_linear_layers and (m.linear_num_k_heads % tp or m.linear_num_v_heads % tp):
             raise ValueError(f"deployment.tp={tp}: must divide the linear-attention heads "
                              f"({m.linear_num_k_heads} key, {m.linear_num_v_heads} value heads of {m.name})")
@@ -663,10 +684,11 @@ class KernelCostModel(CostModel):
                 if len(_BUILT) > 64:
                     _BUILT.clear()
                 _BUILT[key] = (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar, self.g_ar_eager,
-                               self._ar_releases, self.g_moe, self.g_gdn_ctx, self.g_gdn_gen, self.coverage,
-                               self.source)
-            (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar, self.g_ar_eager,
-             self._ar_releases, self.g_moe, self.g_gdn_ctx, self.g_gdn_gen, self.coverage, self.source) = _BUILT[key]
+                               self._ar_releases, self.g_moe, self.g_gdn_ctx, self.g_gdn_gen, self._mla_key,
+                               self.g_mla_proj, self.coverage, self.source)
+            (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar, self.g_ar_eager, self._ar_releases,
+             self.g_moe, self.g_gdn_ctx, self.g_gdn_gen, self._mla_key, self.g_mla_proj, self.coverage,
+             self.source) = _BUILT[key]
         else:
             self.source = tables.get("sources", {})
             self._build(tables)
@@ -780,6 +802,11 @@ class KernelCostModel(CostModel):
     def _build(self, tables: dict | None) -> None:
         m, tp = self.model, self.tp
         cov = {}
+        # A latent-attention layer of DeepSeek-V3's shape (Kimi-K2's too) from vLLM's measured
+        # MLA layer tables where they hold this GPU's heads, cache and weight format: its
+        # projections, RoPE, cache write and attention in one reading (mla_module), so its GEMMs
+        # leave the layer's GEMM sum.
+        self._mla_key = _mla_module_key(m, tp, (tables or {}).get("mla_module"))
         # GEMMs of one layer (averaged over layer kinds: a MoE model's dense, shared-expert and
         # router GEMMs weighted by how many layers have them) and the LM head, as functions of M;
         # each GEMM from the table of its weight dtype.
@@ -802,7 +829,7 @@ class KernelCostModel(CostModel):
         # often below the tables' N axis: their roofline is not
         # counted as a fallback of the layer, it is a fraction of a percent of it)
         step = [(n, k, layers / m.num_layers, dtype, name not in ("router", "in_proj_ba", "index_k", "index_weights"))
-                for name, n, k, layers, dtype in m.step_gemms(tp)]
+                for name, n, k, layers, dtype in self._step_gemms()]
         for _n, _k, _w, dtype, _c in step:
             grid_of(dtype)
         grid_a, roof_a, ga = grid_of(m.act_dtype)
@@ -821,6 +848,9 @@ class KernelCostModel(CostModel):
             t, e = grid(M, n / parts, k)
             return parts * t * self.ovh.gemm_factor(M), e
 
+        proj = [(n, k) for n, k in m.attention_gemm_shapes(tp).values()] if self._mla_key else []
+        gw_p, rw_p, _t = grid_of(m.attn_dtype)
+        mla_proj, ok_p = [], []
         for M in ms:
             tot, ok = 0.0, True
             for n, k, wgt, dtype, counted in step:
@@ -833,7 +863,12 @@ class KernelCostModel(CostModel):
             t, e = gemm(grid_a, roof_a, M, vocab, m.hidden_size)
             head.append(t)
             ok_h.append(e)
+            if proj:  # the MLA projections of a step's decode tokens (mla_module times the prefill's)
+                ts = [gemm(gw_p, rw_p, M, n, k) for n, k in proj]
+                mla_proj.append(sum(t for t, _e in ts))
+                ok_p.append(all(e for _t, e in ts))
         self.g_layer = Grid([ms], layer, self._layer_roof, ok_l)
+        self.g_mla_proj = Grid([ms], mla_proj, self._mla_proj_roof, ok_p) if proj else None
         self.g_head = Grid([ms], head, self._head_roof, ok_h)
         cov["gemm"] = all(grids[dtype][2] is not None for _n, _k, _w, dtype, _c in step)
         if derived:
@@ -990,6 +1025,13 @@ class KernelCostModel(CostModel):
                 setattr(self, attr, Grid([bs, ss], us, lambda b, s, r=roof: r(b, s),
                                          np.zeros((len(bs), len(ss)), dtype=bool)))
             cov[f"{phase}_attention"] = key if tab is not None else (derived[2] if derived else None)
+            if self._mla_key and phase == "context":
+                mt = tables["mla_module"][phase][self._mla_key]
+                us = [[None if u is None else u * self.ovh.gemm_factor(b * s) for s, u in zip(mt["values"][1], row)]
+                      for b, row in zip(mt["values"][0], mt["us"])]
+                self.g_ctx = Grid(mt["values"], us, lambda b, s: self._ctx_roof(b, s) + self._mla_proj_roof(b * s))
+                cov["context_attention"] = (f"mla_module {self._mla_key} "
+                                            f"({tables['mla_module']['kernels']['context'][self._mla_key.split('/')[0]]})")
         # All-reduce by message elements: inside CUDA graphs (g_ar), and outside them (g_ar_eager,
         # the `allreduce_eager` table: a step of more tokens than vLLM captures, see _by_tokens;
         # None where the tables have no such table, and g_ar serves both).
@@ -1033,6 +1075,8 @@ class KernelCostModel(CostModel):
             r["g_moe"] = self.g_moe.to_json()
         if self.g_gdn_ctx is not None:
             r["g_gdn_ctx"], r["g_gdn_gen"] = self.g_gdn_ctx.to_json(), self.g_gdn_gen.to_json()
+        if self.g_mla_proj is not None:
+            r["g_mla_proj"], r["mla_key"] = self.g_mla_proj.to_json(), self._mla_key
         return r
 
     def _from_reduced(self, r: dict) -> None:
@@ -1047,6 +1091,9 @@ class KernelCostModel(CostModel):
                                                        if "g_ar_eager" in x else self.g_ar_eager)
                              for rel, x in r.get("g_ar_releases", {}).items()}
         self.g_moe = Grid.from_json(r["g_moe"], self._moe_roof) if "g_moe" in r else None
+        if "g_mla_proj" in r:
+            self._mla_key = r["mla_key"]
+            self.g_mla_proj = Grid.from_json(r["g_mla_proj"], self._mla_proj_roof)
         if "g_gdn_ctx" in r:
             self.g_gdn_ctx = Grid.from_json(r["g_gdn_ctx"], self._gdn_ctx_roof)
             self.g_gdn_gen = Grid.from_json(r["g_gdn_gen"], self._gdn_gen_roof)
@@ -1056,10 +1103,25 @@ class KernelCostModel(CostModel):
         self.coverage = r.get("coverage", {})
         self.source = r.get("sources", {})
 
+    def _step_gemms(self) -> list:
+        """The layer GEMMs the GEMM term sums (ModelSpec.step_gemms), less the attention
+        projections when an MLA layer table times them with its attention (_mla_key)."""
+        gemms = self.model.step_gemms(self.tp)
+        if getattr(self, "_mla_key", None):
+            proj = set(self.model.attention_gemm_shapes(self.tp))
+            gemms = [g for g in gemms if g[0] not in proj]
+        return gemms
+
     def _layer_roof(self, M):
         m = self.model
         return sum(layers / m.num_layers * self._gemm_roof(dtype)(M, n, k)
-                   for _name, n, k, layers, dtype in m.step_gemms(self.tp))
+                   for _name, n, k, layers, dtype in self._step_gemms())
+
+    def _mla_proj_roof(self, M):
+        """One MLA layer's projections for M tokens by the roofline (the MLA layer tables' own
+        roofline adds them to the attention's)."""
+        m = self.model
+        return sum(self._gemm_roof(m.attn_dtype)(M, n, k) for n, k in m.attention_gemm_shapes(self.tp).values())
 
     def _moe_roof(self, T):
         """One MoE layer's routed experts for T tokens, by the roofline (see _build)."""
@@ -1311,6 +1373,8 @@ class KernelCostModel(CostModel):
                 att += m.num_sliding_layers * self._look("context_attention", self.g_ctx, b, max(s, 1.0))
         if f.num_decode_reqs:
             att += self._decode_attention(f.num_decode_reqs, max(f.decode_context_tokens / f.num_decode_reqs, 1.0))
+            if self.g_mla_proj is not None:  # the decode tokens' MLA projections (_mla_key)
+                att += m.num_layers * self._look("gemm", self.g_mla_proj, f.num_decode_reqs)
         return att
 
     def _decode_terms(self, n: int) -> tuple:
@@ -1322,6 +1386,8 @@ class KernelCostModel(CostModel):
         pre = 0 + tk["gemm"] + tk["moe"] + tk.get("moe_dispatch", 0.0) + tk["elementwise"] + (tk["allreduce"] + gather)
         if self.model.num_linear_layers:  # linear-attention layers: by the batch alone
             pre += self.model.num_linear_layers * self._look("linear_attention", self.g_gdn_gen, n)
+        if self.g_mla_proj is not None:  # MLA projections outside the GEMM term (_mla_key)
+            pre += self.model.num_layers * self._look("gemm", self.g_mla_proj, n)
         num_lookups, fallbacks = self._delta(before)
         grid = self.g_gen
         row = grid.row(n) if grid._fast == grid._call2 else None

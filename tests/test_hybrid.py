@@ -206,3 +206,29 @@ def test_sparse_attention_reads_the_top_k_and_its_indexer_every_token():
             sum(k.breakdown(BatchFeatures(num_reqs=n, num_decode_reqs=n, decode_context_tokens=n * 16384)).values()),
             rel=1e-9)
     assert k.fallbacks["indexer"] >= 2 and k.coverage["sparse_attention_indexer"] is None
+
+
+def test_an_mla_prefill_reads_vllms_measured_mla_layer_and_its_decode_the_projections_apart():
+    """DeepSeek-V3 at TP 8 on H200: a prefill's whole MLA layer (projections, RoPE, cache write,
+    attention) is the `mla_module` table's reading, so the layer's GEMM term leaves the attention
+    projections out; a decode's attention stays the latent-attention reading plus its tokens'
+    projections from the GEMM tables by themselves."""
+    k = KernelCostModel("deepseek-v3", "h200", 8)
+    assert k.coverage["context_attention"].startswith("mla_module bf16/fp8_block/16")
+    tab = load_tables("h200_sxm")["mla_module"]["context"]["bf16/fp8_block/16"]
+    us = np.array(tab["us"], dtype=float)
+    b_i, s_i = tab["values"][0].index(1), tab["values"][1].index(8192)
+    cell = np.nanmin(us[b_i:, s_i:])  # the table's suffix minimum at (1, 8192), as Grid keeps it
+    T = 8192
+    # (the table's causal length is s = sqrt(2 pairs / b): pairs T^2 / 2 make it T)
+    f = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=T, prefill_attn_pairs=T * T // 2)
+    assert k.breakdown(f)["attention"] == pytest.approx(61 * cell * k.ovh.gemm_factor(T) * 1e-6, rel=1e-9)
+    proj = set(get_model("deepseek-v3").attention_gemm_shapes(8))
+    assert proj and not proj & {g[0] for g in k._step_gemms()}
+    n, y = 32, 2048
+    d = BatchFeatures(num_reqs=n, num_decode_reqs=n, decode_context_tokens=n * y)
+    assert k.breakdown(d)["attention"] == pytest.approx(
+        61 * (k.g_gen(n, y)[0] + k.g_mla_proj(n)[0]) * 1e-6, rel=1e-9)
+    assert k.decode_gpu_time(n, n * y) == pytest.approx(sum(k.breakdown(d).values()), rel=1e-9)
+    # another MLA shape (GLM-5's), or sparse attention: the GEMM tables and the roofline as before
+    assert KernelCostModel("glm-5", "h200", 8).g_mla_proj is None
