@@ -580,6 +580,9 @@ def _nearest_moe_table(tables: dict, fmt: str, m: ModelSpec, moe_tp: int, moe_ep
     return best[1], spec
 
 
+# The vLLM release from which data-parallel ranks are padded to the largest only in CUDA-graph
+# steps (KernelCostModel.dp_pads)
+DP_PAD_GRAPHS_ONLY_FROM = (0, 16)
 # The MLA layer shape the `mla_module` tables were measured at (DeepSeek-V3's; Kimi-K2's is the same)
 MLA_MODULE_SHAPE = {"hidden_size": 7168, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
                     "qk_nope_head_dim": 128, "v_head_dim": 128}
@@ -713,10 +716,12 @@ class KernelCostModel(CostModel):
         The release also picks the all-reduce tables: those of the latest release measured at or
         before it (the earliest measured for an older one), since their times changed between
         releases (calibration/convert_kernel_tables.py, `allreduce_releases`); the default release
-        (0.33) reads each GPU's latest (H100, H200, B300: 0.31.0; B200: 0.24.0)."""
+        (0.33) reads each GPU's latest (H100, H200, B300: 0.31.0; B200: 0.24.0); and when
+        data-parallel ranks are padded (dp_pads)."""
         gen = self.model.generation_filter if generation_filter is None else generation_filter
         release = vllm_version_tuple(vllm_version)  # ValueError naming deployment.vllm_version
         self._select_allreduce(release, vllm_version)
+        self._dp_pads_every_step = release < DP_PAD_GRAPHS_ONLY_FROM  # dp_pads
         impl = filter_implementation(release) if sampling_filters(sampling, gen, release) else None
         self._filter_impl = impl  # filter_cost_s prices each implementation (FlashInfer: nothing extra)
         self._memo_s.clear()
@@ -1237,12 +1242,15 @@ class KernelCostModel(CostModel):
         self._group_tokens = num_tokens if self.dp > 1 else None
 
     def dp_pads(self, num_tokens: int) -> bool:
-        """Whether the group's largest rank (num_tokens) runs in a CUDA graph, up to
-        cudagraph_max_tokens tokens, prefill or decode (vLLM captures no larger batch), so that
-        vLLM pads every data-parallel rank to that count. vLLM pads to the graph size above it
-        (a few tokens more); the raw count is taken here. Only the MoE layers' tokens are padded
-        here: each rank's dense layers and attention are still timed at its own tokens."""
-        return num_tokens <= self.ovh.cudagraph_max_tokens
+        """Whether vLLM pads every data-parallel rank to the group's largest (num_tokens) in this
+        step. From vLLM 0.16 (vllm-project/vllm#34102, February 2026) only where that rank runs
+        in a CUDA graph, up to cudagraph_max_tokens tokens, prefill or decode (vLLM captures no
+        larger batch); before, in every step while CUDA graphs are on at all (the default), long
+        prefill chunks included (vllm/v1/worker/dp_utils.py: padding allowed by the compilation
+        config's cudagraph mode). vLLM pads to the graph size above it (a few tokens more); the
+        raw count is taken here. Only the MoE layers' tokens are padded here: each rank's dense
+        layers and attention are still timed at its own tokens."""
+        return self._dp_pads_every_step or num_tokens <= self.ovh.cudagraph_max_tokens
 
     def _kernel_time(self, f: BatchFeatures) -> float:
         """The step's kernel time, as the tables (and the launch floor) give it."""

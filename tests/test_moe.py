@@ -622,6 +622,25 @@ def test_data_parallel_idle_ranks_run_padded_dummy_batches_in_a_scenario():
     assert prefill.end_s - prefill.start_s > 1.2 * fresh.group_step_time([f], 1)
 
 
+def test_before_vllm_016_data_parallel_ranks_are_padded_in_every_step():
+    """vLLM before 0.16 padded every rank to the largest whenever CUDA graphs were on, a long
+    prefill chunk included (vllm-project/vllm#34102 limited it to graph steps): one rank's
+    4,000-token chunk then makes the MoE layers take 4 x 4,000 tokens, not 4,000 plus three idle
+    ranks' nothing."""
+    from sim.kernel_model import KernelCostModel
+    old = KernelCostModel("qwen3-30b-a3b", "h100", 1, data_parallel=4, expert_parallel=True, vllm_version="0.15.1")
+    new = KernelCostModel("qwen3-30b-a3b", "h100", 1, data_parallel=4, expert_parallel=True, vllm_version="0.16.0")
+    assert old.dp_pads(4000) and not new.dp_pads(4000) and new.dp_pads(400)
+    f = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=4000, prefill_attn_pairs=4000 * 4001 // 2)
+    tk_old, tk_new = old.group_step_time([f], 4), new.group_step_time([f], 4)
+    old.set_group_tokens(4 * 4000)
+    padded = old.step_time(f)
+    new.set_group_tokens(4000)
+    alone = new.step_time(f)
+    assert tk_old == pytest.approx(padded, rel=1e-9) and tk_new == pytest.approx(alone, rel=1e-9)
+    assert tk_old > 1.5 * tk_new
+
+
 def test_the_planner_grid_takes_data_parallel_and_prints_its_flags():
     from scenarios.candidates import candidates, compose, gpus_per_unit, label
     from scenarios.plan import prune_reason
