@@ -9,7 +9,8 @@ fp8 checkpoint), the KV cache (`kv_dtype`; bf16 unless `--kv-cache-dtype fp8`) a
 all-reduce, embeddings and LM head (`act_dtype`; bf16, also with fp8 weights).
 
 Names are forgiving: `meta-llama/Llama-3.1-8B-Instruct`, `Llama-3.1-8B`, `llama-3.1-8b` are one
-model (a `-FP8` suffix sets fp8 weights); `h100`, `h100-sxm`, `h100_sxm`, `H100-SXM5` one device.
+model (a `-FP8` suffix sets fp8 weights: in 128x128 blocks from publishers whose own fp8
+checkpoints use them, FP8_BLOCK_PUBLISHERS, else per channel); `h100`, `h100-sxm`, `h100_sxm`, `H100-SXM5` one device.
 A model may also be a local HF `config.json` (a path), or a mapping `{base: NAME, key: value}`.
 """
 from __future__ import annotations
@@ -862,6 +863,8 @@ _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-
                   "minimax-m2.1": "minimax-m2", "minimax-m2.7": "minimax-m2", "deepseek-v3.1": "deepseek-v3",
                   "deepseek-v3.1-terminus": "deepseek-v3", "qwen3-235b-a22b-thinking": "qwen3-235b-a22b",
                   "qwen3-coder-30b-a3b": "qwen3-30b-a3b", "deepseek-v3.2-exp": "deepseek-v3.2", "glm-5.1": "glm-5",
+                  # Qwen3.6: Qwen3.5's architecture and sizes (the wheel's Qwen3.6 configs)
+                  "qwen3.6-27b": "qwen3.5-27b", "qwen3.6-35b-a3b": "qwen3.5-35b-a3b",
                   # DeepSeek-R1's distillations keep their base model's architecture
                   "deepseek-r1-distill-llama-70b": "llama-3.1-70b", "deepseek-r1-distill-llama-8b": "llama-3.1-8b",
                   "deepseek-r1-distill-qwen-32b": "qwen2.5-32b", "deepseek-r1-distill-qwen-14b": "qwen2.5-14b",
@@ -909,6 +912,12 @@ _MODEL_SUFFIXES = ("-instruct", "-chat", "-hf", "-base", "-it")
 CHECKPOINT_FIELDS = ((r"^qwen3-.*-2507", {"max_position_embeddings": 262144}),
                      (r"^qwen3-coder-", {"max_position_embeddings": 262144}),
                      (r"^deepseek-r1-distill-", {"max_position_embeddings": 131072, "generation_filter": "top_p"}))
+
+
+# Publishers whose own -FP8 checkpoints quantize in 128x128 blocks (their config.json's
+# quantization_config has weight_block_size [128, 128]: Qwen3, Qwen3.5, GLM-5, ...); an -FP8 name from
+# anyone else (nvidia/, RedHatAI/, neuralmagic/) reads per-channel or per-tensor fp8.
+FP8_BLOCK_PUBLISHERS = ("qwen", "zai-org", "deepseek-ai", "moonshotai", "minimaxai")
 
 
 def _repo_name(name: str) -> str:
@@ -1022,7 +1031,10 @@ def _lookup_model(value: str, base_dir: Path | None = None) -> ModelSpec:
         m = replace(m, **over)
     if not fp8:
         return m
-    m = m.with_dtypes(weight_dtype="fp8")
+    if m.weight_dtype in FP8:  # an fp8 catalog model keeps its own format
+        return m
+    owner = value.strip().lower().split("/")[0] if "/" in value else ""
+    m = m.with_dtypes(weight_dtype="fp8_block" if owner in FP8_BLOCK_PUBLISHERS else "fp8")
     return replace(m, attn_weight_dtype=m.act_dtype) if key in FP8_KEEPS_16BIT_ATTENTION else m
 
 

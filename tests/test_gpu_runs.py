@@ -116,7 +116,10 @@ def test_checkpoints_read_as_a_catalog_architecture_keep_their_own_context_and_s
     r1 = get_model("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B")
     assert (r1.max_position_embeddings, r1.generation_filter) == (131072, "top_p")
     assert get_model("Qwen/QwQ-32B").generation_filter == "top_k_top_p"
-    assert get_model("Qwen/Qwen3-30B-A3B-Instruct-2507-FP8").weight_dtype == "fp8"   # with a dtype suffix too
+    # with a dtype suffix too: Qwen's own fp8 checkpoints are 128x128 blocks (their config.json's
+    # weight_block_size), NVIDIA's per tensor
+    assert get_model("Qwen/Qwen3-30B-A3B-Instruct-2507-FP8").weight_dtype == "fp8_block"
+    assert get_model("nvidia/Llama-3.1-8B-Instruct-FP8").weight_dtype == "fp8"
     assert get_model("qwen3_30b_a3b_instruct_2507").max_position_embeddings == 262144  # underscores as dashes
 
 
