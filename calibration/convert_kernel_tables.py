@@ -368,8 +368,10 @@ def convert_allreduce_eager(site: Path, out: Path, systems: list[str] | None = N
 # Keyed by the heads one GPU holds: k_heads/v_heads/k_dim/v_dim. B300 has no vLLM table: B200's (the
 # same kernels on the same architecture). The full-attention layers of the same models have head
 # dim 256: those attention tables are added from the system's attention release.
-LINEAR_ATTENTION = {"h100_sxm": ("h100_sxm", "0.25.0"), "h200_sxm": ("h200_sxm", "0.25.0"),
-                    "b200_sxm": ("b200_sxm", "0.25.0"), "b300_sxm": ("b200_sxm", "0.25.0")}
+# system: (the system folder read, the vLLM release) of the tables B300 takes from B200
+HOPPER_BLACKWELL_025 = {"h100_sxm": ("h100_sxm", "0.25.0"), "h200_sxm": ("h200_sxm", "0.25.0"),
+                        "b200_sxm": ("b200_sxm", "0.25.0"), "b300_sxm": ("b200_sxm", "0.25.0")}
+LINEAR_ATTENTION = HOPPER_BLACKWELL_025
 GDN_KERNELS = {"context": ["causal_conv1d_fn", "chunk_gated_delta_rule_flashinfer"],
                "generation": ["causal_conv1d_update", "fused_recurrent_gated_delta_rule_packed_decode"]}
 GDN_KEY = ["num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"]
@@ -422,8 +424,7 @@ def convert_linear_attention(site: Path, out: Path, systems: dict | None = None,
 # FlashAttention on the decompressed keys (FLASH_ATTN) on every GPU; decode FA3's MLA kernel
 # (FLASH_ATTN_MLA) with a bf16 cache and FlashMLA with an fp8 one on Hopper, FlashInfer's MLA
 # (FLASHINFER_MLA) on Blackwell. B300: B200's tables.
-MLA_MODULE = {"h100_sxm": ("h100_sxm", "0.25.0"), "h200_sxm": ("h200_sxm", "0.25.0"),
-              "b200_sxm": ("b200_sxm", "0.25.0"), "b300_sxm": ("b200_sxm", "0.25.0")}
+MLA_MODULE = HOPPER_BLACKWELL_025
 MLA_KERNELS = {"context": {"bf16": "FLASH_ATTN", "fp8": "FLASH_ATTN"},
                "generation_hopper": {"bf16": "FLASH_ATTN_MLA", "fp8": "FLASHMLA"},
                "generation_blackwell": {"bf16": "FLASHINFER_MLA", "fp8": "FLASHINFER_MLA"}}
