@@ -441,9 +441,10 @@ def convert_mla_module(site: Path, out: Path, systems: dict | None = None,
         gen_kernels = MLA_KERNELS["generation_blackwell" if src.startswith("b") else "generation_hopper"]
         mod = {"model_shape": "deepseek-v3", "key": "kv_dtype/weight_dtype/heads",
                "kernels": {"context": MLA_KERNELS["context"], "generation": gen_kernels}}
-        for phase, axis, kernels in (("context", "isl", MLA_KERNELS["context"]), ("generation", "step", gen_kernels)):
+        for phase, axis, kernels in (("context", "isl", MLA_KERNELS["context"]), ("generation", "kv_len", gen_kernels)):
             p = root / src / "mla" / "vllm" / version / f"mla_{phase}_module_perf.parquet"
             x = pd.read_parquet(p)
+            x = x.assign(kv_len=x.isl + x.step)  # KV tokens a decode reads (as attention_tables)
             doc["sources"][f"mla_{phase}_module"] = str(p.relative_to(site))
             x = x[(x.model == "deepseek-ai/DeepSeek-V3") & x.gemm_type.isin(list(MLA_GEMM))]
             tables = {}

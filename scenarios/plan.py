@@ -274,6 +274,8 @@ def prune_reason(data: dict, cand: dict, longest: int, base_dir=None) -> str | N
     for tp in tps:
         if model.num_heads % tp:
             return f"tp={tp} does not divide the {model.num_heads} attention heads of {model.name}"
+        if model.num_linear_layers and (model.linear_num_k_heads % tp or model.linear_num_v_heads % tp):
+            return f"tp={tp} does not divide the {model.linear_num_k_heads} linear-attention key heads of {model.name}"
         dp = cand.get("data_parallel", 1) if not pd else 1
         if tp * dp > device.gpus_per_node and not dep.get("interconnect"):
             width = f"tp={tp}" if dp == 1 else f"tp={tp} x data_parallel={dp}"

@@ -1099,6 +1099,7 @@ class KernelCostModel(CostModel):
         if "g_mla_proj" in r:
             self._mla_key = r["mla_key"]
             self.g_mla_proj = Grid.from_json(r["g_mla_proj"], self._mla_proj_roof)
+            self.g_ctx = Grid.from_json(r["g_ctx"], lambda b, s: self._ctx_roof(b, s) + self._mla_proj_roof(b * s))
         if "g_gdn_ctx" in r:
             self.g_gdn_ctx = Grid.from_json(r["g_gdn_ctx"], self._gdn_ctx_roof)
             self.g_gdn_gen = Grid.from_json(r["g_gdn_gen"], self._gdn_gen_roof)
@@ -1121,6 +1122,13 @@ class KernelCostModel(CostModel):
         m = self.model
         return sum(layers / m.num_layers * self._gemm_roof(dtype)(M, n, k)
                    for _name, n, k, layers, dtype in self._step_gemms())
+
+    def _mla_flash_floor(self, b, s) -> float:
+        """The least an MLA prefill's attention takes: FlashAttention over the decompressed keys
+        (query-key dims qk_nope + qk_rope, value dims v_head_dim) for b causal sequences of s
+        tokens, at the GPU's peak."""
+        m = self.model
+        return b * s * s * self.q_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) / self.device.flops
 
     def _mla_proj_roof(self, M):
         """One MLA layer's projections for M tokens by the roofline (the MLA layer tables' own
@@ -1213,12 +1221,14 @@ class KernelCostModel(CostModel):
         moe_w = m.num_experts_per_tok * m.moe_intermediate_size + m.shared_intermediate_size
         width = ((m.num_layers - m.num_moe_layers) * m.intermediate_size + m.num_moe_layers * moe_w) / m.num_layers
         kernels = [3 * T * h * a, 3 * T * h * a,                 # fused add + RMSNorm (x2)
-                   2 * T * qk * a,                               # RoPE on q and k
-                   T * 2 * self.kv_heads * self.attn_head_dim * (a + m.kv_dtype_bytes),  # KV write
                    3 * T * width / tp * a]                       # SiLU * mul
+        attn = [2 * T * qk * a,                                  # RoPE on q and k
+                T * 2 * self.kv_heads * self.attn_head_dim * (a + m.kv_dtype_bytes)]  # KV write
         if m.qk_norm:
-            kernels += [2 * T * qk * a]
-        return sum(max(lat, b / bw) for b in kernels)
+            attn += [2 * T * qk * a]
+        # the attention layers' kernels, averaged over the layers (a hybrid's linear layers have none)
+        share = m.num_attention_layers / m.num_layers
+        return sum(max(lat, b / bw) for b in kernels) + share * sum(max(lat, b / bw) for b in attn)
 
     def gpu_time_fn(self) -> Callable[[BatchFeatures], float]:
         return self.gpu_time
@@ -1372,6 +1382,15 @@ class KernelCostModel(CostModel):
                                + self._roofline_term("indexer", self._indexer_roof(
                                    f.prefill_attn_pairs, f.num_prefill_tokens,
                                    f.prefill_context_tokens + f.num_prefill_tokens)))
+            elif full and self.g_mla_proj is not None:
+                # vLLM's measured MLA layer (mla_module) at the chunks' causal length holds the
+                # projections of b x s tokens: its attention is what is left above them (at least
+                # FlashAttention's work at peak), and the projections are the chunks' own tokens'
+                s = max(math.sqrt(2.0 * f.prefill_attn_pairs / b), 1.0)
+                layer = self._look("context_attention", self.g_ctx, b, s)
+                own = self._look("gemm", self.g_mla_proj, b * s)
+                att += full * (max(layer - own, self._mla_flash_floor(b, s))
+                               + self._look("gemm", self.g_mla_proj, f.num_prefill_tokens))
             elif full:
                 s = math.sqrt(2.0 * f.prefill_attn_pairs / b)
                 att += full * self._look("context_attention", self.g_ctx, b, max(s, 1.0))

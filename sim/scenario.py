@@ -47,7 +47,7 @@ from sim.cpu_work import timing_model, timing_settings
 from sim.simulation import ROUTERS, SimResult, Simulation
 from sim.specmap import SpecError, SpecMap
 from sim.sampling import SAMPLING_MODES
-from sim.specs import DEVICES, MODELS, get_device, get_model, kv_cache_blocks, vllm_version_tuple
+from sim.specs import DEVICES, MODELS, get_device, get_model, kv_cache_blocks, memory_breakdown, vllm_version_tuple
 from sim.workload import Workload, build_workload
 
 
@@ -357,6 +357,18 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
 
     explicit_blocks = blocks
     blocks = blocks_for(tp, profile_meta)
+    state_note: list[str] = []
+    if model.is_hybrid and explicit_blocks is None:
+        # A linear-attention hybrid runs no more requests than the pool holds states for (each
+        # running request keeps one per linear layer): vLLM's pool runs out of state blocks there.
+        held = memory_breakdown(model, device, tp, util, block_size, max_num_batched_tokens=budget,
+                                max_num_seqs=max_seqs, data_parallel=dp,
+                                vllm_version=vllm_version)["linear_state_requests"]
+        if held < max_seqs:
+            state_note.append(f"scheduler.max_num_seqs={max_seqs}: {model.name} at tp={tp} on {device.name} holds "
+                              f"the linear-attention state of {held} requests in the memory it leaves (half of "
+                              f"it at most); at most {held} run at once")
+            max_seqs = held
     default_len = min(model.max_position_embeddings, (blocks - 1) * block_size)
     policy = sc.text("policy", "fcfs", choices=tuple(POLICIES))
     try:
@@ -394,7 +406,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
 
     wl = root.raw("workload")
     workload = build_workload(wl, seed=seed, base_dir=base_dir)
-    warnings = _range_warnings(profile_meta, prof_name or "(default)", cfg, workload)
+    warnings = state_note + _range_warnings(profile_meta, prof_name or "(default)", cfg, workload)
     if pd is not None and isinstance(wl, dict) and wl.get("cancellation"):
         raise ScenarioError("workload.cancellation: not supported with deployment.pd (disaggregated pools)")
 

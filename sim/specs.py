@@ -1170,7 +1170,7 @@ def memory_breakdown(model: ModelSpec, device: DeviceSpec, tp: int = 1, gpu_memo
             "kv_bytes_per_gpu": max(kv, 0.0), "kv_bytes_per_token": model.kv_bytes_per_token,
             "kv_heads_per_gpu": model.kv_heads_per_gpu(tp), "kv_bytes_per_token_per_gpu": per_token,
             **({"linear_state_bytes_per_request": state, "linear_state_requests": state_requests} if state else {}),
-            "kv_blocks": blocks, "kv_tokens": blocks * block_size, "fits": blocks >= 2}
+            "kv_blocks": blocks, "kv_tokens": blocks * block_size, "fits": blocks >= 2 and (state_requests >= 1 or not state)}
 
 
 def kv_cache_blocks(model: ModelSpec, device: DeviceSpec, tp: int = 1, block_size: int = 16,
@@ -1181,9 +1181,9 @@ def kv_cache_blocks(model: ModelSpec, device: DeviceSpec, tp: int = 1, block_siz
     (memory_breakdown). Returns num_gpu_blocks counting the null block, as vLLM does."""
     m = memory_breakdown(model, device, tp, gpu_memory_utilization, block_size, activation_reserve_bytes,
                          max_num_batched_tokens, max_num_seqs, data_parallel, vllm_version)
-    if m["kv_blocks"] < 2:
+    if not m["fits"]:
         raise ValueError(
             f"deployment: {model.name} ({m['loaded_bytes_per_gpu'] / GiB:.1f} GiB loaded per GPU) at tp={tp} "
             f"does not fit on {device.name} ({device.memory_bytes / GiB:.0f} GiB x {gpu_memory_utilization}): "
-            f"no memory left for KV cache")
+            f"no memory left for KV cache" + (" or one request's linear-attention state" if model.is_hybrid else ""))
     return m["kv_blocks"] + 1

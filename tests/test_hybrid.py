@@ -93,9 +93,16 @@ def test_a_hybrid_config_it_does_not_understand_is_refused_naming_the_field(fiel
 
 
 def test_tp_must_divide_the_linear_heads():
-    # 16 key heads: TP 32 would split a head (32 query heads allow it)
+    # 16 key heads: TP 32 would split a head (32 query heads allow it); the planner prunes it
+    from scenarios.plan import prune_reason
     with pytest.raises(ValueError, match="deployment.tp=32: must divide the linear-attention heads"):
         KernelCostModel("qwen3.5-397b-a17b", "h200", 32)
+    base = {"deployment": {"model": "qwen3.5-397b-a17b", "interconnect": {"bandwidth_gb_s": 50}},
+            "workload": {"num_requests": 10, "arrival": {"type": "poisson", "rate": 1},
+                         "prompt_len": {"type": "fixed", "value": 100}, "output_len": {"type": "fixed", "value": 10}}}
+    cand = {"device": "h200", "tp": 32, "max_num_batched_tokens": 8192, "max_num_seqs": 64,
+            "policy": "fcfs", "router": "round_robin", "pd": None}
+    assert "does not divide the 16 linear-attention key heads" in prune_reason(base, cand, 110)
 
 
 def _gdn(phase, key, device="h200_sxm"):
@@ -144,18 +151,29 @@ def test_without_a_gdn_table_the_roofline_is_counted():
     assert k._gdn_gen_roof(8) == pytest.approx(2 * 8 * st / get_device("a100-80g").mem_bandwidth + 5e-6)
 
 
-def test_a_hybrid_runs_through_a_scenario():
+def test_a_hybrid_runs_no_more_requests_than_the_pool_holds_states_for():
+    """Qwen3.5-35B-A3B in bf16 on one H100: 70 GB of weights leave room for the 64 MB state of a
+    few requests only; the scenario caps max_num_seqs there (saying so) and every request
+    still finishes, never more of them running than that."""
+    import pandas as pd
     from sim.scenario import parse_scenario, run_scenario
-    data = {"deployment": {"model": "Qwen/Qwen3.5-397B-A17B-FP8", "device": "h200", "tp": 8},
-            "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 8192},
-            "workload": {"num_requests": 40, "arrival": {"type": "poisson", "rate": 4},
-                         "prompt_len": {"type": "fixed", "value": 1000}, "output_len": {"type": "fixed", "value": 50}}}
+    m, d = get_model("qwen3.5-35b-a3b"), get_device("h100")
+    held = memory_breakdown(m, d, 1, 0.9, 16, max_num_batched_tokens=2048, max_num_seqs=256)["linear_state_requests"]
+    assert 1 <= held < 256
+    data = {"deployment": {"model": "Qwen/Qwen3.5-35B-A3B", "device": "h100", "tp": 1},
+            "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": 2048, "block_size": 16},
+            "workload": {"num_requests": 60, "arrival": {"type": "poisson", "rate": 50},
+                         "prompt_len": {"type": "fixed", "value": 200}, "output_len": {"type": "fixed", "value": 40}}}
+    sc = parse_scenario(data)
+    assert sc.scheduler_config.max_num_seqs == held
+    assert any(f"at most {held} run at once" in w for w in sc.warnings)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        s = run_scenario(parse_scenario(data)).summary
-    assert s["requests"]["completed"] == 40
-    # a decode step of a few sequences: above one weight pass of the active experts at HBM speed
-    assert s["tpot_s"]["p50"] > 17e9 / 8 / 4.8e12
+        res = run_scenario(sc)
+    assert res.summary["requests"]["completed"] == 60
+    steps = pd.DataFrame(res.step_table)
+    assert steps.num_running.max() == held  # (requests do queue: num_waiting > 0 meanwhile)
+    assert steps.num_waiting.max() > 0
 
 
 # GLM-5's public config.json (the fields the reader takes, values as published)
@@ -232,3 +250,20 @@ def test_an_mla_prefill_reads_vllms_measured_mla_layer_and_its_decode_the_projec
     assert k.decode_gpu_time(n, n * y) == pytest.approx(sum(k.breakdown(d).values()), rel=1e-9)
     # another MLA shape (GLM-5's), or sparse attention: the GEMM tables and the roofline as before
     assert KernelCostModel("glm-5", "h200", 8).g_mla_proj is None
+
+
+def test_an_mla_chunk_after_context_pays_its_own_projections_not_the_causal_lengths():
+    """The MLA layer table is read at the chunks' causal length; its projections are those of
+    b x s tokens, so the reading keeps the attention above them and adds the chunk's own tokens'
+    projections: a 512-token chunk after 65,536 tokens of context costs the same attention as a
+    fresh prefill of that causal length, less the projections of the tokens it does not have."""
+    k = KernelCostModel("deepseek-v3", "h200", 8)
+    T, ctx = 512, 65536
+    pairs = T * ctx + T * (T + 1) // 2
+    chunk = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=T, prefill_context_tokens=ctx,
+                          prefill_attn_pairs=pairs)
+    s = np.sqrt(2.0 * pairs)
+    fresh_layer = k.g_ctx(1, s)[0]
+    expected = 61 * (max(fresh_layer - k.g_mla_proj(s)[0], k._mla_flash_floor(1, s) * 1e6) + k.g_mla_proj(T)[0])
+    assert k.breakdown(chunk)["attention"] == pytest.approx(expected * 1e-6, rel=1e-9)
+    assert k.breakdown(chunk)["attention"] < 61 * fresh_layer * 1e-6 - 61 * 0.5 * k.g_mla_proj(s)[0] * 1e-6

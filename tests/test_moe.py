@@ -137,7 +137,8 @@ def test_kimi_k2_5_int4_experts_in_groups_of_32_by_hand():
     # later checkpoints of the same architectures
     ("MiniMaxAI/MiniMax-M2.7", "minimax-m2"), ("MiniMaxAI/MiniMax-M2.1", "minimax-m2"),
     ("deepseek-ai/DeepSeek-V3.1", "deepseek-v3"), ("Qwen/Qwen3-235B-A22B-Thinking-2507-FP8", "qwen3-235b-a22b"),
-    ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "qwen3-30b-a3b"), ("Qwen/Qwen3-Coder-480B-A35B-Instruct", "qwen3-coder-480b-a35b")])
+    ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "qwen3-30b-a3b"), ("Qwen/Qwen3-Coder-480B-A35B-Instruct", "qwen3-coder-480b-a35b"),
+    ("Qwen/Qwen3.6-35B-A3B", "qwen3.5-35b-a3b"), ("zai-org/GLM-5.1-FP8", "glm-5"), ("deepseek-ai/DeepSeek-V3.2-Exp", "deepseek-v3.2")])
 def test_moe_catalog_names(name, family):
     m = get_model(name)
     assert m.name == family and m.is_moe and m.num_experts_per_tok >= 1
