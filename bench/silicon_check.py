@@ -61,7 +61,8 @@ QUANT = {"": "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block"}
 # gpt-oss checkpoints hold only MXFP4 experts (the sample labels every 4-bit row nvfp4), Kimi-K2.5's
 # its int4 experts (int4_wo), MiniMax-M2.5's and DeepSeek-V3/R1's 128x128-block fp8 (labelled fp8).
 # These run as the checkpoint ships (weight_dtype None: the catalog's dtypes); other 4-bit rows
-# (NVFP4 checkpoints) are skipped.
+# (nvfp4) run NVIDIA's -NVFP4 checkpoint of the model (sim.specs: a dense model's linear layers, a
+# mixture of experts' routed experts, and an fp8 KV cache), on the GPUs with FP4 tensor cores.
 NATIVE = {"gpt-oss-120b": "nvfp4", "gpt-oss-20b": "nvfp4", "kimi-k2.5": "int4_wo", "minimax-m2": "fp8",
           "deepseek-v3": "fp8"}
 
@@ -116,7 +117,8 @@ def usable(r: dict) -> dict | None:
         return None
     q = r["gemm_quant_mode"].strip()
     native = NATIVE.get(model_name(r["model_path"])) == q
-    if q not in QUANT and not native:
+    nvfp4 = q == "nvfp4" and not native and get_device(DEVICES[r["system"]]).fp4_flops is not None
+    if q not in QUANT and not native and not nvfp4:
         return None
     if float(r["pp_size"] or 1) != 1:
         return None
@@ -128,7 +130,7 @@ def usable(r: dict) -> dict | None:
     if not (ttft > 0 and tpot > 0):
         return None
     case = {"backend": r["backend"], "system": r["system"], "model": model_name(r["model_path"]),
-            "weight_dtype": None if native else QUANT[q], "tp": tp, "concurrency": conc, "isl": int(r["isl"]),
+            "weight_dtype": None if native else "nvfp4" if nvfp4 else QUANT[q], "tp": tp, "concurrency": conc, "isl": int(r["isl"]),
             "osl": int(r["osl"]), "ttft_ms": ttft, "tpot_ms": tpot, "source": source_family(r)}
     when = re.search(r"measured=(\d{4}-\d\d-\d\d)", r.get("silicon_data_source", ""))
     if when:
@@ -324,8 +326,10 @@ def scenario_data(case: dict, prompts_per_slot: int | None = None, cost_model: d
         bench["range_ratio"] = range_ratio
     dep, sched, kern = server(case) if recipe else ({}, {}, {})
     data = {"name": "silicon-check", "seed": 0,
-            "deployment": {"model": case["model"], "device": DEVICES[case["system"]], "tp": case["tp"],
-                           **({"weight_dtype": case["weight_dtype"]} if case["weight_dtype"] else {}), **dep,
+            "deployment": {"model": case["model"] + ("-nvfp4" if case["weight_dtype"] == "nvfp4" else ""),
+                           "device": DEVICES[case["system"]], "tp": case["tp"],
+                           **({"weight_dtype": case["weight_dtype"]} if case["weight_dtype"] not in (None, "nvfp4")
+                              else {}), **dep,
                            **({"expert_parallel": True} if case.get("expert_parallel") else {}),
                            **({"data_parallel": case["data_parallel"]} if case.get("data_parallel") else {}),
                            # vLLM's data-parallel balancer sends each request to the least loaded engine

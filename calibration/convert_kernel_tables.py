@@ -108,6 +108,23 @@ def attention_tables(root: Path, system: str, av: str, attn_kernel: str | None, 
     return p, kern, tables
 
 
+def gemm_table(g: pd.DataFrame, dt: str, kerns: list[str]) -> dict | None:
+    """One weight format's GEMM table from a gemm_perf frame: its kernels (the first in the list
+    that measured a point wins it), n and k >= 256, on the regular (m, n, k) grid; None if none."""
+    x = g[(g.gemm_dtype == dt) & (g.kernel_source.isin(kerns)) & (g.n >= 256) & (g.k >= 256)]
+    if x.empty:
+        return None
+    rank = {k: i for i, k in enumerate(kerns)}  # first kernel in the list wins a point
+    x = (x.assign(_r=x.kernel_source.map(rank)).sort_values("_r")
+         .drop_duplicates(["m", "n", "k"], keep="first"))
+    # the regular grid only (off-grid widths measured at a single k are dropped);
+    # (m, n, k) points missing from it stay null and are filled at load time
+    ns = sorted(n for n, c in x.groupby("n").k.nunique().items() if c >= 5)
+    ks = sorted(k for k, c in x.groupby("k").n.nunique().items() if c >= 5)
+    x = x[x.n.isin(ns) & x.k.isin(ks)]
+    return {"kernel": " > ".join(kerns), **grid(x, ["m", "n", "k"])}
+
+
 def convert(site: Path, out: Path, systems: dict | None = None, package: str = "aisimulate_core") -> None:
     root = site / package / "systems" / "data"
     out.mkdir(parents=True, exist_ok=True)
@@ -125,18 +142,9 @@ def convert(site: Path, out: Path, systems: dict | None = None, package: str = "
                 p = root / system / "gemm" / "vllm" / GEMM_VERSION[system, name] / "gemm_perf.parquet"
                 x = pd.read_parquet(p)
                 doc["sources"][f"gemm_{name}"] = str(p.relative_to(site))
-            x = x[(x.gemm_dtype == dt) & (x.kernel_source.isin(kerns)) & (x.n >= 256) & (x.k >= 256)]
-            if x.empty:
-                continue
-            rank = {k: i for i, k in enumerate(kerns)}  # first kernel in the list wins a point
-            x = (x.assign(_r=x.kernel_source.map(rank)).sort_values("_r")
-                 .drop_duplicates(["m", "n", "k"], keep="first"))
-            # the regular grid only (off-grid widths measured at a single k are dropped);
-            # (m, n, k) points missing from it stay null and are filled at load time
-            ns = sorted(n for n, c in x.groupby("n").k.nunique().items() if c >= 5)
-            ks = sorted(k for k, c in x.groupby("k").n.nunique().items() if c >= 5)
-            x = x[x.n.isin(ns) & x.k.isin(ks)]
-            doc["gemm"][name] = {"kernel": " > ".join(kerns), **grid(x, ["m", "n", "k"])}
+            table = gemm_table(x, dt, kerns)
+            if table is not None:
+                doc["gemm"][name] = table
         # attention --------------------------------------------------------------------
         for phase in ("context", "generation"):
             p, kern, tables = attention_tables(root, system, av, attn_kernel, phase, (64, 128))
@@ -176,6 +184,11 @@ MOE_KERNELS = {
                               "vllm_gptossmxfp4moe_flashinfer_trtllm_mxfp4_bf16_trtllmmxfp4expertsmonolithic",
                               "vllm_gptossmxfp4moe_marlin_marlinexperts"]),  # (Marlin: L40S, no FP4 units)
     "int4": ("int4_wo", ["vllm_compressedtensorswna16marlinmoe_marlin_marlinexperts"]),
+    # NVFP4 experts (W4A4, NVIDIA's -NVFP4 checkpoints) on Blackwell: FlashInfer's TRT-LLM kernel,
+    # monolithic where it supports the configuration, else modular, else its CUTLASS kernel
+    "nvfp4": ("nvfp4", ["vllm_compressedtensorsw4a4nvfp4moe_flashinfer_trtllm_trtllmnvfp4expertsmonolithic",
+                        "vllm_compressedtensorsw4a4nvfp4moe_flashinfer_trtllm_trtllmnvfp4expertsmodular",
+                        "vllm_compressedtensorsw4a4nvfp4moe_flashinfer_cutlass_flashinferexperts"]),
     # MXFP4 experts with MXFP8 activations (FlashInfer's TRT-LLM kernel on Blackwell, vLLM's
     # VLLM_USE_FLASHINFER_MOE_MXFP4_MXFP8=1); the kernel model reads it for
     # cost_model.moe_activations: mxfp8
@@ -188,7 +201,7 @@ MOE_KERNELS = {
 # those (Triton at moe_ep 1 only, CUTLASS at moe_ep > 1 only); on Blackwell FlashInfer's TRT-LLM
 # kernel, monolithic where it supports the configuration, else modular. Other formats: the first
 # kernel of the list measured on the GPU, at every shape it has.
-MOE_BY_SHAPE = {"fp8_block"}
+MOE_BY_SHAPE = {"fp8_block", "nvfp4"}
 # The routings the tables were measured with. `balanced` (tokens spread over as many experts as
 # they can touch): the kernel model reads it for uniform random routing (kernel_model.
 # _uniform_routing), the most experts a decode batch streams. `power_law_1.01` (AIConfigurator's
@@ -460,6 +473,30 @@ def convert_mla_module(site: Path, out: Path, systems: dict | None = None,
               f"(from {src} {version})")
 
 
+# NVFP4 (4-bit e2m1 weights and activations in groups of 16 with fp8 scales: NVIDIA's -NVFP4
+# checkpoints) on Blackwell, which has FP4 tensor cores: the dense GEMM (FlashInfer's CuTe DSL
+# kernel, vLLM 0.27.1 as the other B200 GEMMs) added as gemm.nvfp4. Its fused-MoE tables come with
+# --moe (MOE_KERNELS' nvfp4).
+NVFP4_GEMM = {"b200_sxm": "0.27.1", "b300_sxm": "0.27.1"}
+NVFP4_KERNELS = ["FlashInferCuteDslNvFp4LinearKernel"]
+
+
+def convert_nvfp4(site: Path, out: Path, systems: dict | None = None, package: str = "aisimulate_core") -> None:
+    """Add gemm.nvfp4 (NVFP4_GEMM) to calibration/kernels/<system>.json (written by convert)."""
+    root = site / package / "systems" / "data"
+    for system, version in (systems or NVFP4_GEMM).items():
+        path = out / f"{system}.json"
+        doc = json.loads(path.read_text())
+        p = root / system / "gemm" / "vllm" / version / "gemm_perf.parquet"
+        table = gemm_table(pd.read_parquet(p), "nvfp4", NVFP4_KERNELS)
+        doc["gemm"]["nvfp4"] = table
+        doc["sources"]["gemm_nvfp4"] = str(p.relative_to(site))
+        with open(path, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        print(f"{system}: NVFP4 GEMM table, {len(table['values'][0])} x {len(table['values'][1])} x "
+              f"{len(table['values'][2])} (m, n, k)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--site", type=Path, default=None, help="site-packages of a Python with the wheel")
@@ -472,6 +509,8 @@ def main() -> None:
     ap.add_argument("--linear-attention", action="store_true",
                     help="add the Gated DeltaNet tables and the head-dim-256 attention tables (LINEAR_ATTENTION) "
                          "to the files in --out")
+    ap.add_argument("--nvfp4", action="store_true",
+                    help="add the NVFP4 GEMM tables (NVFP4_GEMM) to the files in --out")
     ap.add_argument("--mla-module", action="store_true",
                     help="add vLLM's measured MLA layer tables (MLA_MODULE) to the files in --out")
     ap.add_argument("--allreduce-eager", action="store_true",
@@ -485,6 +524,8 @@ def main() -> None:
             convert_allreduce_eager(args.site, args.out, list(AIC_SYSTEMS), "aiconfigurator_core")
         else:
             convert_allreduce_eager(args.site, args.out, list(SYSTEMS))
+    elif args.nvfp4:
+        convert_nvfp4(args.site, args.out)
     elif args.mla_module:
         convert_mla_module(args.site, args.out)
     elif args.linear_attention:

@@ -39,7 +39,7 @@ from sim.sampling import filter_cost_s, filter_implementation, filters as sampli
 
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "calibration" / "kernels"
 KV_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8"}
-GEMM_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8", "fp8_block": "fp8_block"}
+GEMM_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8", "fp8_block": "fp8_block", "nvfp4": "nvfp4"}
 
 
 @lru_cache(maxsize=8)
@@ -455,7 +455,7 @@ MOE_BACKENDS = ("auto", "triton")
 # ModelSpec expert dtype -> the weight format of the fused-MoE tables (fp8 per channel is timed
 # with the 128x128-block kernel's table: the same bytes and math; fp16 as bf16).
 MOE_FORMATS = {"bfloat16": "bf16", "float16": "bf16", "fp8_block": "fp8_block", "fp8": "fp8_block",
-               "mxfp4": "mxfp4", "int4": "int4", "int4_g32": "int4"}
+               "mxfp4": "mxfp4", "int4": "int4", "int4_g32": "int4", "nvfp4": "nvfp4"}
 
 
 def _is_triton(kernel: str) -> bool:
@@ -768,8 +768,9 @@ class KernelCostModel(CostModel):
     def _gemm_roof(self, dtype: str) -> Callable[..., float]:
         d, m = self.device, self.model
         sub_byte = dtype in WEIGHT_ONLY_4BIT  # weight-only formats: bf16 math after dequantizing
+        # (NVFP4 runs on FP4 tensor cores where the GPU has them, else weight-only: peak_flops)
         peak = d.peak_flops("bfloat16" if sub_byte else dtype)
-        wb = EXPERT_DTYPE_BYTES[dtype] if sub_byte else (1 if dtype in ("fp8", "fp8_block") else 2)
+        wb = EXPERT_DTYPE_BYTES[dtype] if sub_byte or dtype == "nvfp4" else (1 if dtype in ("fp8", "fp8_block") else 2)
         a = m.act_dtype_bytes
 
         def roof(M, N, K):

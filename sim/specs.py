@@ -22,7 +22,9 @@ from pathlib import Path
 
 from sim.sampling import SAMPLER_SORT_UNTIL, check_generation_filter
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_block": 1}
+# nvfp4: 4-bit e2m1 weights with an fp8 scale per 16 (NVIDIA's -NVFP4 checkpoints: W4A4 on
+# Blackwell's FP4 tensor cores), for linear-layer weights only
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_block": 1, "nvfp4": 0.5 + 1 / 16}
 FP8 = ("fp8", "fp8_block")  # fp8_block: weights in 128x128 blocks with their own scales (Qwen's -FP8)
 # Sub-byte formats, for routed experts only (expert_dtype): bytes per weight with their scales.
 #   mxfp4  4-bit e2m1 values and one 8-bit e8m0 scale per 32 (gpt-oss): 0.5 + 1/32
@@ -32,7 +34,7 @@ EXPERT_DTYPE_BYTES = {**DTYPE_BYTES, "mxfp4": 0.5 + 1 / 32, "int4": 0.5 + 2 / 12
 WEIGHT_ONLY_4BIT = ("mxfp4", "int4", "int4_g32")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16", "float8": "fp8", "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8",
-                  "e4m3": "fp8", "fp8_e5m2": "fp8", "auto": "bfloat16"}
+                  "e4m3": "fp8", "fp8_e5m2": "fp8", "auto": "bfloat16", "fp4": "nvfp4"}
 GiB = 1024 ** 3
 MiB = 1024 ** 2
 
@@ -120,8 +122,9 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for key in ("weight_dtype", "kv_dtype", "act_dtype"):
             object.__setattr__(self, key, canonical_dtype(getattr(self, key), key))
-        if self.kv_dtype == "fp8_block" or self.act_dtype in FP8:
-            raise ValueError(f"kv_dtype={self.kv_dtype!r}, act_dtype={self.act_dtype!r}: fp8_block is a weight format")
+        if self.kv_dtype in ("fp8_block", "nvfp4") or self.act_dtype in FP8 + ("nvfp4",):
+            raise ValueError(f"kv_dtype={self.kv_dtype!r}, act_dtype={self.act_dtype!r}: fp8_block and nvfp4 are "
+                             "weight formats")
         if self.attn_weight_dtype:
             object.__setattr__(self, "attn_weight_dtype", canonical_dtype(self.attn_weight_dtype, "attn_weight_dtype"))
         check_generation_filter(self.generation_filter)
@@ -212,7 +215,7 @@ class ModelSpec:
     @property
     def dense_dtype_bytes(self) -> int:
         """Embeddings, LM head and norms: unquantized (act dtype) when the linear layers are fp8."""
-        return self.act_dtype_bytes if self.weight_dtype in FP8 else self.weight_dtype_bytes
+        return self.act_dtype_bytes if self.weight_dtype in FP8 + ("nvfp4",) else self.weight_dtype_bytes
 
     # ------------------------------------------------------------ shapes
     def kv_heads_per_gpu(self, tp: int = 1) -> int:
@@ -686,6 +689,7 @@ class DeviceSpec:
     interconnect_bandwidth: float  # bytes/s per direction between GPUs of one TP group
     interconnect_latency_s: float = 5e-6
     fp8_flops: float | None = None  # dense fp8 FLOP/s; None: no fp8 tensor cores (bf16 math)
+    fp4_flops: float | None = None  # dense FP4 FLOP/s (Blackwell); None: NVFP4 weights run weight-only (bf16 math)
     kernel_tables: str | None = None  # calibration/kernels/<name>.json measured on this GPU
     gpus_per_node: int = 8            # GPUs one interconnect_bandwidth joins (a TP group within a node)
     # compute-bound kernels of a large step over their kernel-table time on this GPU, where it
@@ -702,6 +706,8 @@ class DeviceSpec:
 
     def peak_flops(self, dtype: str) -> float:
         dtype = canonical_dtype(dtype)
+        if dtype == "nvfp4":
+            return self.fp4_flops or self.flops
         if dtype in FP8:
             return self.fp8_flops or self.flops
         if dtype == "float32":
@@ -886,10 +892,12 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
     # holds less of its tables' clocks through a long compute-bound step than the 700 W H200 would
     # read so.
     DeviceSpec("b200", _gib(178.35), 8.0e12, 2250e12, 900e9, fp8_flops=4500e12, kernel_tables="b200_sxm",
-               gemm_compute_slowdown=1.25),
+               gemm_compute_slowdown=1.25, fp4_flops=9000e12),
     # B300 SXM6 (Blackwell Ultra): 267.69 GiB as torch reports it (nvidia-smi: 275040 MiB), 7.75 TB/s,
-    # the same dense bf16 / fp8 tensor-core rates and NVLink 5 as B200
-    DeviceSpec("b300", _gib(267.69), 7.75e12, 2250e12, 900e9, fp8_flops=4500e12, kernel_tables="b300_sxm"),
+    # the same dense bf16 / fp8 tensor-core rates and NVLink 5 as B200, FP4 1.5x (HGX B300: 108 dense
+    # FP4 PFLOPS for 8 GPUs, HGX B200 72)
+    DeviceSpec("b300", _gib(267.69), 7.75e12, 2250e12, 900e9, fp8_flops=4500e12, kernel_tables="b300_sxm",
+               fp4_flops=13500e12),
     DeviceSpec("a100-80g", _gib(79.15), 2.039e12, 312e12, 300e9, kernel_tables="a100_sxm"),
     DeviceSpec("a100-40g", _gib(39.59), 1.555e12, 312e12, 300e9),
     DeviceSpec("l40s", _gib(44.39), 0.864e12, 362e12, 32e9, 10e-6, fp8_flops=733e12, kernel_tables="l40s"),
@@ -925,12 +933,15 @@ def _repo_name(name: str) -> str:
     return name.strip().lower().split("/")[-1].replace("_", "-")
 
 
-def _model_key(name: str) -> tuple[str, bool]:
-    """Normalized catalog key of a model name, and whether it names an fp8 checkpoint."""
+def _model_key(name: str) -> tuple[str, bool | str]:
+    """Normalized catalog key of a model name, and whether it names an fp8 checkpoint (True) or an
+    NVFP4 one ("nvfp4")."""
     k = _repo_name(name)
     fp8 = False
     if re.search(r"-fp8(-dynamic|-static)?$", k):
         fp8, k = True, re.sub(r"-fp8(-dynamic|-static)?$", "", k)
+    elif k.endswith("-nvfp4"):
+        fp8, k = "nvfp4", k[: -len("-nvfp4")]
     changed = True
     while changed:
         changed = False
@@ -1031,6 +1042,13 @@ def _lookup_model(value: str, base_dir: Path | None = None) -> ModelSpec:
         m = replace(m, **over)
     if not fp8:
         return m
+    if fp8 == "nvfp4":
+        # NVIDIA's NVFP4 checkpoints (ModelOpt): every linear layer of a dense model in NVFP4, a
+        # mixture of experts' routed experts only (attention, router and shared experts left in
+        # 16 bits), and an fp8 KV cache (kv_cache_quant_algo FP8)
+        if m.is_moe:
+            return replace(m, weight_dtype=m.act_dtype, attn_weight_dtype="", expert_dtype="nvfp4", kv_dtype="fp8")
+        return m.with_dtypes(weight_dtype="nvfp4", kv_dtype="fp8")
     if m.weight_dtype in FP8:  # an fp8 catalog model keeps its own format
         return m
     owner = value.strip().lower().split("/")[0] if "/" in value else ""

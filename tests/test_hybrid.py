@@ -267,3 +267,39 @@ def test_an_mla_chunk_after_context_pays_its_own_projections_not_the_causal_leng
     expected = 61 * (max(fresh_layer - k.g_mla_proj(s)[0], k._mla_flash_floor(1, s) * 1e6) + k.g_mla_proj(T)[0])
     assert k.breakdown(chunk)["attention"] == pytest.approx(expected * 1e-6, rel=1e-9)
     assert k.breakdown(chunk)["attention"] < 61 * fresh_layer * 1e-6 - 61 * 0.5 * k.g_mla_proj(s)[0] * 1e-6
+
+
+def test_nvidia_nvfp4_checkpoints_by_name_and_their_bytes():
+    """NVIDIA's -NVFP4 checkpoints: a dense model's linear layers in NVFP4 (4-bit values and an fp8
+    scale per 16: 0.5625 bytes a weight), a mixture of experts' routed experts only (attention,
+    router and shared experts stay 16-bit), and an fp8 KV cache."""
+    dense = get_model("nvidia/Llama-3.1-70B-Instruct-NVFP4")
+    assert (dense.name, dense.weight_dtype, dense.kv_dtype) == ("llama-3.1-70b", "nvfp4", "fp8")
+    bf16 = get_model("llama-3.1-70b")
+    linear = sum(layers * n * k for _nm, n, k, layers, _dt in bf16.step_gemms(1))
+    # linear layers at 0.5625 bytes instead of 2; embeddings, LM head and norms stay 16-bit
+    assert bf16.weight_bytes - dense.weight_bytes == pytest.approx(linear * (2 - 0.5625), rel=1e-9)
+    moe = get_model("nvidia/MiniMax-M2.5-NVFP4")
+    assert (moe.weight_dtype, moe.attn_dtype, moe.expert_dtype, moe.kv_dtype) == ("bfloat16", "bfloat16", "nvfp4", "fp8")
+    assert moe.expert_weight_bytes_per_gpu(1) == pytest.approx(moe.expert_params * 0.5625, rel=1e-9)
+
+
+def test_nvfp4_reads_blackwells_fp4_tables_and_runs_weight_only_elsewhere():
+    """On B200 the NVFP4 GEMMs and experts read the measured FP4 kernels (gemm.nvfp4, moe nvfp4
+    tables); on H200, which has no FP4 tensor cores, the roofline of a weight-only kernel (bf16
+    math on 0.5625-byte weights), counted as a fallback."""
+    k = KernelCostModel("nvidia/MiniMax-M2.5-NVFP4", "b200", 2)
+    assert k.coverage["moe"].startswith("nvfp4/3072/1536/8/256/2/1")
+    tab = load_tables("b200_sxm")["gemm"]["nvfp4"]
+    assert "FlashInferCuteDsl" in tab["kernel"]
+    d = KernelCostModel("nvidia/Llama-3.1-70B-Instruct-NVFP4", "b200", 2)
+    assert d.coverage["gemm"] is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        h = KernelCostModel("nvidia/Llama-3.1-70B-Instruct-NVFP4", "h200", 2)
+        assert h.coverage["gemm"] is False
+        roof = h._gemm_roof("nvfp4")
+        M, N, K = 8192, 8192, 8192
+        dev = get_device("h200")
+        assert roof(M, N, K) == pytest.approx(max(2 * M * N * K / dev.flops,
+                                                  (M * K * 2 + N * K * 0.5625 + M * N * 2) / dev.mem_bandwidth) + 2e-6)

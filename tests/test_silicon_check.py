@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import silicon_check as sc  # noqa: E402
 from sim.scenario import parse_scenario  # noqa: E402
+from sim.specs import get_model  # noqa: E402
 
 COLUMNS = ["backend", "system", "model_path", "mode", "gemm_quant_mode", "pp_size", "attention_dp_size",
            "batch_size", "tp_size", "isl", "osl", "silicon_ttft_ms", "silicon_tpot_ms", "silicon_data_source"]
@@ -60,16 +61,24 @@ def test_a_row_becomes_its_case_and_unsupported_rows_are_skipped():
     assert "expert_parallel" not in sc.scenario_data(sc.usable(row()))["deployment"]
     assert sc.usable(row(model_path="google/gemma-3-27b-it")) is None      # not in the catalog
     assert sc.usable(row(mode="disagg")) is None
-    assert sc.usable(row(gemm_quant_mode="nvfp4")) is None
+    # an NVFP4 row runs NVIDIA's -NVFP4 checkpoint on a GPU with FP4 tensor cores, not on Hopper
+    fp4 = sc.usable(row(gemm_quant_mode="nvfp4"))
+    assert fp4["weight_dtype"] == "nvfp4"
+    dep = sc.scenario_data(fp4)["deployment"]
+    assert dep["model"] == "llama-3.1-70b-nvfp4" and "weight_dtype" not in dep
+    assert get_model(dep["model"]).weight_dtype == "nvfp4"
+    assert sc.usable(row(gemm_quant_mode="nvfp4", backend="trtllm", system="h100_sxm")) is None
     # a checkpoint that ships 4-bit experts runs as it ships: gpt-oss (MXFP4; the sample labels
-    # its rows nvfp4) and Kimi-K2.5 (int4 groups of 32); an NVFP4 row of another model does not run
+    # its rows nvfp4) and Kimi-K2.5 (int4 groups of 32); an NVFP4 row of another model runs its
+    # -NVFP4 checkpoint
     oss = sc.usable(row(model_path="openai/gpt-oss-120b", gemm_quant_mode="nvfp4"))
     assert oss["model"] == "gpt-oss-120b" and oss["weight_dtype"] is None
     assert "weight_dtype" not in sc.scenario_data(oss)["deployment"]
     kimi = sc.usable(row(model_path="moonshotai/Kimi-K2.5", gemm_quant_mode="int4_wo", tp_size="8"))
     assert kimi["model"] == "kimi-k2.5" and kimi["weight_dtype"] is None
-    assert sc.usable(row(model_path="moonshotai/Kimi-K2.5", gemm_quant_mode="nvfp4")) is None
-    assert sc.usable(row(model_path="MiniMaxAI/MiniMax-M2.5", gemm_quant_mode="nvfp4")) is None
+    assert sc.usable(row(model_path="moonshotai/Kimi-K2.5", gemm_quant_mode="nvfp4"))["weight_dtype"] == "nvfp4"
+    mm = sc.usable(row(model_path="MiniMaxAI/MiniMax-M2.5", gemm_quant_mode="nvfp4"))
+    assert get_model(sc.scenario_data(mm)["deployment"]["model"]).expert_dtype == "nvfp4"
     # block-fp8 checkpoints labelled fp8 (MiniMax-M2.5, DeepSeek-R1) run their 128x128 blocks; a
     # per-channel fp8 checkpoint labelled fp8 (Llama-3.1-70B above) keeps the label
     for path in ("MiniMaxAI/MiniMax-M2.5", "deepseek-ai/DeepSeek-R1"):
