@@ -494,6 +494,15 @@ def _quantization(cfg: dict) -> tuple[str | None, str]:
     text = json.dumps(q).lower()
     if method == "mxfp4":
         return None, "mxfp4"
+    groups = q.get("config_groups") or {}
+    weights = [(g.get("weights") or {}) for g in groups.values() if isinstance(g, dict)]
+    if (method == "modelopt" and str(q.get("quant_algo", "")).upper() == "NVFP4") or (
+            method == "compressed-tensors" and weights
+            and all(w.get("num_bits") == 4 and w.get("type") == "float" for w in weights)):
+        # NVFP4 (NVIDIA's checkpoints): the experts, and every other linear layer unless the
+        # ignore list keeps the attention in 16 bits, as NVIDIA's mixtures of experts do
+        skipped = json.dumps(q.get("ignore") or q.get("exclude_modules") or []).lower()
+        return (None if "self_attn" in skipped else "nvfp4"), "nvfp4"
     if method == "fp8" or (method != "compressed-tensors" and ("fp8" in text or "float8" in text)):
         return ("fp8_block" if q.get("weight_block_size") else "fp8"), ""
     if method == "compressed-tensors":
@@ -507,7 +516,7 @@ def _quantization(cfg: dict) -> tuple[str | None, str]:
             return None, ("int4_g32" if sizes == {32} else "int4")
     raise ValueError(f"config.json quantization_config.quant_method={q.get('quant_method')!r}: "
                      "a weight format ServeTwin does not know (known: fp8 per channel or 128x128 "
-                     "blocks, mxfp4 experts, compressed-tensors fp8 or int4 experts)")
+                     "blocks, mxfp4 experts, compressed-tensors fp8 or int4 experts, NVFP4)")
 
 
 def _keeps_attention_unquantized(q: dict | None) -> bool:

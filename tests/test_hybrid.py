@@ -303,3 +303,20 @@ def test_nvfp4_reads_blackwells_fp4_tables_and_runs_weight_only_elsewhere():
         dev = get_device("h200")
         assert roof(M, N, K) == pytest.approx(max(2 * M * N * K / dev.flops,
                                                   (M * K * 2 + N * K * 0.5625 + M * N * 2) / dev.mem_bandwidth) + 2e-6)
+
+
+def test_nvfp4_configs_are_read_as_the_checkpoints_quantize():
+    from tests.test_moe import QWEN3_30B_A3B
+    # compressed-tensors NVFP4 (4-bit float weights in groups of 16) that leaves attention in 16 bits
+    ct = {"quant_method": "compressed-tensors", "ignore": ["lm_head", "model.layers.0.self_attn*"],
+          "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 16},
+                                        "input_activations": {"num_bits": 4, "type": "float", "group_size": 16}}}}
+    m = ModelSpec.from_hf_config({**QWEN3_30B_A3B, "quantization_config": ct})
+    assert (m.weight_dtype, m.attn_dtype, m.expert_dtype) == ("bfloat16", "bfloat16", "nvfp4")
+    # ModelOpt NVFP4 of a dense model: every linear layer but the LM head
+    dense = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+             "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256, "torch_dtype": "bfloat16",
+             "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "exclude_modules": ["lm_head"]}}
+    assert ModelSpec.from_hf_config(dense).weight_dtype == "nvfp4"
+    with pytest.raises(ValueError, match="quant_method='modelopt'"):
+        ModelSpec.from_hf_config({**dense, "quantization_config": {"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}})
