@@ -63,6 +63,9 @@ QUANT = {"": "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block"}
 # These run as the checkpoint ships (weight_dtype None: the catalog's dtypes); other 4-bit rows
 # (nvfp4) run NVIDIA's -NVFP4 checkpoint of the model (sim.specs: a dense model's linear layers, a
 # mixture of experts' routed experts, and an fp8 KV cache), on the GPUs with FP4 tensor cores.
+# Models whose only published fp8 checkpoints are 128x128 blocks (zai-org/GLM-5-FP8,
+# Qwen/Qwen3.5-*-FP8, DeepSeek-V3.2's own): their rows labelled fp8 run those blocks.
+FP8_AS_BLOCK = ("glm-5", "deepseek-v3.2", "qwen3.5-397b-a17b", "qwen3.5-122b-a10b", "qwen3.5-35b-a3b", "qwen3.5-27b")
 NATIVE = {"gpt-oss-120b": "nvfp4", "gpt-oss-20b": "nvfp4", "kimi-k2.5": "int4_wo", "minimax-m2": "fp8",
           "deepseek-v3": "fp8"}
 
@@ -130,7 +133,8 @@ def usable(r: dict) -> dict | None:
     if not (ttft > 0 and tpot > 0):
         return None
     case = {"backend": r["backend"], "system": r["system"], "model": model_name(r["model_path"]),
-            "weight_dtype": None if native else "nvfp4" if nvfp4 else QUANT[q], "tp": tp, "concurrency": conc, "isl": int(r["isl"]),
+            "weight_dtype": None if native else "nvfp4" if nvfp4 else
+            "fp8_block" if QUANT[q] == "fp8" and model_name(r["model_path"]) in FP8_AS_BLOCK else QUANT[q], "tp": tp, "concurrency": conc, "isl": int(r["isl"]),
             "osl": int(r["osl"]), "ttft_ms": ttft, "tpot_ms": tpot, "source": source_family(r)}
     when = re.search(r"measured=(\d{4}-\d\d-\d\d)", r.get("silicon_data_source", ""))
     if when:

@@ -473,6 +473,41 @@ def convert_mla_module(site: Path, out: Path, systems: dict | None = None,
               f"(from {src} {version})")
 
 
+# vLLM's whole sparse-attention (DSA) layer of DeepSeek-V3.2's and GLM-5's shapes (the wheel's
+# GLM-5.2 rows: GLM-5's attention dims, every layer with its own indexer): projections, the
+# indexer and FlashMLA's sparse prefill (FLASHMLA_SPARSE), per GPU's heads, KV-cache dtype and
+# projections' weight format, by batch x prompt length (no prefix), from the wheel's vLLM 0.24.0
+# `sparse_attention/dsa_context_module` tables. Prefill only, as for MLA (mla_module). B300: B200's.
+DSA_MODULE = {"h100_sxm": ("h100_sxm", "0.24.0"), "h200_sxm": ("h200_sxm", "0.24.0"),
+              "b200_sxm": ("b200_sxm", "0.24.0"), "b300_sxm": ("b200_sxm", "0.24.0")}
+DSA_MODELS = {"deepseek-ai/DeepSeek-V3.2": "deepseek-v3.2", "zai-org/GLM-5.2": "glm-5"}
+DSA_GEMM = {"bfloat16": "bf16", "fp8_block": "fp8_block"}
+
+
+def convert_dsa_module(site: Path, out: Path, systems: dict | None = None,
+                       package: str = "aisimulate_core") -> None:
+    """Add `dsa_module` (DSA_MODULE) to calibration/kernels/<system>.json (written by convert)."""
+    root = site / package / "systems" / "data"
+    for system, (src, version) in (systems or DSA_MODULE).items():
+        path = out / f"{system}.json"
+        doc = json.loads(path.read_text())
+        p = root / src / "sparse_attention" / "vllm" / version / "dsa_context_module_perf.parquet"
+        x = pd.read_parquet(p)
+        doc["sources"]["dsa_context_module"] = str(p.relative_to(site))
+        x = x[(x.op_name == "dsa_context_module") & (x.step == 0) & x.model.isin(list(DSA_MODELS))
+              & x.gemm_type.isin(list(DSA_GEMM))]
+        tables = {}
+        for kv_name, kv_dt in KV_DTYPES.items():
+            y = x[x.kv_cache_dtype == kv_dt]
+            for (mdl, g, h), sub in y.groupby(["model", "gemm_type", "num_heads"]):
+                tables[f"{DSA_MODELS[mdl]}/{kv_name}/{DSA_GEMM[g]}/{h}"] = grid(sub, ["batch_size", "isl"])
+        doc["dsa_module"] = {"kernel": "FLASHMLA_SPARSE", "key": "model_shape/kv_dtype/weight_dtype/heads",
+                             "context": tables}
+        with open(path, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        print(f"{system}: DSA prefill layer tables, {len(tables)} (from {src} {version})")
+
+
 # NVFP4 (4-bit e2m1 weights and activations in groups of 16 with fp8 scales: NVIDIA's -NVFP4
 # checkpoints) on Blackwell, which has FP4 tensor cores: the dense GEMM (FlashInfer's CuTe DSL
 # kernel, vLLM 0.27.1 as the other B200 GEMMs) added as gemm.nvfp4. Its fused-MoE tables come with
@@ -511,6 +546,8 @@ def main() -> None:
                          "to the files in --out")
     ap.add_argument("--nvfp4", action="store_true",
                     help="add the NVFP4 GEMM tables (NVFP4_GEMM) to the files in --out")
+    ap.add_argument("--dsa-module", action="store_true",
+                    help="add vLLM's measured sparse-attention prefill layer tables (DSA_MODULE) to the files in --out")
     ap.add_argument("--mla-module", action="store_true",
                     help="add vLLM's measured MLA layer tables (MLA_MODULE) to the files in --out")
     ap.add_argument("--allreduce-eager", action="store_true",
@@ -526,6 +563,8 @@ def main() -> None:
             convert_allreduce_eager(args.site, args.out, list(SYSTEMS))
     elif args.nvfp4:
         convert_nvfp4(args.site, args.out)
+    elif args.dsa_module:
+        convert_dsa_module(args.site, args.out)
     elif args.mla_module:
         convert_mla_module(args.site, args.out)
     elif args.linear_attention:

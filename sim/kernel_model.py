@@ -589,17 +589,33 @@ MLA_MODULE_SHAPE = {"hidden_size": 7168, "q_lora_rank": 1536, "kv_lora_rank": 51
 MLA_MODULE_DTYPES = {"bfloat16": "bf16", "fp8_block": "fp8_block"}
 
 
-def _mla_module_key(m: ModelSpec, tp: int, doc: dict | None) -> str | None:
-    """The `mla_module` table key (kv_dtype/weight_dtype/heads) that times this model's MLA layer
-    on one GPU of a TP group, or None: a model of another shape or with sparse attention, an
-    attention weight format or head count the tables lack, or no such tables."""
-    if not doc or not m.is_mla or m.index_topk:
-        return None
-    if any(getattr(m, f) != v for f, v in MLA_MODULE_SHAPE.items()):
+# The sparse-attention layer shapes the `dsa_module` tables were measured at (GLM-5's from GLM-5.2's rows)
+DSA_MODULE_SHAPES = {
+    "deepseek-v3.2": {**MLA_MODULE_SHAPE, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048},
+    "glm-5": {"hidden_size": 6144, "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+              "qk_nope_head_dim": 192, "v_head_dim": 256, "index_n_heads": 32, "index_head_dim": 128,
+              "index_topk": 2048}}
+
+
+def _mla_module_key(m: ModelSpec, tp: int, tables: dict | None) -> str | None:
+    """The measured latent-attention layer table that times this model's prefill on one GPU of a
+    TP group, as "section/key": `mla_module` kv_dtype/weight_dtype/heads for DeepSeek-V3's shape,
+    `dsa_module` shape/kv_dtype/weight_dtype/heads for a sparse-attention shape it holds; None for
+    another shape, an attention weight format or head count the tables lack, or no such tables."""
+    if not m.is_mla:
         return None
     w = MLA_MODULE_DTYPES.get(m.attn_dtype)
-    key = f"{KV_NAMES.get(m.kv_dtype, 'bf16')}/{w}/{m.num_heads // tp}"
-    return key if w and key in doc.get("context", {}) and key in doc.get("generation", {}) else None
+    base = f"{KV_NAMES.get(m.kv_dtype, 'bf16')}/{w}/{m.num_heads // tp}"
+    if m.index_topk:
+        section = "dsa_module"
+        shape = next((name for name, sh in DSA_MODULE_SHAPES.items()
+                      if all(getattr(m, f) == v for f, v in sh.items())), None)
+        key = f"{shape}/{base}" if shape else None
+    else:
+        section = "mla_module"
+        key = base if all(getattr(m, f) == v for f, v in MLA_MODULE_SHAPE.items()) else None
+    doc = (tables or {}).get(section) or {}
+    return f"{section}/{key}" if w and key and key in doc.get("context", {}) else None
 
 
 class KernelCostModel(CostModel):
@@ -812,7 +828,7 @@ class KernelCostModel(CostModel):
         # MLA layer tables where they hold this GPU's heads, cache and weight format: its
         # projections, RoPE, cache write and attention in one reading (mla_module), so its GEMMs
         # leave the layer's GEMM sum.
-        self._mla_key = _mla_module_key(m, tp, (tables or {}).get("mla_module"))
+        self._mla_key = _mla_module_key(m, tp, tables)
         # GEMMs of one layer (averaged over layer kinds: a MoE model's dense, shared-expert and
         # router GEMMs weighted by how many layers have them) and the LM head, as functions of M;
         # each GEMM from the table of its weight dtype.
@@ -854,7 +870,9 @@ class KernelCostModel(CostModel):
             t, e = grid(M, n / parts, k)
             return parts * t * self.ovh.gemm_factor(M), e
 
-        proj = [(n, k) for n, k in m.attention_gemm_shapes(tp).values()] if self._mla_key else []
+        # (the indexer's key and weight projections' few columns are not counted, as in `step`)
+        proj = ([(n, k, name not in ("index_k", "index_weights")) for name, (n, k) in m.attention_gemm_shapes(tp).items()]
+                if self._mla_key else [])
         gw_p, rw_p, _t = grid_of(m.attn_dtype)
         mla_proj, ok_p = [], []
         for M in ms:
@@ -870,9 +888,9 @@ class KernelCostModel(CostModel):
             head.append(t)
             ok_h.append(e)
             if proj:  # the MLA projections of a step's decode tokens (mla_module times the prefill's)
-                ts = [gemm(gw_p, rw_p, M, n, k) for n, k in proj]
-                mla_proj.append(sum(t for t, _e in ts))
-                ok_p.append(all(e for _t, e in ts))
+                ts = [(*gemm(gw_p, rw_p, M, n, k), counted) for n, k, counted in proj]
+                mla_proj.append(sum(t for t, _e, _c in ts))
+                ok_p.append(all(e or not c for _t, e, c in ts))
         self.g_layer = Grid([ms], layer, self._layer_roof, ok_l)
         self.g_mla_proj = Grid([ms], mla_proj, self._mla_proj_roof, ok_p) if proj else None
         self.g_head = Grid([ms], head, self._head_roof, ok_h)
@@ -1032,12 +1050,14 @@ class KernelCostModel(CostModel):
                                          np.zeros((len(bs), len(ss)), dtype=bool)))
             cov[f"{phase}_attention"] = key if tab is not None else (derived[2] if derived else None)
             if self._mla_key and phase == "context":
-                mt = tables["mla_module"][phase][self._mla_key]
+                section, key = self._mla_key.split("/", 1)
+                doc = tables[section]
+                mt = doc["context"][key]
                 us = [[None if u is None else u * self.ovh.gemm_factor(b * s) for s, u in zip(mt["values"][1], row)]
                       for b, row in zip(mt["values"][0], mt["us"])]
                 self.g_ctx = Grid(mt["values"], us, lambda b, s: self._ctx_roof(b, s) + self._mla_proj_roof(b * s))
-                cov["context_attention"] = (f"mla_module {self._mla_key} "
-                                            f"({tables['mla_module']['kernels']['context'][self._mla_key.split('/')[0]]})")
+                kernel = doc["kernels"]["context"][key.split("/")[0]] if section == "mla_module" else doc["kernel"]
+                cov["context_attention"] = f"{section} {key} ({kernel})"
         # All-reduce by message elements: inside CUDA graphs (g_ar), and outside them (g_ar_eager,
         # the `allreduce_eager` table: a step of more tokens than vLLM captures, see _by_tokens;
         # None where the tables have no such table, and g_ar serves both).
@@ -1127,9 +1147,10 @@ class KernelCostModel(CostModel):
     def _mla_flash_floor(self, b, s) -> float:
         """The least an MLA prefill's attention takes: FlashAttention over the decompressed keys
         (query-key dims qk_nope + qk_rope, value dims v_head_dim) for b causal sequences of s
-        tokens, at the GPU's peak."""
+        tokens (each query at most index_topk keys with sparse attention), at the GPU's peak."""
         m = self.model
-        return b * s * s * self.q_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) / self.device.flops
+        keys = min(s, 2.0 * m.index_topk) if m.index_topk else s
+        return b * s * keys * self.q_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) / self.device.flops
 
     def _mla_proj_roof(self, M):
         """One MLA layer's projections for M tokens by the roofline (the MLA layer tables' own
@@ -1374,7 +1395,17 @@ class KernelCostModel(CostModel):
         if f.num_prefill_reqs:
             b = f.num_prefill_reqs
             full = m.num_full_attention_layers
-            if full and m.index_topk:
+            if full and self.g_mla_proj is not None:
+                # vLLM's measured MLA layer (mla_module; dsa_module with sparse attention, its
+                # indexer included) at the chunks' causal length holds the projections of b x s
+                # tokens: its attention is what is left above them (at least the attention's work
+                # at peak), and the projections are the chunks' own tokens'
+                s = max(math.sqrt(2.0 * f.prefill_attn_pairs / b), 1.0)
+                layer = self._look("context_attention", self.g_ctx, b, s)
+                own = self._look("gemm", self.g_mla_proj, b * s)
+                att += full * (max(layer - own, self._mla_flash_floor(b, s))
+                               + self._look("gemm", self.g_mla_proj, f.num_prefill_tokens))
+            elif full and m.index_topk:
                 # sparse attention: each query reads at most top-k latents; the indexer scores
                 # every earlier token
                 pairs = min(f.prefill_attn_pairs, f.num_prefill_tokens * m.index_topk)
@@ -1383,15 +1414,6 @@ class KernelCostModel(CostModel):
                                + self._roofline_term("indexer", self._indexer_roof(
                                    f.prefill_attn_pairs, f.num_prefill_tokens,
                                    f.prefill_context_tokens + f.num_prefill_tokens)))
-            elif full and self.g_mla_proj is not None:
-                # vLLM's measured MLA layer (mla_module) at the chunks' causal length holds the
-                # projections of b x s tokens: its attention is what is left above them (at least
-                # FlashAttention's work at peak), and the projections are the chunks' own tokens'
-                s = max(math.sqrt(2.0 * f.prefill_attn_pairs / b), 1.0)
-                layer = self._look("context_attention", self.g_ctx, b, s)
-                own = self._look("gemm", self.g_mla_proj, b * s)
-                att += full * (max(layer - own, self._mla_flash_floor(b, s))
-                               + self._look("gemm", self.g_mla_proj, f.num_prefill_tokens))
             elif full:
                 s = math.sqrt(2.0 * f.prefill_attn_pairs / b)
                 att += full * self._look("context_attention", self.g_ctx, b, max(s, 1.0))

@@ -248,8 +248,12 @@ def test_an_mla_prefill_reads_vllms_measured_mla_layer_and_its_decode_the_projec
     assert k.breakdown(d)["attention"] == pytest.approx(
         61 * (k.g_gen(n, y)[0] + k.g_mla_proj(n)[0]) * 1e-6, rel=1e-9)
     assert k.decode_gpu_time(n, n * y) == pytest.approx(sum(k.breakdown(d).values()), rel=1e-9)
-    # another MLA shape (GLM-5's), or sparse attention: the GEMM tables and the roofline as before
-    assert KernelCostModel("glm-5", "h200", 8).g_mla_proj is None
+    # an MLA shape the tables do not hold (Kimi-K2's at 64 heads does; DeepSeek-V2-Lite's 16 heads
+    # of hidden 2048 not): the GEMM tables and the roofline as before
+    import dataclasses
+    lite = dataclasses.replace(get_model("deepseek-v3"), name="mla-other", hidden_size=2048, num_heads=16,
+                               num_kv_heads=16, q_lora_rank=0)
+    assert KernelCostModel(lite, "h200", 1).g_mla_proj is None
 
 
 def test_an_mla_chunk_after_context_pays_its_own_projections_not_the_causal_lengths():
@@ -320,3 +324,21 @@ def test_nvfp4_configs_are_read_as_the_checkpoints_quantize():
     assert ModelSpec.from_hf_config(dense).weight_dtype == "nvfp4"
     with pytest.raises(ValueError, match="quant_method='modelopt'"):
         ModelSpec.from_hf_config({**dense, "quantization_config": {"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}})
+
+
+def test_a_sparse_attention_prefill_reads_vllms_measured_dsa_layer():
+    """GLM-5 at TP 8 on H200: a fresh prefill's whole sparse-attention layer (projections, the
+    indexer, FlashMLA's sparse prefill) is the `dsa_module` table's reading at its measured points;
+    the indexer's roofline is then not added, and its projections leave the layer's GEMM term."""
+    k = KernelCostModel("glm-5", "h200", 8)
+    assert k.coverage["context_attention"] == "dsa_module glm-5/bf16/bf16/8 (FLASHMLA_SPARSE)"
+    tab = load_tables("h200_sxm")["dsa_module"]["context"]["glm-5/bf16/bf16/8"]
+    us = np.array(tab["us"], dtype=float)
+    b_i, s_i = tab["values"][0].index(1), tab["values"][1].index(8192)
+    cell = np.nanmin(us[b_i:, s_i:])
+    T = 8192
+    f = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=T, prefill_attn_pairs=T * T // 2)
+    before = dict(k.fallbacks)
+    assert k.breakdown(f)["attention"] == pytest.approx(78 * cell * k.ovh.gemm_factor(T) * 1e-6, rel=1e-9)
+    assert k.fallbacks.get("indexer", 0) == before.get("indexer", 0)
+    assert not {"index_q", "q_a", "kv_b", "o_proj"} & {g[0] for g in k._step_gemms()}

@@ -77,6 +77,8 @@ def test_a_row_becomes_its_case_and_unsupported_rows_are_skipped():
     kimi = sc.usable(row(model_path="moonshotai/Kimi-K2.5", gemm_quant_mode="int4_wo", tp_size="8"))
     assert kimi["model"] == "kimi-k2.5" and kimi["weight_dtype"] is None
     assert sc.usable(row(model_path="moonshotai/Kimi-K2.5", gemm_quant_mode="nvfp4"))["weight_dtype"] == "nvfp4"
+    # GLM-5's and Qwen3.5's only fp8 checkpoints are 128x128 blocks: their fp8 rows run those
+    assert sc.usable(row(model_path="zhipuai/GLM-5", tp_size="8"))["weight_dtype"] == "fp8_block"
     mm = sc.usable(row(model_path="MiniMaxAI/MiniMax-M2.5", gemm_quant_mode="nvfp4"))
     assert get_model(sc.scenario_data(mm)["deployment"]["model"]).expert_dtype == "nvfp4"
     # block-fp8 checkpoints labelled fp8 (MiniMax-M2.5, DeepSeek-R1) run their 128x128 blocks; a
