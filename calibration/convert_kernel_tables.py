@@ -125,6 +125,17 @@ def gemm_table(g: pd.DataFrame, dt: str, kerns: list[str]) -> dict | None:
     return {"kernel": " > ".join(kerns), **grid(x, ["m", "n", "k"])}
 
 
+def read_kernel_file(out: Path, system: str) -> tuple[Path, dict]:
+    """A kernel file written by convert (path, parsed JSON), for a step that adds to it."""
+    path = out / f"{system}.json"
+    return path, json.loads(path.read_text())
+
+
+def write_kernel_file(path: Path, doc: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, separators=(",", ":"))
+
+
 def convert(site: Path, out: Path, systems: dict | None = None, package: str = "aisimulate_core") -> None:
     root = site / package / "systems" / "data"
     out.mkdir(parents=True, exist_ok=True)
@@ -158,8 +169,7 @@ def convert(site: Path, out: Path, systems: dict | None = None, package: str = "
         c = c[(c.kernel_source == "vLLM_custom_graph") & (c.allreduce_dtype == "bfloat16")]
         doc["allreduce"] = {"kernel": "vLLM_custom_graph", "dtype": "bf16", "size_unit": "elements",
                             "tables": {str(n): grid(sub, ["message_size"]) for n, sub in c.groupby("num_gpus")}}
-        with open(out / f"{system}.json", "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
+        write_kernel_file(out / f"{system}.json", doc)
         print(f"{system}: {(out / f'{system}.json').stat().st_size / 1e6:.2f} MB")
 
 
@@ -236,8 +246,7 @@ def convert_moe(site: Path, out: Path, systems: dict | None = None, package: str
     """Add the fused-MoE tables to calibration/kernels/<system>.json (written by convert)."""
     root = site / package / "systems" / "data"
     for system, version in (systems or MOE_SYSTEMS).items():
-        path = out / f"{system}.json"
-        doc = json.loads(path.read_text())
+        path, doc = read_kernel_file(out, system)
         p = root / system / "moe" / "vllm" / version / "moe_perf.parquet"
         every = pd.read_parquet(p)
         # the routing read for uniform routing: balanced where measured, else the skewed one (as measured)
@@ -267,8 +276,7 @@ def convert_moe(site: Path, out: Path, systems: dict | None = None, package: str
                       "kernels_by_shape": by_shape}
         if base != MOE_DISTRIBUTION and system in MOE_ROUTING_REFERENCE:
             doc["moe"]["routing_reference"] = MOE_ROUTING_REFERENCE[system]
-        with open(path, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
+        write_kernel_file(path, doc)
         print(f"{system}: {len(tables)} MoE tables ({len(skewed)} skewed), {path.stat().st_size / 1e6:.2f} MB")
 
 
@@ -285,8 +293,7 @@ def convert_moe_triton(site: Path, out: Path, systems: dict | None = None, packa
     `moe_triton`, in the layout of `moe` (written by convert_moe)."""
     root = site / package / "systems" / "data"
     for system, (version, kern, formats) in (systems or MOE_TRITON).items():
-        path = out / f"{system}.json"
-        doc = json.loads(path.read_text())
+        path, doc = read_kernel_file(out, system)
         p = root / system / "moe" / "vllm" / version / "moe_perf.parquet"
         every = pd.read_parquet(p)
         doc["sources"]["moe_triton"] = str(p.relative_to(site))
@@ -296,8 +303,7 @@ def convert_moe_triton(site: Path, out: Path, systems: dict | None = None, packa
         doc["moe_triton"] = {"kernels": {name: kern for name in formats}, "version": version,
                              "distribution": MOE_DISTRIBUTION, "key": "dtype/hidden/inter/topk/experts/moe_tp/moe_ep",
                              "tables": tables, "skewed_distribution": MOE_SKEWED, "skewed_tables": skewed}
-        with open(path, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
+        write_kernel_file(path, doc)
         print(f"{system}: {len(tables)} Triton MoE tables ({len(skewed)} skewed), {path.stat().st_size / 1e6:.2f} MB")
 
 
@@ -324,8 +330,7 @@ def convert_allreduce_eager(site: Path, out: Path, systems: list[str] | None = N
     release a deployment names (deployment.vllm_version)."""
     root = site / package / "systems" / "data"
     for system in systems or [p.stem for p in sorted(out.glob("*.json"))]:
-        path = out / f"{system}.json"
-        doc = json.loads(path.read_text())
+        path, doc = read_kernel_file(out, system)
         if "allreduce" not in doc or not (root / system / "comm" / "vllm").is_dir():
             continue
         ratios: dict[tuple[int, int], list[float]] = {}
@@ -367,8 +372,7 @@ def convert_allreduce_eager(site: Path, out: Path, systems: list[str] | None = N
         doc["sources"]["allreduce_releases"] = {rel: src for rel, (src, _t) in graphs.items()}
         doc["allreduce_releases"] = {rel: {"tables": t, "eager_tables": eager_of(t)}
                                      for rel, (_src, t) in graphs.items()}
-        with open(path, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
+        write_kernel_file(path, doc)
         print(f"{system}: eager all-reduce for TP {sorted(tables, key=int)} from {len(used)} releases; "
               f"graph all-reduce of releases {sorted(graphs)}")
 
@@ -396,8 +400,7 @@ def convert_linear_attention(site: Path, out: Path, systems: dict | None = None,
     calibration/kernels/<system>.json (written by convert)."""
     root = site / package / "systems" / "data"
     for system, (src, version) in (systems or LINEAR_ATTENTION).items():
-        path = out / f"{system}.json"
-        doc = json.loads(path.read_text())
+        path, doc = read_kernel_file(out, system)
         p = root / src / "linear_attention" / "vllm" / version / "gdn_perf.parquet"
         g = pd.read_parquet(p)
         doc["sources"]["linear_attention"] = str(p.relative_to(site))
@@ -423,8 +426,7 @@ def convert_linear_attention(site: Path, out: Path, systems: dict | None = None,
             assert kern == doc[f"{phase}_attention"]["kernel"], (system, phase, kern)
             doc[f"{phase}_attention"]["tables"].update(tables)
             added += len(tables)
-        with open(path, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
+        write_kernel_file(path, doc)
         print(f"{system}: GDN tables for {len(la['context'])} head configurations (from {src} {version}); "
               f"{added} head-dim-256 attention tables")
 
@@ -449,8 +451,7 @@ def convert_mla_module(site: Path, out: Path, systems: dict | None = None,
     """Add `mla_module` (MLA_MODULE) to calibration/kernels/<system>.json (written by convert)."""
     root = site / package / "systems" / "data"
     for system, (src, version) in (systems or MLA_MODULE).items():
-        path = out / f"{system}.json"
-        doc = json.loads(path.read_text())
+        path, doc = read_kernel_file(out, system)
         gen_kernels = MLA_KERNELS["generation_blackwell" if src.startswith("b") else "generation_hopper"]
         mod = {"model_shape": "deepseek-v3", "key": "kv_dtype/weight_dtype/heads",
                "kernels": {"context": MLA_KERNELS["context"], "generation": gen_kernels}}
@@ -467,8 +468,7 @@ def convert_mla_module(site: Path, out: Path, systems: dict | None = None,
                     tables[f"{kv_name}/{MLA_GEMM[g]}/{h}"] = grid(sub, ["batch_size", axis])
             mod[phase] = tables
         doc["mla_module"] = mod
-        with open(path, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
+        write_kernel_file(path, doc)
         print(f"{system}: MLA module tables, prefill {len(mod['context'])}, decode {len(mod['generation'])} "
               f"(from {src} {version})")
 
@@ -489,8 +489,7 @@ def convert_dsa_module(site: Path, out: Path, systems: dict | None = None,
     """Add `dsa_module` (DSA_MODULE) to calibration/kernels/<system>.json (written by convert)."""
     root = site / package / "systems" / "data"
     for system, (src, version) in (systems or DSA_MODULE).items():
-        path = out / f"{system}.json"
-        doc = json.loads(path.read_text())
+        path, doc = read_kernel_file(out, system)
         p = root / src / "sparse_attention" / "vllm" / version / "dsa_context_module_perf.parquet"
         x = pd.read_parquet(p)
         doc["sources"]["dsa_context_module"] = str(p.relative_to(site))
@@ -503,8 +502,7 @@ def convert_dsa_module(site: Path, out: Path, systems: dict | None = None,
                 tables[f"{DSA_MODELS[mdl]}/{kv_name}/{DSA_GEMM[g]}/{h}"] = grid(sub, ["batch_size", "isl"])
         doc["dsa_module"] = {"kernel": "FLASHMLA_SPARSE", "key": "model_shape/kv_dtype/weight_dtype/heads",
                              "context": tables}
-        with open(path, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
+        write_kernel_file(path, doc)
         print(f"{system}: DSA prefill layer tables, {len(tables)} (from {src} {version})")
 
 
@@ -520,14 +518,12 @@ def convert_nvfp4(site: Path, out: Path, systems: dict | None = None, package: s
     """Add gemm.nvfp4 (NVFP4_GEMM) to calibration/kernels/<system>.json (written by convert)."""
     root = site / package / "systems" / "data"
     for system, version in (systems or NVFP4_GEMM).items():
-        path = out / f"{system}.json"
-        doc = json.loads(path.read_text())
+        path, doc = read_kernel_file(out, system)
         p = root / system / "gemm" / "vllm" / version / "gemm_perf.parquet"
         table = gemm_table(pd.read_parquet(p), "nvfp4", NVFP4_KERNELS)
         doc["gemm"]["nvfp4"] = table
         doc["sources"]["gemm_nvfp4"] = str(p.relative_to(site))
-        with open(path, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
+        write_kernel_file(path, doc)
         print(f"{system}: NVFP4 GEMM table, {len(table['values'][0])} x {len(table['values'][1])} x "
               f"{len(table['values'][2])} (m, n, k)")
 
