@@ -443,7 +443,8 @@ MLA_MODULE = HOPPER_BLACKWELL_025
 MLA_KERNELS = {"context": {"bf16": "FLASH_ATTN", "fp8": "FLASH_ATTN"},
                "generation_hopper": {"bf16": "FLASH_ATTN_MLA", "fp8": "FLASHMLA"},
                "generation_blackwell": {"bf16": "FLASHINFER_MLA", "fp8": "FLASHINFER_MLA"}}
-MLA_GEMM = {"bfloat16": "bf16", "fp8_block": "fp8_block"}
+# the projections' weight formats kept from the MLA and DSA layer tables, as the kernel model names them
+LAYER_GEMM = {"bfloat16": "bf16", "fp8_block": "fp8_block"}
 
 
 def convert_mla_module(site: Path, out: Path, systems: dict | None = None,
@@ -460,12 +461,12 @@ def convert_mla_module(site: Path, out: Path, systems: dict | None = None,
             x = pd.read_parquet(p)
             x = x.assign(kv_len=x.isl + x.step)  # KV tokens a decode reads (as attention_tables)
             doc["sources"][f"mla_{phase}_module"] = str(p.relative_to(site))
-            x = x[(x.model == "deepseek-ai/DeepSeek-V3") & x.gemm_type.isin(list(MLA_GEMM))]
+            x = x[(x.model == "deepseek-ai/DeepSeek-V3") & x.gemm_type.isin(list(LAYER_GEMM))]
             tables = {}
             for kv_name, kv_dt in KV_DTYPES.items():
                 y = x[(x.kv_cache_dtype == kv_dt) & (x.kernel_source == kernels[kv_name])]
                 for (g, h), sub in y.groupby(["gemm_type", "num_heads"]):
-                    tables[f"{kv_name}/{MLA_GEMM[g]}/{h}"] = grid(sub, ["batch_size", axis])
+                    tables[f"{kv_name}/{LAYER_GEMM[g]}/{h}"] = grid(sub, ["batch_size", axis])
             mod[phase] = tables
         doc["mla_module"] = mod
         write_kernel_file(path, doc)
@@ -481,7 +482,6 @@ def convert_mla_module(site: Path, out: Path, systems: dict | None = None,
 DSA_MODULE = {"h100_sxm": ("h100_sxm", "0.24.0"), "h200_sxm": ("h200_sxm", "0.24.0"),
               "b200_sxm": ("b200_sxm", "0.24.0"), "b300_sxm": ("b200_sxm", "0.24.0")}
 DSA_MODELS = {"deepseek-ai/DeepSeek-V3.2": "deepseek-v3.2", "zai-org/GLM-5.2": "glm-5"}
-DSA_GEMM = {"bfloat16": "bf16", "fp8_block": "fp8_block"}
 
 
 def convert_dsa_module(site: Path, out: Path, systems: dict | None = None,
@@ -494,12 +494,12 @@ def convert_dsa_module(site: Path, out: Path, systems: dict | None = None,
         x = pd.read_parquet(p)
         doc["sources"]["dsa_context_module"] = str(p.relative_to(site))
         x = x[(x.op_name == "dsa_context_module") & (x.step == 0) & x.model.isin(list(DSA_MODELS))
-              & x.gemm_type.isin(list(DSA_GEMM))]
+              & x.gemm_type.isin(list(LAYER_GEMM))]
         tables = {}
         for kv_name, kv_dt in KV_DTYPES.items():
             y = x[x.kv_cache_dtype == kv_dt]
             for (mdl, g, h), sub in y.groupby(["model", "gemm_type", "num_heads"]):
-                tables[f"{DSA_MODELS[mdl]}/{kv_name}/{DSA_GEMM[g]}/{h}"] = grid(sub, ["batch_size", "isl"])
+                tables[f"{DSA_MODELS[mdl]}/{kv_name}/{LAYER_GEMM[g]}/{h}"] = grid(sub, ["batch_size", "isl"])
         doc["dsa_module"] = {"kernel": "FLASHMLA_SPARSE", "key": "model_shape/kv_dtype/weight_dtype/heads",
                              "context": tables}
         write_kernel_file(path, doc)

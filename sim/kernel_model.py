@@ -40,6 +40,10 @@ from sim.sampling import filter_cost_s, filter_implementation, filters as sampli
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "calibration" / "kernels"
 KV_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8"}
 GEMM_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8", "fp8_block": "fp8_block", "nvfp4": "nvfp4"}
+# GEMMs of a few columns, often below the tables' N axis (the router; a linear-attention layer's
+# decay and step sizes; the sparse-attention indexer's key and head weights): their roofline is not
+# counted as a fallback of the layer, it is a fraction of a percent of it
+UNCOUNTED_GEMMS = ("router", "in_proj_ba", "index_k", "index_weights")
 
 
 @lru_cache(maxsize=8)
@@ -847,10 +851,7 @@ class KernelCostModel(CostModel):
                         derived[dtype] = how
                 grids[dtype] = (g, roof, t)
             return grids[dtype]
-        # (the router's, in_proj_ba's and the indexer's key and weight projections' few columns are
-        # often below the tables' N axis: their roofline is not
-        # counted as a fallback of the layer, it is a fraction of a percent of it)
-        step = [(n, k, layers / m.num_layers, dtype, name not in ("router", "in_proj_ba", "index_k", "index_weights"))
+        step = [(n, k, layers / m.num_layers, dtype, name not in UNCOUNTED_GEMMS)
                 for name, n, k, layers, dtype in self._step_gemms()]
         for _n, _k, _w, dtype, _c in step:
             grid_of(dtype)
@@ -870,8 +871,7 @@ class KernelCostModel(CostModel):
             t, e = grid(M, n / parts, k)
             return parts * t * self.ovh.gemm_factor(M), e
 
-        # (the indexer's key and weight projections' few columns are not counted, as in `step`)
-        proj = ([(n, k, name not in ("index_k", "index_weights")) for name, (n, k) in m.attention_gemm_shapes(tp).items()]
+        proj = ([(n, k, name not in UNCOUNTED_GEMMS) for name, (n, k) in m.attention_gemm_shapes(tp).items()]
                 if self._mla_key else [])
         gw_p, rw_p, _t = grid_of(m.attn_dtype)
         mla_proj, ok_p = [], []
@@ -1055,7 +1055,7 @@ class KernelCostModel(CostModel):
                 mt = doc["context"][key]
                 us = [[None if u is None else u * self.ovh.gemm_factor(b * s) for s, u in zip(mt["values"][1], row)]
                       for b, row in zip(mt["values"][0], mt["us"])]
-                self.g_ctx = Grid(mt["values"], us, lambda b, s: self._ctx_roof(b, s) + self._mla_proj_roof(b * s))
+                self.g_ctx = Grid(mt["values"], us, self._mla_layer_roof)
                 kernel = doc["kernels"]["context"][key.split("/")[0]] if section == "mla_module" else doc["kernel"]
                 cov["context_attention"] = f"{section} {key} ({kernel})"
         # All-reduce by message elements: inside CUDA graphs (g_ar), and outside them (g_ar_eager,
@@ -1120,7 +1120,7 @@ class KernelCostModel(CostModel):
         if "g_mla_proj" in r:
             self._mla_key = r["mla_key"]
             self.g_mla_proj = Grid.from_json(r["g_mla_proj"], self._mla_proj_roof)
-            self.g_ctx = Grid.from_json(r["g_ctx"], lambda b, s: self._ctx_roof(b, s) + self._mla_proj_roof(b * s))
+            self.g_ctx = Grid.from_json(r["g_ctx"], self._mla_layer_roof)
         if "g_gdn_ctx" in r:
             self.g_gdn_ctx = Grid.from_json(r["g_gdn_ctx"], self._gdn_ctx_roof)
             self.g_gdn_gen = Grid.from_json(r["g_gdn_gen"], self._gdn_gen_roof)
@@ -1134,7 +1134,7 @@ class KernelCostModel(CostModel):
         """The layer GEMMs the GEMM term sums (ModelSpec.step_gemms), less the attention
         projections when an MLA layer table times them with its attention (_mla_key)."""
         gemms = self.model.step_gemms(self.tp)
-        if getattr(self, "_mla_key", None):
+        if self._mla_key:
             proj = set(self.model.attention_gemm_shapes(self.tp))
             gemms = [g for g in gemms if g[0] not in proj]
         return gemms
@@ -1151,6 +1151,10 @@ class KernelCostModel(CostModel):
         m = self.model
         keys = min(s, 2.0 * m.index_topk) if m.index_topk else s
         return b * s * keys * self.q_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) / self.device.flops
+
+    def _mla_layer_roof(self, b, s):
+        """A measured MLA layer table's roofline: the attention's and its projections' of b x s tokens."""
+        return self._ctx_roof(b, s) + self._mla_proj_roof(b * s)
 
     def _mla_proj_roof(self, M):
         """One MLA layer's projections for M tokens by the roofline (the MLA layer tables' own

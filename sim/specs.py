@@ -26,6 +26,7 @@ from sim.sampling import SAMPLER_SORT_UNTIL, check_generation_filter
 # Blackwell's FP4 tensor cores), for linear-layer weights only
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_block": 1, "nvfp4": 0.5 + 1 / 16}
 FP8 = ("fp8", "fp8_block")  # fp8_block: weights in 128x128 blocks with their own scales (Qwen's -FP8)
+QUANTIZED_WEIGHTS = FP8 + ("nvfp4",)  # weight-only formats: never a KV or activation dtype
 # Sub-byte formats, for routed experts only (expert_dtype): bytes per weight with their scales.
 #   mxfp4  4-bit e2m1 values and one 8-bit e8m0 scale per 32 (gpt-oss): 0.5 + 1/32
 #   int4   4-bit weights in groups of 128 with a 16-bit scale (compressed-tensors w4a16): 0.5 + 2/128
@@ -122,7 +123,7 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for key in ("weight_dtype", "kv_dtype", "act_dtype"):
             object.__setattr__(self, key, canonical_dtype(getattr(self, key), key))
-        if self.kv_dtype in ("fp8_block", "nvfp4") or self.act_dtype in FP8 + ("nvfp4",):
+        if self.kv_dtype in ("fp8_block", "nvfp4") or self.act_dtype in QUANTIZED_WEIGHTS:
             raise ValueError(f"kv_dtype={self.kv_dtype!r}, act_dtype={self.act_dtype!r}: fp8_block and nvfp4 are "
                              "weight formats")
         if self.attn_weight_dtype:
@@ -215,7 +216,7 @@ class ModelSpec:
     @property
     def dense_dtype_bytes(self) -> int:
         """Embeddings, LM head and norms: unquantized (act dtype) when the linear layers are fp8."""
-        return self.act_dtype_bytes if self.weight_dtype in FP8 + ("nvfp4",) else self.weight_dtype_bytes
+        return self.act_dtype_bytes if self.weight_dtype in QUANTIZED_WEIGHTS else self.weight_dtype_bytes
 
     # ------------------------------------------------------------ shapes
     def kv_heads_per_gpu(self, tp: int = 1) -> int:
