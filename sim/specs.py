@@ -468,9 +468,12 @@ class ModelSpec:
 
 
 # HF model_type -> family. Dense families are read as Llama-like decoders.
-DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_vl", "qwen3_vl_text")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2",
-                   "deepseek_v32", "glm_moe_dsa", "gpt_oss", "minimax_m2", "llama4", "llama4_text")
+                   "deepseek_v32", "glm_moe_dsa", "gpt_oss", "minimax_m2", "llama4", "llama4_text",
+                   "qwen3_vl_moe", "qwen3_vl_moe_text")
+# Qwen3-VL: Qwen3's and Qwen3-MoE's text decoders (text_config) with a vision encoder
+QWEN3_VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe", "qwen3_vl_moe_text")
 # Hybrids of Gated DeltaNet linear attention and gated full attention (every
 # full_attention_interval-th layer, or as layer_types lists them): Qwen3-Next and Qwen3.5, dense or
 # MoE (Qwen3.5's checkpoints are multimodal: their text_config, and a vision encoder)
@@ -555,7 +558,10 @@ def qwen_vision_params(vc: dict | None) -> int:
     pos = vc.get("num_position_embeddings", 0) * h
     m = h * vc.get("spatial_merge_size", 2) ** 2
     merger = 2 * h + m * m + m + m * vc["out_hidden_size"] + vc["out_hidden_size"]
-    return L * block + patch + pos + merger
+    # Qwen3-VL's DeepStack: one more merger per deepstack_visual_indexes entry, its LayerNorm over
+    # the merged width (use_postshuffle_norm); Qwen3.5 lists none
+    deepstack = len(vc.get("deepstack_visual_indexes") or []) * (merger - 2 * h + 2 * m)
+    return L * block + patch + pos + merger + deepstack
 
 
 def _hybrid_layers(cfg: dict, L: int, where: str) -> int:
@@ -612,8 +618,11 @@ def hf_config_fields(cfg: dict) -> dict:
               tie_word_embeddings=bool(cfg.get("tie_word_embeddings", outer.get("tie_word_embeddings", False))),
               max_position_embeddings=cfg.get("max_position_embeddings", 131072),
               weight_dtype=wdtype or torch_dtype, act_dtype=act,
-              qk_norm=mt in ("qwen3", "qwen3_moe") + HYBRID_MODEL_TYPES or bool(cfg.get("use_qk_norm")),
+              qk_norm=mt in ("qwen3", "qwen3_moe") + HYBRID_MODEL_TYPES + QWEN3_VL_MODEL_TYPES
+              or bool(cfg.get("use_qk_norm")),
               expert_dtype=edtype)
+    if mt in QWEN3_VL_MODEL_TYPES:
+        kw["vision_params"] = qwen_vision_params(outer.get("vision_config"))
     if mt in HYBRID_MODEL_TYPES:
         kw.update(num_linear_layers=_hybrid_layers(cfg, L, w),
                   linear_num_k_heads=_need(cfg, "linear_num_key_heads", w),
@@ -636,7 +645,7 @@ def hf_config_fields(cfg: dict) -> dict:
     if mt == "mixtral":
         kw.update(num_experts=_need(cfg, "num_local_experts", w), moe_intermediate_size=_need(cfg, "intermediate_size", w),
                   num_moe_layers=L)
-    elif mt in ("qwen2_moe", "qwen3_moe") + HYBRID_MODEL_TYPES:
+    elif mt in ("qwen2_moe", "qwen3_moe", "qwen3_vl_moe", "qwen3_vl_moe_text") + HYBRID_MODEL_TYPES:
         step = cfg.get("decoder_sparse_step") or 1
         dense = set(cfg.get("mlp_only_layers") or [])
         moe = sum(1 for i in range(L) if i not in dense and (i + 1) % step == 0)
@@ -847,11 +856,24 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
               num_moe_layers=48, num_linear_layers=36, linear_num_k_heads=16, linear_num_v_heads=32,
               linear_k_head_dim=128, linear_v_head_dim=128, linear_conv_kernel=4, attn_output_gate=True),
 ]}
+# Qwen3-VL: each size's text decoder is a Qwen3 / Qwen3-MoE catalog model's (their config.json's
+# text_config, the aisimulate wheel's), with 262,144 positions and a vision encoder with three DeepStack
+# mergers (2B and 4B: 24 blocks of width 1024; the others: Qwen3.5's 27 of 1152)
+QWEN3_VL_SIZES = {"2b": "qwen3-1.7b", "4b": "qwen3-4b", "8b": "qwen3-8b", "32b": "qwen3-32b",
+                  "30b-a3b": "qwen3-30b-a3b", "235b-a22b": "qwen3-235b-a22b"}
+_QWEN3_VL_SMALL_VISION = {**QWEN35_VISION_CONFIG, "depth": 24, "hidden_size": 1024, "intermediate_size": 4096,
+                          "deepstack_visual_indexes": [5, 11, 17]}
+_QWEN3_VL_VISION = {**QWEN35_VISION_CONFIG, "deepstack_visual_indexes": [8, 16, 24]}
+MODELS.update({f"qwen3-vl-{size}": replace(
+    MODELS[text], name=f"qwen3-vl-{size}", max_position_embeddings=262144,
+    vision_params=qwen_vision_params({**(_QWEN3_VL_SMALL_VISION if size in ("2b", "4b") else _QWEN3_VL_VISION),
+                                      "out_hidden_size": MODELS[text].hidden_size}))
+    for size, text in QWEN3_VL_SIZES.items()})
 # generation_config.json's sampling defaults of the checkpoints a catalog name serves (the instruct
 # ones where base and instruct differ), as their public files read (written from them, not
 # re-read offline): Llama 2, 3.1, 3.2 and 4: top_p 0.9 (an early Llama-2 revision 0.6); Qwen2.5
 # instruct: top_p 0.8, top_k 20 (and repetition_penalty 1.05, not priced); Qwen3 (dense and MoE),
-# Qwen3-Next and Qwen3.5: top_p 0.95 (Qwen3-Next instruct 0.8), top_k 20. The others set none that filters, or are not known here ("").
+# Qwen3-Next and Qwen3.5: top_p 0.95 (Qwen3-Next instruct 0.8), top_k 20; Qwen3-VL instruct: top_p 0.8, top_k 20. The others set none that filters, or are not known here ("").
 GENERATION_FILTERS = {**dict.fromkeys(("llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "llama-3.2-1b",
                                        "llama-3.2-3b", "llama-2-7b", "llama-2-13b", "llama-2-70b",
                                        "llama-4-scout-17b-16e", "llama-4-maverick-17b-128e"), "top_p"),
@@ -859,7 +881,8 @@ GENERATION_FILTERS = {**dict.fromkeys(("llama-3.1-8b", "llama-3.1-70b", "llama-3
                                        "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b",
                                        "qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3-coder-480b-a35b",
                                        "qwen3.5-397b-a17b", "qwen3.5-122b-a10b", "qwen3.5-35b-a3b", "qwen3.5-27b",
-                                       "qwen3-next-80b-a3b"), "top_k_top_p")}
+                                       "qwen3-next-80b-a3b", *(f"qwen3-vl-{x}" for x in QWEN3_VL_SIZES)),
+                                      "top_k_top_p")}
 MODELS = {k: replace(m, generation_filter=GENERATION_FILTERS.get(k, "")) for k, m in MODELS.items()}
 _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-3.1-8b",
                   "meta-llama-3.1-70b": "llama-3.1-70b", "meta-llama-3.1-405b": "llama-3.1-405b",
@@ -884,7 +907,10 @@ _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-
                   # DeepSeek-R1's distillations keep their base model's architecture
                   "deepseek-r1-distill-llama-70b": "llama-3.1-70b", "deepseek-r1-distill-llama-8b": "llama-3.1-8b",
                   "deepseek-r1-distill-qwen-32b": "qwen2.5-32b", "deepseek-r1-distill-qwen-14b": "qwen2.5-14b",
-                  "deepseek-r1-distill-qwen-7b": "qwen2.5-7b"}
+                  "deepseek-r1-distill-qwen-7b": "qwen2.5-7b",
+                  # Kimi-K2.6 and K2.7-Code: K2.5's architecture and sizes (the wheel's configs)
+                  "kimi-k2.6": "kimi-k2.5", "kimi-k2.7-code": "kimi-k2.5",
+                  **{f"qwen3-vl-{s}-thinking": f"qwen3-vl-{s}" for s in QWEN3_VL_SIZES}}
 
 DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
     # memory_bytes: the total CUDA reports (torch.cuda.mem_get_info), which vLLM multiplies by
@@ -936,6 +962,9 @@ CHECKPOINT_FIELDS = ((r"^qwen3-.*-2507", {"max_position_embeddings": 262144}),
 # quantization_config has weight_block_size [128, 128]: Qwen3, Qwen3.5, GLM-5, ...); an -FP8 name from
 # anyone else (nvidia/, RedHatAI/, neuralmagic/) reads per-channel or per-tensor fp8.
 FP8_BLOCK_PUBLISHERS = ("qwen", "zai-org", "deepseek-ai", "moonshotai", "minimaxai")
+# An fp8 checkpoint's name ending (lower case): -FP8, -FP8-dynamic, -FP8-Static, and a per-tensor
+# one (-FP8-Static-PerTensor: ModelOpt's static per-tensor scales, whoever publishes it)
+FP8_NAME = r"-fp8(-dynamic|-static)?(-per-?tensor)?$"
 
 
 def _repo_name(name: str) -> str:
@@ -948,8 +977,8 @@ def _model_key(name: str) -> tuple[str, bool | str]:
     NVFP4 one ("nvfp4")."""
     k = _repo_name(name)
     fp8 = False
-    if re.search(r"-fp8(-dynamic|-static)?$", k):
-        fp8, k = True, re.sub(r"-fp8(-dynamic|-static)?$", "", k)
+    if re.search(FP8_NAME, k):
+        fp8, k = True, re.sub(FP8_NAME, "", k)
     elif k.endswith("-nvfp4"):
         fp8, k = "nvfp4", k[: -len("-nvfp4")]
     changed = True
@@ -1062,7 +1091,8 @@ def _lookup_model(value: str, base_dir: Path | None = None) -> ModelSpec:
     if m.weight_dtype in FP8:  # an fp8 catalog model keeps its own format
         return m
     owner = value.strip().lower().split("/")[0] if "/" in value else ""
-    m = m.with_dtypes(weight_dtype="fp8_block" if owner in FP8_BLOCK_PUBLISHERS else "fp8")
+    per_tensor = re.search(r"-per-?tensor$", raw) is not None
+    m = m.with_dtypes(weight_dtype="fp8_block" if owner in FP8_BLOCK_PUBLISHERS and not per_tensor else "fp8")
     return replace(m, attn_weight_dtype=m.act_dtype) if key in FP8_KEEPS_16BIT_ATTENTION else m
 
 

@@ -138,7 +138,9 @@ def test_kimi_k2_5_int4_experts_in_groups_of_32_by_hand():
     ("MiniMaxAI/MiniMax-M2.7", "minimax-m2"), ("MiniMaxAI/MiniMax-M2.1", "minimax-m2"),
     ("deepseek-ai/DeepSeek-V3.1", "deepseek-v3"), ("Qwen/Qwen3-235B-A22B-Thinking-2507-FP8", "qwen3-235b-a22b"),
     ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "qwen3-30b-a3b"), ("Qwen/Qwen3-Coder-480B-A35B-Instruct", "qwen3-coder-480b-a35b"),
-    ("Qwen/Qwen3.6-35B-A3B", "qwen3.5-35b-a3b"), ("zai-org/GLM-5.1-FP8", "glm-5"), ("deepseek-ai/DeepSeek-V3.2-Exp", "deepseek-v3.2")])
+    ("Qwen/Qwen3.6-35B-A3B", "qwen3.5-35b-a3b"), ("zai-org/GLM-5.1-FP8", "glm-5"), ("deepseek-ai/DeepSeek-V3.2-Exp", "deepseek-v3.2"),
+    ("moonshotai/Kimi-K2.6", "kimi-k2.5"), ("nvidia/Kimi-K2.7-Code-NVFP4", "kimi-k2.5"),
+    ("Qwen/Qwen3-VL-30B-A3B-Instruct", "qwen3-vl-30b-a3b")])
 def test_moe_catalog_names(name, family):
     m = get_model(name)
     assert m.name == family and m.is_moe and m.num_experts_per_tok >= 1
@@ -883,3 +885,36 @@ def test_the_triton_moe_backend_reads_vllms_triton_kernel_where_another_is_the_d
     assert sc.cost_model.base.moe_backend == "triton"
     with pytest.raises(ScenarioError, match="moe_backend.*cutlass"):
         parse_scenario({**base, "cost_model": {"type": "kernels", "moe_backend": "cutlass"}})
+
+
+def test_qwen3_vl_reads_as_its_qwen3_text_decoder_with_a_deepstack_vision_encoder():
+    """Qwen3-VL's config.json (text_config of Qwen3 or Qwen3-MoE, a vision_config with DeepStack
+    mergers) reads as the catalog entry; the vision encoder is a hand count; and the totals are the
+    published sizes (8.77B, 236B)."""
+    from sim.specs import qwen_vision_params
+    vc = {"deepstack_visual_indexes": [8, 16, 24], "depth": 27, "hidden_size": 1152, "in_channels": 3,
+          "intermediate_size": 4304, "num_position_embeddings": 2304, "out_hidden_size": 4096, "patch_size": 16,
+          "spatial_merge_size": 2, "temporal_patch_size": 2}
+    text = {"model_type": "qwen3_vl_moe_text", "num_hidden_layers": 94, "hidden_size": 4096,
+            "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 12288,
+            "moe_intermediate_size": 1536, "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "vocab_size": 151936, "max_position_embeddings": 262144, "dtype": "bfloat16"}
+    cfg = {"model_type": "qwen3_vl_moe", "architectures": ["Qwen3VLMoeForConditionalGeneration"],
+           "tie_word_embeddings": False, "text_config": text, "vision_config": vc}
+    m, c = ModelSpec.from_hf_config(cfg), get_model("Qwen/Qwen3-VL-235B-A22B-Instruct")
+    for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "num_experts", "num_experts_per_tok",
+              "moe_intermediate_size", "num_moe_layers", "qk_norm", "vision_params", "max_position_embeddings"):
+        assert getattr(m, f) == getattr(c, f), f
+    assert c.name == "qwen3-vl-235b-a22b" and c.num_params == get_model("qwen3-235b-a22b").num_params
+    h, i, m4 = 1152, 4304, 4 * 1152
+    block = 3 * (h * h + h) + h * h + h + h * i + i + i * h + h + 2 * 2 * h   # qkv, proj, fc1, fc2, two norms
+    merger = m4 * m4 + m4 + m4 * 4096 + 4096                                  # fc1, fc2
+    vit = 27 * block + 3 * 2 * 16 * 16 * h + h + 2304 * h + (2 * h + merger) + 3 * (2 * m4 + merger)
+    assert qwen_vision_params(vc) == c.vision_params == vit
+    assert (c.num_params + c.vision_params) / 1e9 == pytest.approx(236, abs=1)
+    small = get_model("Qwen/Qwen3-VL-8B-Instruct")
+    assert (small.num_params + small.vision_params) / 1e9 == pytest.approx(8.77, abs=0.01)
+    # the weights a text step reads leave the vision encoder out
+    assert small.weight_bytes_per_gpu(1) - small.vision_bytes_per_gpu(1) == get_model("qwen3-8b").weight_bytes_per_gpu(1)
+    assert get_model("Qwen/Qwen3-VL-32B-Thinking").name == "qwen3-vl-32b"
+    assert get_model("Qwen/Qwen3-VL-235B-A22B-Instruct-FP8").weight_dtype == "fp8_block"

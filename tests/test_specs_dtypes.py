@@ -86,7 +86,9 @@ def test_input_embedding_is_not_a_weight_read():
     ("llama-3.1-8b", "llama-3.1-8b", False), ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b", False),
     ("Llama-3.1-70B", "llama-3.1-70b", False), ("meta-llama/Llama-3.3-70B-Instruct", "llama-3.1-70b", False),
     ("RedHatAI/Meta-Llama-3.1-70B-Instruct-FP8", "llama-3.1-70b", True), ("Qwen/Qwen3-32B", "qwen3-32b", False),
-    ("Qwen3-32B-FP8", "qwen3-32b", True)])
+    ("Qwen3-32B-FP8", "qwen3-32b", True),
+    # ModelOpt's static per-tensor scales: per-tensor fp8 even under a block-fp8 publisher's name
+    ("Qwen/Qwen3-32B-FP8-Static-PerTensor", "qwen3-32b", True)])
 def test_model_names_are_forgiving(name, expect, fp8):
     m = get_model(name)
     assert m.name == expect and (m.weight_dtype == "fp8") == fp8
