@@ -33,7 +33,7 @@ import numpy as np
 
 from engine.core.features import BatchFeatures
 from sim.cost_model import PROFILE_FORMAT, CostModel, FittedCostModel
-from sim.specs import (DTYPE_BYTES, EXPERT_DTYPE_BYTES, WEIGHT_ONLY_4BIT, DeviceSpec, ModelSpec, get_device, get_model,
+from sim.specs import (DTYPE_BYTES, EXPERT_DTYPE_BYTES, INDEXER_GEMMS, WEIGHT_ONLY_4BIT, DeviceSpec, ModelSpec, get_device, get_model,
                        vllm_version_tuple)
 from sim.sampling import filter_cost_s, filter_implementation, filters as sampling_filters
 
@@ -871,8 +871,8 @@ class KernelCostModel(CostModel):
             t, e = grid(M, n / parts, k)
             return parts * t * self.ovh.gemm_factor(M), e
 
-        proj = ([(n, k, name not in UNCOUNTED_GEMMS) for name, (n, k) in m.attention_gemm_shapes(tp).items()]
-                if self._mla_key else [])
+        proj = ([(n, k, name not in UNCOUNTED_GEMMS, self._proj_share(name))
+                 for name, (n, k) in m.attention_gemm_shapes(tp).items()] if self._mla_key else [])
         gw_p, rw_p, _t = grid_of(m.attn_dtype)
         mla_proj, ok_p = [], []
         for M in ms:
@@ -888,9 +888,9 @@ class KernelCostModel(CostModel):
             head.append(t)
             ok_h.append(e)
             if proj:  # the MLA projections of a step's decode tokens (mla_module times the prefill's)
-                ts = [(*gemm(gw_p, rw_p, M, n, k), counted) for n, k, counted in proj]
-                mla_proj.append(sum(t for t, _e, _c in ts))
-                ok_p.append(all(e or not c for _t, e, c in ts))
+                ts = [(*gemm(gw_p, rw_p, M, n, k), counted, share) for n, k, counted, share in proj]
+                mla_proj.append(sum(share * t for t, _e, _c, share in ts))
+                ok_p.append(all(e or not c for _t, e, c, _s in ts))
         self.g_layer = Grid([ms], layer, self._layer_roof, ok_l)
         self.g_mla_proj = Grid([ms], mla_proj, self._mla_proj_roof, ok_p) if proj else None
         self.g_head = Grid([ms], head, self._head_roof, ok_h)
@@ -1160,7 +1160,14 @@ class KernelCostModel(CostModel):
         """One MLA layer's projections for M tokens by the roofline (the MLA layer tables' own
         roofline adds them to the attention's)."""
         m = self.model
-        return sum(self._gemm_roof(m.attn_dtype)(M, n, k) for n, k in m.attention_gemm_shapes(self.tp).values())
+        return sum(self._proj_share(name) * self._gemm_roof(m.attn_dtype)(M, n, k)
+                   for name, (n, k) in m.attention_gemm_shapes(self.tp).items())
+
+    def _proj_share(self, name: str) -> float:
+        """The share of the layers that run an attention projection: the sparse-attention indexer's
+        (INDEXER_GEMMS) only in the layers with an indexer of their own, every other one in all."""
+        m = self.model
+        return m.index_layers / m.num_layers if name in INDEXER_GEMMS else 1.0
 
     def _moe_roof(self, T):
         """One MoE layer's routed experts for T tokens, by the roofline (see _build)."""
@@ -1375,8 +1382,8 @@ class KernelCostModel(CostModel):
         m = self.model
         full = m.num_full_attention_layers
         if m.index_topk:  # sparse attention: the latent attention reads the top-k; the indexer all
-            return full * (self._look("generation_attention", self.g_gen, n, min(y, float(m.index_topk)))
-                           + self._roofline_term("indexer", self._indexer_roof(n * y, n, n * y)))
+            return (full * self._look("generation_attention", self.g_gen, n, min(y, float(m.index_topk)))
+                    + m.index_layers * self._roofline_term("indexer", self._indexer_roof(n * y, n, n * y)))
         att = full * self._look("generation_attention", self.g_gen, n, y) if full else 0.0
         if m.num_sliding_layers:
             att += m.num_sliding_layers * self._look("generation_attention", self.g_gen, n,
@@ -1409,15 +1416,21 @@ class KernelCostModel(CostModel):
                 own = self._look("gemm", self.g_mla_proj, b * s)
                 att += full * (max(layer - own, self._mla_flash_floor(b, s))
                                + self._look("gemm", self.g_mla_proj, f.num_prefill_tokens))
+                if m.index_topk and m.index_layers < full:
+                    # the table's layer scores with an indexer of its own; a layer that shares one
+                    # does not (its roofline, a lower bound of what the table holds of it)
+                    att -= (full - m.index_layers) * min(self._indexer_roof(
+                        f.prefill_attn_pairs, f.num_prefill_tokens, f.prefill_context_tokens + f.num_prefill_tokens),
+                        max(layer - own - self._mla_flash_floor(b, s), 0.0))
             elif full and m.index_topk:
                 # sparse attention: each query reads at most top-k latents; the indexer scores
                 # every earlier token
                 pairs = min(f.prefill_attn_pairs, f.num_prefill_tokens * m.index_topk)
                 s = math.sqrt(2.0 * pairs / b)
-                att += full * (self._look("context_attention", self.g_ctx, b, max(s, 1.0))
-                               + self._roofline_term("indexer", self._indexer_roof(
-                                   f.prefill_attn_pairs, f.num_prefill_tokens,
-                                   f.prefill_context_tokens + f.num_prefill_tokens)))
+                att += (full * self._look("context_attention", self.g_ctx, b, max(s, 1.0))
+                        + m.index_layers * self._roofline_term("indexer", self._indexer_roof(
+                            f.prefill_attn_pairs, f.num_prefill_tokens,
+                            f.prefill_context_tokens + f.num_prefill_tokens)))
             elif full:
                 s = math.sqrt(2.0 * f.prefill_attn_pairs / b)
                 att += full * self._look("context_attention", self.g_ctx, b, max(s, 1.0))

@@ -92,6 +92,9 @@ class ModelSpec:
     index_topk: int = 0
     index_n_heads: int = 0
     index_head_dim: int = 0
+    # Layers with an indexer of their own (GLM-5.2's indexer_types "full"); the others ("shared")
+    # reuse the top-k of the last one and have no indexer weights, keys or scoring. 0: every layer.
+    num_index_layers: int = 0
     # Sliding-window attention layers (gpt-oss: every other layer, window 128): their KV holds at
     # most sliding_window tokens per request, so the per-token KV counts the other layers only.
     sliding_window: int = 0
@@ -146,6 +149,8 @@ class ModelSpec:
         if self.index_topk and not (self.kv_lora_rank and self.index_n_heads > 0 and self.index_head_dim > 0):
             raise ValueError(f"index_topk={self.index_topk!r}: sparse attention needs latent attention "
                              "(kv_lora_rank) and index_n_heads, index_head_dim > 0")
+        if not 0 <= self.num_index_layers <= self.num_layers:
+            raise ValueError(f"num_index_layers={self.num_index_layers!r}: must be in 0..num_layers={self.num_layers}")
         if not 0 <= self.num_linear_layers < self.num_layers - self.num_sliding_layers:
             raise ValueError(f"num_linear_layers={self.num_linear_layers!r}: must be in 0..num_layers - 1 "
                              f"({self.num_layers - 1}; a model keeps at least one attention layer)")
@@ -207,6 +212,11 @@ class ModelSpec:
     def num_attention_layers(self) -> int:
         """Layers with softmax attention (full or sliding-window): all but the linear ones."""
         return self.num_layers - self.num_linear_layers
+
+    @property
+    def index_layers(self) -> int:
+        """Layers that run a sparse-attention indexer (0 without sparse attention)."""
+        return (self.num_index_layers or self.num_layers) if self.index_topk else 0
 
     @property
     def num_full_attention_layers(self) -> int:
@@ -276,7 +286,8 @@ class ModelSpec:
         Routed experts are not here (their work depends on the tokens: expert_gemms)."""
         L, h = self.num_layers, self.hidden_size
         A = self.num_attention_layers
-        out = [(k, n, kk, A, self.attn_dtype) for k, (n, kk) in self.attention_gemm_shapes(tp).items()]
+        out = [(k, n, kk, self.index_layers if k in INDEXER_GEMMS else A, self.attn_dtype)
+               for k, (n, kk) in self.attention_gemm_shapes(tp).items()]
         # (in_proj_ba: a few columns per GPU, in the activation dtype, as vLLM keeps them)
         out += [(k, n, kk, self.num_linear_layers, self.act_dtype if k == "in_proj_ba" else self.attn_dtype)
                 for k, (n, kk) in self.linear_attention_gemm_shapes(tp).items()]
@@ -321,8 +332,11 @@ class ModelSpec:
     def attention_params_per_layer(self) -> int:
         """One attention layer's weights (q/k/v/o, or MLA's projections and norms)."""
         if self.is_mla:
-            # the full projections, kept whole: sum of N*K at tp=1, plus the latent's two norms
-            return sum(n * k for n, k in self.attention_gemm_shapes(1).values()) + self.kv_lora_rank + self.q_lora_rank
+            # the full projections, kept whole: sum of N*K at tp=1, plus the latent's two norms;
+            # the indexer's (INDEXER_GEMMS) averaged over the layers, in index_layers of them
+            own = sum(n * k for name, (n, k) in self.attention_gemm_shapes(1).items() if name not in INDEXER_GEMMS)
+            index = sum(n * k for name, (n, k) in self.attention_gemm_shapes(1).items() if name in INDEXER_GEMMS)
+            return own + self.kv_lora_rank + self.q_lora_rank + index * self.index_layers // self.num_layers
         h, d = self.hidden_size, self.head_dim
         gate = 2 if self.attn_output_gate else 1
         return gate * h * self.num_heads * d + 2 * h * self.num_kv_heads * d + self.num_heads * d * h
@@ -425,7 +439,8 @@ class ModelSpec:
             if self.index_topk:
                 if self.kv_dtype_bytes == 1:  # vLLM's fp8_ds_mla: fp8 latent, 4 fp32 scales, bf16 rope
                     latent = self.kv_lora_rank + 16 + 2 * self.qk_rope_head_dim
-                latent += self.index_head_dim + 4  # the indexer's fp8 key and its scale
+                # the indexer's fp8 key and its scale, in the layers with an indexer
+                return layers * latent + self.index_layers * (self.index_head_dim + 4)
             return layers * latent
         heads = self.num_kv_heads if tp == 0 else self.kv_heads_per_gpu(tp)
         return 2 * layers * heads * self.head_dim * self.kv_dtype_bytes
@@ -466,6 +481,9 @@ class ModelSpec:
             kw["weight_dtype"] = dtype
         return cls(name=name, kv_dtype=kv_dtype, **kw)
 
+
+# The sparse-attention indexer's GEMMs (ModelSpec.attention_gemm_shapes): in index_layers layers only
+INDEXER_GEMMS = ("index_q", "index_k", "index_weights")
 
 # HF model_type -> family. Dense families are read as Llama-like decoders.
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_vl", "qwen3_vl_text")
@@ -664,12 +682,15 @@ def hf_config_fields(cfg: dict) -> dict:
         kw["head_dim"] = kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"]
         kw["num_kv_heads"] = heads
         if mt in ("deepseek_v32", "glm_moe_dsa"):  # sparse attention: the indexer
-            kinds = sorted(set(cfg.get("indexer_types") or ["full"]) - {"full"})
-            if kinds:
-                raise ValueError(f"config.json ({w}) indexer_types={kinds}: only layers with their own "
-                                 "indexer ('full') are known")
+            types = cfg.get("indexer_types") or ["full"] * L
+            kinds = sorted(set(types) - {"full", "shared"})
+            if kinds or len(types) != L:
+                raise ValueError(f"config.json ({w}) indexer_types={kinds or len(types)}: one entry per layer, "
+                                 "'full' (an indexer of its own) or 'shared' (GLM-5.2: the last one's top-k), "
+                                 f"for num_hidden_layers={L}")
+            own = sum(t == "full" for t in types)
             kw.update(index_topk=_need(cfg, "index_topk", w), index_n_heads=_need(cfg, "index_n_heads", w),
-                      index_head_dim=_need(cfg, "index_head_dim", w))
+                      index_head_dim=_need(cfg, "index_head_dim", w), num_index_layers=0 if own == L else own)
     elif mt == "gpt_oss":
         types = cfg.get("layer_types") or []
         kw.update(num_experts=_need(cfg, "num_local_experts", w), moe_intermediate_size=_need(cfg, "intermediate_size", w),
@@ -864,6 +885,9 @@ QWEN3_VL_SIZES = {"2b": "qwen3-1.7b", "4b": "qwen3-4b", "8b": "qwen3-8b", "32b":
 _QWEN3_VL_SMALL_VISION = {**QWEN35_VISION_CONFIG, "depth": 24, "hidden_size": 1024, "intermediate_size": 4096,
                           "deepstack_visual_indexes": [5, 11, 17]}
 _QWEN3_VL_VISION = {**QWEN35_VISION_CONFIG, "deepstack_visual_indexes": [8, 16, 24]}
+# GLM-5.2 (and 5.3, whose config.json is the same): GLM-5 with 21 of its 78 layers keeping an indexer
+# of their own (indexer_types), 1,048,576 positions
+MODELS["glm-5.2"] = replace(MODELS["glm-5"], name="glm-5.2", num_index_layers=21, max_position_embeddings=1048576)
 MODELS.update({f"qwen3-vl-{size}": replace(
     MODELS[text], name=f"qwen3-vl-{size}", max_position_embeddings=262144,
     vision_params=qwen_vision_params({**(_QWEN3_VL_SMALL_VISION if size in ("2b", "4b") else _QWEN3_VL_VISION),
@@ -901,7 +925,7 @@ _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-
                   # wheel's MiniMax-M2.7 and DeepSeek-V3.1 configs read as M2.5's and V3's)
                   "minimax-m2.1": "minimax-m2", "minimax-m2.7": "minimax-m2", "deepseek-v3.1": "deepseek-v3",
                   "deepseek-v3.1-terminus": "deepseek-v3", "qwen3-235b-a22b-thinking": "qwen3-235b-a22b",
-                  "qwen3-coder-30b-a3b": "qwen3-30b-a3b", "deepseek-v3.2-exp": "deepseek-v3.2", "glm-5.1": "glm-5",
+                  "qwen3-coder-30b-a3b": "qwen3-30b-a3b", "deepseek-v3.2-exp": "deepseek-v3.2", "glm-5.1": "glm-5", "glm-5.3": "glm-5.2",
                   # Qwen3.6: Qwen3.5's architecture and sizes (the wheel's Qwen3.6 configs)
                   "qwen3.6-27b": "qwen3.5-27b", "qwen3.6-35b-a3b": "qwen3.5-35b-a3b",
                   # DeepSeek-R1's distillations keep their base model's architecture

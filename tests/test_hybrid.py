@@ -1,6 +1,7 @@
 """Linear-attention hybrids (Qwen3.5, Qwen3-Next): Gated DeltaNet layers read from config.json,
 sized by hand (weights, KV of the attention layers only, a fixed state per request), refused
 when not understood, and timed from the measured GDN kernel tables."""
+import dataclasses
 import warnings
 
 import numpy as np
@@ -200,10 +201,55 @@ def test_glm5_from_its_config_is_the_catalog_entry_and_its_published_size():
     assert c.with_dtypes(kv_dtype="fp8").kv_bytes_per_token == 78 * (512 + 16 + 128 + 128 + 4)
 
 
-def test_a_shared_indexer_is_refused_naming_the_field():
-    cfg = {**GLM_5, "indexer_types": ["full", "shared"] * 39}
-    with pytest.raises(ValueError, match=r"indexer_types=\['shared'\]"):
-        ModelSpec.from_hf_config(cfg)
+# GLM-5.2's indexer_types (its public config.json): 21 of 78 layers with an indexer of their own,
+# the others reusing the last one's top-k
+GLM_52_INDEXERS = ["full"] * 3 + (["shared"] * 3 + ["full"]) * 18 + ["shared"] * 3
+
+
+def test_shared_indexers_count_only_the_layers_with_their_own():
+    """GLM-5.2: the layers whose indexer is 'shared' hold no indexer weights and cache no indexer
+    keys (hand counts against GLM-5, which differs in nothing else); an unknown kind or a list of
+    the wrong length is refused, naming the field."""
+    g5 = ModelSpec.from_hf_config(GLM_5)
+    g52 = ModelSpec.from_hf_config({**GLM_5, "indexer_types": GLM_52_INDEXERS})
+    assert (g5.index_layers, g52.index_layers, g52.num_index_layers) == (78, 21, 21)
+    assert g52 == dataclasses.replace(get_model("zai-org/GLM-5.2-FP8").with_dtypes(weight_dtype="bfloat16"),
+                                      name=g52.name, max_position_embeddings=g52.max_position_embeddings)
+    assert get_model("nvidia/GLM-5.3-NVFP4").num_index_layers == 21
+    assert g52.kv_bytes_per_token == 78 * (512 + 64) * 2 + 21 * (128 + 4)
+    index_params = 32 * 128 * 2048 + 128 * 6144 + 32 * 6144        # query (from the q latent), key, head weights
+    assert g5.num_params - g52.num_params == pytest.approx(57 * index_params, abs=78)
+    assert g5.weight_bytes - g52.weight_bytes == 57 * index_params * 2
+    with pytest.raises(ValueError, match=r"indexer_types=\['partial'\]"):
+        ModelSpec.from_hf_config({**GLM_5, "indexer_types": ["full", "partial"] * 39})
+    with pytest.raises(ValueError, match=r"indexer_types=77"):
+        ModelSpec.from_hf_config({**GLM_5, "indexer_types": ["full"] * 77})
+
+
+def test_shared_indexers_score_only_in_their_own_layers():
+    """A decode's indexer streams the cached keys in the layers with an indexer only (21 of GLM-5.2's
+    78); a fresh prefill read from vLLM's DSA layer table (measured with an indexer in every layer)
+    gives back the indexer's roofline in each layer that shares one."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g52 = ModelSpec.from_hf_config({**GLM_5, "indexer_types": GLM_52_INDEXERS})
+        k5, k52 = KernelCostModel("glm-5", "h200", 8), KernelCostModel(g52, "h200", 8)
+        n = 32
+
+        def att(k, y):
+            return k.breakdown(BatchFeatures(num_reqs=n, num_decode_reqs=n, decode_context_tokens=n * y))["attention"]
+        extra_bytes = n * (16384 - 4096) * (128 + 4 + 8)
+        assert att(k52, 16384) - att(k52, 4096) == pytest.approx(21 * extra_bytes / get_device("h200").mem_bandwidth,
+                                                                 rel=1e-6)
+        T = 8192
+        f = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=T, prefill_attn_pairs=T * T // 2)
+        roof = k52._indexer_roof(T * T // 2, T, T)
+        assert k52.coverage["context_attention"] == k5.coverage["context_attention"]
+        # the layers' projections are counted at their share (the indexer's in 21 layers of 78); in
+        # a fresh prefill the table's own projections and the chunk's are the same tokens' and
+        # cancel, so what is left is the same table less 57 layers' indexer scoring
+        assert k52.g_mla_proj(T)[0] < k5.g_mla_proj(T)[0]
+        assert k52.breakdown(f)["attention"] == pytest.approx(k5.breakdown(f)["attention"] - 57 * roof, rel=1e-6)
 
 
 def test_sparse_attention_reads_the_top_k_and_its_indexer_every_token():
