@@ -6,6 +6,7 @@ import itertools
 import math
 
 from scenarios.compose import set_field, strip
+from sim.specs import QWEN3_VL_SIZES
 
 # The Hugging Face repository a catalog model is served from (for the printed vllm command).
 HF_NAMES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
@@ -36,7 +37,8 @@ HF_NAMES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
             "qwen3.5-397b-a17b": "Qwen/Qwen3.5-397B-A17B", "qwen3.5-122b-a10b": "Qwen/Qwen3.5-122B-A10B",
             "qwen3.5-35b-a3b": "Qwen/Qwen3.5-35B-A3B", "qwen3.5-27b": "Qwen/Qwen3.5-27B",
             "qwen3-next-80b-a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct",
-            "deepseek-v3.2": "deepseek-ai/DeepSeek-V3.2", "glm-5": "zai-org/GLM-5"}
+            "deepseek-v3.2": "deepseek-ai/DeepSeek-V3.2", "glm-5": "zai-org/GLM-5", "glm-5.2": "zai-org/GLM-5.2",
+            **{f"qwen3-vl-{s}": f"Qwen/Qwen3-VL-{s.upper()}-Instruct" for s in QWEN3_VL_SIZES}}
 
 # Checkpoints published with fp8 weights for catalog models whose own checkpoint is bf16: what a
 # plan timed with `deployment.weight_dtype: fp8` (or fp8_block) is served from.
@@ -50,7 +52,9 @@ FP8_HF_NAMES = {"llama-3.1-8b": "nvidia/Llama-3.1-8B-Instruct-FP8",
                 "llama-4-maverick-17b-128e": "meta-llama/Llama-4-Maverick-17B-128E-Instruct-FP8",
                 "qwen3.5-397b-a17b": "Qwen/Qwen3.5-397B-A17B-FP8", "qwen3.5-122b-a10b": "Qwen/Qwen3.5-122B-A10B-FP8",
                 "qwen3.5-35b-a3b": "Qwen/Qwen3.5-35B-A3B-FP8", "qwen3.5-27b": "Qwen/Qwen3.5-27B-FP8",
-                "qwen3-next-80b-a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct-FP8", "glm-5": "zai-org/GLM-5-FP8"}
+                "qwen3-next-80b-a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct-FP8", "glm-5": "zai-org/GLM-5-FP8",
+                "glm-5.2": "zai-org/GLM-5.2-FP8",
+                **{f"qwen3-vl-{s}": f"Qwen/Qwen3-VL-{s.upper()}-Instruct-FP8" for s in QWEN3_VL_SIZES}}
 FP8_DTYPES = ("fp8", "fp8_block")
 
 

@@ -1153,15 +1153,22 @@ class KernelCostModel(CostModel):
         return b * s * keys * self.q_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) / self.device.flops
 
     def _mla_layer_roof(self, b, s):
-        """A measured MLA layer table's roofline: the attention's and its projections' of b x s tokens."""
-        return self._ctx_roof(b, s) + self._mla_proj_roof(b * s)
+        """A measured MLA layer table's roofline: the attention's and its projections' of b x s
+        tokens (an indexer's in every layer, as the table was measured)."""
+        return self._ctx_roof(b, s) + self._mla_proj_roof(b * s, per_layer_share=False)
 
-    def _mla_proj_roof(self, M):
-        """One MLA layer's projections for M tokens by the roofline (the MLA layer tables' own
-        roofline adds them to the attention's)."""
+    def _mla_proj_roof(self, M, per_layer_share: bool = True):
+        """One MLA layer's projections for M tokens by the roofline, the indexer's at the share of
+        layers that keep one (_proj_share; per_layer_share False: in every layer)."""
         m = self.model
-        return sum(self._proj_share(name) * self._gemm_roof(m.attn_dtype)(M, n, k)
+        return sum((self._proj_share(name) if per_layer_share else 1.0) * self._gemm_roof(m.attn_dtype)(M, n, k)
                    for name, (n, k) in m.attention_gemm_shapes(self.tp).items())
+
+    def _index_proj_roof(self, M):
+        """The sparse-attention indexer's projections (INDEXER_GEMMS) for M tokens, by the roofline."""
+        m = self.model
+        return sum(self._gemm_roof(m.attn_dtype)(M, n, k)
+                   for name, (n, k) in m.attention_gemm_shapes(self.tp).items() if name in INDEXER_GEMMS)
 
     def _proj_share(self, name: str) -> float:
         """The share of the layers that run an attention projection: the sparse-attention indexer's
@@ -1413,15 +1420,18 @@ class KernelCostModel(CostModel):
                 # at peak), and the projections are the chunks' own tokens'
                 s = max(math.sqrt(2.0 * f.prefill_attn_pairs / b), 1.0)
                 layer = self._look("context_attention", self.g_ctx, b, s)
-                own = self._look("gemm", self.g_mla_proj, b * s)
-                att += full * (max(layer - own, self._mla_flash_floor(b, s))
-                               + self._look("gemm", self.g_mla_proj, f.num_prefill_tokens))
-                if m.index_topk and m.index_layers < full:
-                    # the table's layer scores with an indexer of its own; a layer that shares one
-                    # does not (its roofline, a lower bound of what the table holds of it)
-                    att -= (full - m.index_layers) * min(self._indexer_roof(
+                own = self._look("gemm", self.g_mla_proj, b * s)  # at the layers' share of the indexer's
+                shared = full - m.index_layers if m.index_topk else 0
+                if shared:  # the table's layer was measured with an indexer's projections in every layer
+                    own += shared / full * self._index_proj_roof(b * s)
+                floor = self._mla_flash_floor(b, s)
+                att += full * (max(layer - own, floor) + self._look("gemm", self.g_mla_proj, f.num_prefill_tokens))
+                if shared:
+                    # and its scoring: a layer that shares an indexer does not score (the
+                    # roofline, a lower bound of what the table holds of it)
+                    att -= shared * min(self._indexer_roof(
                         f.prefill_attn_pairs, f.num_prefill_tokens, f.prefill_context_tokens + f.num_prefill_tokens),
-                        max(layer - own - self._mla_flash_floor(b, s), 0.0))
+                        max(layer - own - floor, 0.0))
             elif full and m.index_topk:
                 # sparse attention: each query reads at most top-k latents; the indexer scores
                 # every earlier token

@@ -602,7 +602,8 @@ def hf_config_fields(cfg: dict) -> dict:
     """ModelSpec fields from a HF config.json: dense Llama, Mistral, Qwen2 and Qwen3 decoders, the
     mixtures of experts Mixtral, Qwen2-MoE/Qwen3-MoE, DeepSeek-V2/V3 and Kimi-K2 (MLA),
     DeepSeek-V3.2 and GLM-5 (MLA with sparse attention), gpt-oss,
-    MiniMax-M2 and Llama-4 (its text_config), and the linear-attention hybrids Qwen3-Next and
+    MiniMax-M2 and Llama-4 (its text_config), Qwen3-VL (Qwen3 / Qwen3-MoE in its text_config, and
+    its vision encoder), and the linear-attention hybrids Qwen3-Next and
     Qwen3.5 (dense or MoE; its text_config). Anything else (another model_type, a
     dense family with expert fields, a quantization it does not know) is a ValueError naming the
     field: never timed as something else."""
@@ -689,6 +690,9 @@ def hf_config_fields(cfg: dict) -> dict:
                                  "'full' (an indexer of its own) or 'shared' (GLM-5.2: the last one's top-k), "
                                  f"for num_hidden_layers={L}")
             own = sum(t == "full" for t in types)
+            if types[0] != "full":
+                raise ValueError(f"config.json ({w}) indexer_types[0]={types[0]!r}: the first layer needs an "
+                                 "indexer of its own ('full') for the others to share")
             kw.update(index_topk=_need(cfg, "index_topk", w), index_n_heads=_need(cfg, "index_n_heads", w),
                       index_head_dim=_need(cfg, "index_head_dim", w), num_index_layers=0 if own == L else own)
     elif mt == "gpt_oss":

@@ -224,12 +224,15 @@ def test_shared_indexers_count_only_the_layers_with_their_own():
         ModelSpec.from_hf_config({**GLM_5, "indexer_types": ["full", "partial"] * 39})
     with pytest.raises(ValueError, match=r"indexer_types=77"):
         ModelSpec.from_hf_config({**GLM_5, "indexer_types": ["full"] * 77})
+    with pytest.raises(ValueError, match=r"indexer_types\[0\]='shared'"):
+        ModelSpec.from_hf_config({**GLM_5, "indexer_types": ["shared"] * 78})
 
 
 def test_shared_indexers_score_only_in_their_own_layers():
     """A decode's indexer streams the cached keys in the layers with an indexer only (21 of GLM-5.2's
     78); a fresh prefill read from vLLM's DSA layer table (measured with an indexer in every layer)
-    gives back the indexer's roofline in each layer that shares one."""
+    gives back the indexer's roofline, its projections' and its scoring's, in each layer that
+    shares one."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         g52 = ModelSpec.from_hf_config({**GLM_5, "indexer_types": GLM_52_INDEXERS})
@@ -245,11 +248,14 @@ def test_shared_indexers_score_only_in_their_own_layers():
         f = BatchFeatures(num_reqs=1, num_prefill_reqs=1, num_prefill_tokens=T, prefill_attn_pairs=T * T // 2)
         roof = k52._indexer_roof(T * T // 2, T, T)
         assert k52.coverage["context_attention"] == k5.coverage["context_attention"]
-        # the layers' projections are counted at their share (the indexer's in 21 layers of 78); in
-        # a fresh prefill the table's own projections and the chunk's are the same tokens' and
-        # cancel, so what is left is the same table less 57 layers' indexer scoring
+        # the chunk's projections count the indexer's in 21 layers of 78; the table's reading is
+        # what it was measured as (an indexer in every layer), so 57 layers give back the
+        # indexer's projections and scoring, each by its roofline
         assert k52.g_mla_proj(T)[0] < k5.g_mla_proj(T)[0]
-        assert k52.breakdown(f)["attention"] == pytest.approx(k5.breakdown(f)["attention"] - 57 * roof, rel=1e-6)
+        proj = sum(k52._gemm_roof(g52.attn_dtype)(T, *g52.attention_gemm_shapes(8)[x])
+                   for x in ("index_q", "index_k", "index_weights"))
+        assert proj > 0 and k52.breakdown(f)["attention"] == pytest.approx(
+            k5.breakdown(f)["attention"] - 57 * (roof + proj), rel=1e-6)
 
 
 def test_sparse_attention_reads_the_top_k_and_its_indexer_every_token():
