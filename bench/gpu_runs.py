@@ -57,7 +57,7 @@ def device_of(row: dict) -> str:
     from sim.specs import get_device
     hw = (row.get("hardware") or "").strip()
     product = (row.get("gpu_product") or "").split("(")[0].strip()
-    family = next((w.upper() for w in (hw.split()[:1] + product.replace("-", " ").split())
+    family = next((w.upper() for w in (re.split(r"[\s_-]+", hw)[:1] + product.replace("-", " ").split())
                    if w.upper() in DEVICES), None)
     size = re.search(r"(\d+)\s*GB", product, re.IGNORECASE)
     for value in (product, f"{family}-{size.group(1)}GB" if family and size else "", hw):
