@@ -184,6 +184,10 @@ class FittedCostModel(CostModel):
                    metadata=prof.get("metadata", {}))
 
 
+# The chunk of the Gated DeltaNet's chunked prefill kernel (vLLM's fla chunk_gated_delta_rule: 64)
+GDN_CHUNK = 64
+
+
 @dataclass
 class Efficiency:
     """Fractions of peak achieved (fit from a profile, or defaults from public measurements)."""
@@ -228,6 +232,14 @@ class AnalyticCostModel(CostModel):
         self._attn_time_per_pair = 4 * m.num_attention_layers * m.num_heads * m.head_dim / tp / (d.flops * e.attention_flops)
         # KV bytes of this GPU's KV heads (replicated, not divided, when TP > KV heads).
         self._kv_time_per_token = m.kv_bytes_per_token_per_gpu(tp) / (d.mem_bandwidth * e.bandwidth)
+        # Linear-attention layers (Gated DeltaNet): every request of a step reads and writes its
+        # fixed state once (conv window and a k x v matrix per value head, per layer), and each
+        # token costs the delta rule's state product, update and output (3 k x v multiply-adds per
+        # value head) plus its chunked form's intra-chunk terms (GDN_CHUNK tokens of k and v).
+        self._state_time_per_req = 2 * m.linear_state_bytes_per_request_per_gpu(tp) / (d.mem_bandwidth * e.bandwidth)
+        dk, dv = m.linear_k_head_dim, m.linear_v_head_dim
+        self._linear_time_per_token = (m.num_linear_layers * (m.linear_num_v_heads // tp)
+                                       * (6 * dk * dv + 2 * GDN_CHUNK * (dk + dv)) / (d.flops * e.attention_flops))
         if tp > 1:
             ring = 2 * (tp - 1) / tp
             self._comm_fixed = 2 * m.num_layers * d.interconnect_latency_s
@@ -259,6 +271,8 @@ class AnalyticCostModel(CostModel):
             lin += max(self._expert_s * m.experts_touched(num_tokens) / m.num_experts,
                        self._expert_flop_s * num_tokens)
         attn = self._attn_time_per_pair * prefill_pairs + self._kv_time_per_token * (decode_ctx + prefill_ctx)
+        if self._state_time_per_req:
+            attn += self._state_time_per_req * num_reqs + self._linear_time_per_token * num_tokens
         comm = self._comm_fixed + self._comm_per_token * num_tokens
         return self.eff.step_overhead_s + self.eff.per_req_overhead_s * num_reqs + lin + attn + comm
 

@@ -394,3 +394,22 @@ def test_a_sparse_attention_prefill_reads_vllms_measured_dsa_layer():
     assert k.breakdown(f)["attention"] == pytest.approx(78 * cell * k.ovh.gemm_factor(T) * 1e-6, rel=1e-9)
     assert k.fallbacks.get("indexer", 0) == before.get("indexer", 0)
     assert not {"index_q", "q_a", "kv_b", "o_proj"} & {g[0] for g in k._step_gemms()}
+
+
+def test_the_analytic_model_prices_a_gdn_layer_by_its_state_traffic_and_delta_rule():
+    """Qwen3.5-27B on one H100 under the analytic roofline: one more decode request (no KV read)
+    adds its per-request overhead, its linear-attention state read and written once in each of the
+    48 GDN layers (conv window of 10,240 channels x 3 in bf16, 48 value heads of 128 x 128 in
+    fp32), and its token's delta rule (3 x 128 x 128 multiply-adds per head and the 64-token
+    chunk terms), counted by hand; the weights' time is the same (memory-bound either way)."""
+    from sim.cost_model import AnalyticCostModel, Efficiency
+    a = AnalyticCostModel("qwen3.5-27b", "h100-sxm", 1)
+    e, d = Efficiency(), get_device("h100-sxm")
+    state = 48 * (10240 * 3 * 2 + 48 * 128 * 128 * 4)
+    per_token = 48 * 48 * (6 * 128 * 128 + 2 * 64 * 256) / (d.flops * e.attention_flops)
+
+    def t(n):
+        return a.step_time(BatchFeatures(num_reqs=n, num_decode_reqs=n))
+    assert t(9) - t(8) == pytest.approx(e.per_req_overhead_s + 2 * state / (d.mem_bandwidth * e.bandwidth)
+                                        + per_token, rel=1e-9)
+    assert AnalyticCostModel("llama-3.1-8b", "h100-sxm", 1)._state_time_per_req == 0.0
