@@ -242,8 +242,9 @@ class AnalyticCostModel(CostModel):
                                        * (6 * dk * dv + 2 * GDN_CHUNK * (dk + dv)) / (d.flops * e.attention_flops))
         if tp > 1:
             ring = 2 * (tp - 1) / tp
-            self._comm_fixed = 2 * m.num_layers * d.interconnect_latency_s
-            self._comm_per_token = 2 * m.num_layers * ring * m.hidden_size * m.act_dtype_bytes / d.interconnect_bandwidth
+            ars = m.num_layers + m.mlp_layers  # an all-reduce after each mixer and each MLP
+            self._comm_fixed = ars * d.interconnect_latency_s
+            self._comm_per_token = ars * ring * m.hidden_size * m.act_dtype_bytes / d.interconnect_bandwidth
         else:
             self._comm_fixed = self._comm_per_token = 0.0
         self.metadata = {"model": m.name, "device": d.name, "tp": tp, "dtype": m.weight_dtype,

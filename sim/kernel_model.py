@@ -959,13 +959,15 @@ class KernelCostModel(CostModel):
                 sharding (tp_, ep_): this shape's table, else the nearest shape's scaled by the
                 estimate's ratio over ts; None without either."""
                 key = f"{f}/{m.hidden_size}/{m.moe_intermediate_size}/{m.num_experts_per_tok}/{m.num_experts}/{tp_}/{ep_}"
-                if key in mt:
+                if key in mt and m.mlp_gated:
                     got_, note = reading(key, m)
                     return got_, key + note, True
-                ref = _nearest_moe_table(mt, f, m, tp_, ep_)
+                # (the tables' experts are gated, SwiGLU's: a squared-ReLU model's own shape is
+                # read as a gated one's and scaled like a neighbour's)
+                ref = (key, m) if key in mt else _nearest_moe_table(mt, f, m, tp_, ep_)
                 if ref is None:
                     return None
-                rkey, rspec = ref
+                rkey, rspec = ref[0], replace(ref[1], mlp_gated=True)
                 (vals, us), note = reading(rkey, rspec)
                 rgrid = Grid(vals, us, None)
                 lo, hi = vals[0][0], vals[0][-1]
@@ -1008,7 +1010,8 @@ class KernelCostModel(CostModel):
         # Linear attention (Gated DeltaNet) of a hybrid's linear layers, for this GPU's heads: the
         # `linear_attention` tables (calibration/convert_kernel_tables.py --linear-attention):
         # prefill by batch x tokens per sequence, decode by batch, each the conv1d and the delta
-        # rule's kernels together; the roofline without them (counted as fallbacks).
+        # rule's kernels together; the roofline without them (counted as fallbacks), and for every
+        # Mamba-2 layer (the tables hold the delta rule's kernels only).
         if m.num_linear_layers:
             la = (tables or {}).get("linear_attention", {})
             lkey = (f"{m.linear_num_k_heads // tp}/{m.linear_num_v_heads // tp}/"
@@ -1016,7 +1019,7 @@ class KernelCostModel(CostModel):
             for phase, roof, attr, axes in (("context", self._gdn_ctx_roof, "g_gdn_ctx",
                                              [_log_grid(1, 4096, 1), _log_grid(1, 262144, 1)]),
                                             ("generation", self._gdn_gen_roof, "g_gdn_gen", [_log_grid(1, 4096, 1)])):
-                tab = la.get(phase, {}).get(lkey)
+                tab = la.get(phase, {}).get(lkey) if not m.linear_kind else None  # (the delta rule's only)
                 if tab is not None:
                     setattr(self, attr, Grid(tab["values"], tab["us"], roof))
                 else:
@@ -1521,7 +1524,8 @@ class KernelCostModel(CostModel):
             # 1 M, NCCL either way)
             eager = self.g_ar_eager is not None and T > self.ovh.cudagraph_max_tokens
             g_ar = self.g_ar_eager if eager else self.g_ar
-            out["allreduce"] = (2 * L + 1) * self._look("allreduce", g_ar, T * m.hidden_size)
+            # one after each mixer and each MLP (two a layer; Nemotron-H's blocks one each), and the head's
+            out["allreduce"] = (L + m.mlp_layers + 1) * self._look("allreduce", g_ar, T * m.hidden_size)
             if m.qk_norm_across_heads:
                 # per layer, the q/k norms' partial sums (2 fp32 = 4 bf16 elements per token),
                 # latency-bound: read no lower than the smallest measured message; and the extra

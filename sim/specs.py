@@ -112,6 +112,17 @@ class ModelSpec:
     linear_v_head_dim: int = 0
     linear_conv_kernel: int = 0
     linear_state_dtype: str = "bfloat16"
+    # What the linear layers run: "" the gated delta rule; "mamba2" a Mamba-2 mixer (Nemotron-H:
+    # n_groups B/C heads of ssm_state_size as the key heads, its heads of mamba_head_dim as the
+    # value heads; one dt per head where the delta rule has a decay and a step size). No kernel
+    # table holds Mamba-2's: its layers are the roofline, counted.
+    linear_kind: str = ""
+    # Blocks with an MLP or MoE of their own (0: every layer). Nemotron-H's blocks are each one
+    # of a mixer (Mamba-2 or attention: num_layers of them), an MLP or a MoE, so it has fewer MLP
+    # blocks than mixers. mlp_gated False: up and down projections only (squared ReLU), in the
+    # dense MLPs and the experts alike, where SwiGLU's gate and up make the first one twice as wide.
+    num_mlp_layers: int = 0
+    mlp_gated: bool = True
     # Full-attention layers whose q projection also makes a sigmoid output gate per head (Qwen3.5,
     # Qwen3-Next): its width doubles
     attn_output_gate: bool = False
@@ -149,6 +160,11 @@ class ModelSpec:
         if self.index_topk and not (self.kv_lora_rank and self.index_n_heads > 0 and self.index_head_dim > 0):
             raise ValueError(f"index_topk={self.index_topk!r}: sparse attention needs latent attention "
                              "(kv_lora_rank) and index_n_heads, index_head_dim > 0")
+        if self.linear_kind not in ("", "mamba2"):
+            raise ValueError(f"linear_kind={self.linear_kind!r}: expected '' (gated delta rule) or 'mamba2'")
+        if not 0 <= self.num_mlp_layers or self.num_moe_layers > self.mlp_layers:
+            raise ValueError(f"num_mlp_layers={self.num_mlp_layers!r}, num_moe_layers={self.num_moe_layers!r}: "
+                             "the MoE blocks are some of the MLP blocks")
         if not 0 <= self.num_index_layers <= self.num_layers:
             raise ValueError(f"num_index_layers={self.num_index_layers!r}: must be in 0..num_layers={self.num_layers}")
         if not 0 <= self.num_linear_layers < self.num_layers - self.num_sliding_layers:
@@ -214,6 +230,22 @@ class ModelSpec:
         return self.num_layers - self.num_linear_layers
 
     @property
+    def mlp_layers(self) -> int:
+        """Blocks with an MLP or a MoE (every layer unless num_mlp_layers says fewer)."""
+        return self.num_mlp_layers or self.num_layers
+
+    @property
+    def up_factor(self) -> int:
+        """The first MLP projection's width over the intermediate size: 2 (gate and up) or 1."""
+        return 2 if self.mlp_gated else 1
+
+    @property
+    def ba_width(self) -> int:
+        """Per value head, the columns of a linear layer's small projection: the delta rule's decay
+        and step size (2), Mamba-2's dt (1)."""
+        return 1 if self.linear_kind == "mamba2" else 2
+
+    @property
     def index_layers(self) -> int:
         """Layers that run a sparse-attention indexer (0 without sparse attention)."""
         return (self.num_index_layers or self.num_layers) if self.index_topk else 0
@@ -273,12 +305,12 @@ class ModelSpec:
             return {}
         h, vd = self.hidden_size, self.linear_num_v_heads * self.linear_v_head_dim
         return {"in_proj_qkvz": ((self.linear_conv_dim(1) + vd) // tp, h),
-                "in_proj_ba": (2 * self.linear_num_v_heads // tp, h),
+                "in_proj_ba": (self.ba_width * self.linear_num_v_heads // tp, h),
                 "out_proj": (h, vd // tp)}
 
     def gemm_shapes(self, tp: int = 1) -> dict[str, tuple[int, int]]:
         """(N, K) of one dense layer's GEMMs on one GPU (y[M, N] = x[M, K] @ W[K, N])."""
-        return {**self.attention_gemm_shapes(tp), "gate_up": (2 * self.intermediate_size // tp, self.hidden_size),
+        return {**self.attention_gemm_shapes(tp), "gate_up": (self.up_factor * self.intermediate_size // tp, self.hidden_size),
                 "down": (self.hidden_size, self.intermediate_size // tp)}
 
     def step_gemms(self, tp: int = 1) -> list[tuple[str, int, int, int, str]]:
@@ -291,13 +323,13 @@ class ModelSpec:
         # (in_proj_ba: a few columns per GPU, in the activation dtype, as vLLM keeps them)
         out += [(k, n, kk, self.num_linear_layers, self.act_dtype if k == "in_proj_ba" else self.attn_dtype)
                 for k, (n, kk) in self.linear_attention_gemm_shapes(tp).items()]
-        dense = L - self.num_moe_layers
+        dense = self.mlp_layers - self.num_moe_layers
         if dense:
-            out += [("gate_up", 2 * self.intermediate_size // tp, h, dense, self.weight_dtype),
+            out += [("gate_up", self.up_factor * self.intermediate_size // tp, h, dense, self.weight_dtype),
                     ("down", h, self.intermediate_size // tp, dense, self.weight_dtype)]
         if self.num_moe_layers and self.shared_intermediate_size:
             s = self.shared_intermediate_size
-            out += [("shared_gate_up", 2 * s // tp, h, self.num_moe_layers, self.weight_dtype),
+            out += [("shared_gate_up", self.up_factor * s // tp, h, self.num_moe_layers, self.weight_dtype),
                     ("shared_down", h, s // tp, self.num_moe_layers, self.weight_dtype)]
         if self.num_moe_layers:
             out += [("router", self.num_experts, h, self.num_moe_layers, self.act_dtype)]
@@ -307,7 +339,7 @@ class ModelSpec:
         """(N, K) of one routed expert's GEMMs on one GPU (each rank holds a 1/tp slice of every
         expert; with expert parallelism instead 1/ep of the experts whole: the same bytes)."""
         mi = self.moe_intermediate_size
-        return {"gate_up": (2 * mi // tp, self.hidden_size), "down": (self.hidden_size, mi // tp)}
+        return {"gate_up": (self.up_factor * mi // tp, self.hidden_size), "down": (self.hidden_size, mi // tp)}
 
     def experts_touched(self, num_tokens: float) -> float:
         """Expected distinct routed experts one MoE layer runs for num_tokens tokens, each routed
@@ -325,6 +357,10 @@ class ModelSpec:
         if not self.num_linear_layers:
             return 0
         proj = sum(n * k for n, k in self.linear_attention_gemm_shapes(1).values())
+        if self.linear_kind == "mamba2":
+            # conv1d taps and biases; dt_bias, A_log and D per head; the gated RMSNorm over all heads
+            return (proj + self.linear_conv_dim(1) * (self.linear_conv_kernel + 1) + 3 * self.linear_num_v_heads
+                    + self.linear_num_v_heads * self.linear_v_head_dim)
         return (proj + self.linear_conv_dim(1) * self.linear_conv_kernel + 2 * self.linear_num_v_heads
                 + self.linear_v_head_dim)
 
@@ -344,19 +380,19 @@ class ModelSpec:
     @property
     def expert_params(self) -> int:
         """Routed experts' weights of the whole model."""
-        return self.num_moe_layers * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+        return self.num_moe_layers * self.num_experts * (self.up_factor + 1) * self.hidden_size * self.moe_intermediate_size
 
     @property
     def params_per_layer(self) -> int:
         """Per layer, averaged over layer kinds for a MoE model (num_params / num_layers, less
         embeddings and the final norm)."""
-        h, L = self.hidden_size, self.num_layers
-        dense = (L - self.num_moe_layers) * 3 * h * self.intermediate_size
-        moe = self.num_moe_layers * (3 * h * self.shared_intermediate_size + h * self.num_experts)
+        h, L, w = self.hidden_size, self.num_layers, self.up_factor + 1
+        dense = (self.mlp_layers - self.num_moe_layers) * w * h * self.intermediate_size
+        moe = self.num_moe_layers * (w * h * self.shared_intermediate_size + h * self.num_experts)
         mlp = (dense + moe + self.expert_params) // L
         mix = (self.num_attention_layers * self.attention_params_per_layer
                + self.num_linear_layers * self.linear_attention_params_per_layer) // L
-        return mix + mlp + 2 * h  # + two RMSNorm weights
+        return mix + mlp + (L + self.mlp_layers) * h // L  # + an RMSNorm weight per mixer and per MLP
 
     @property
     def embedding_params(self) -> int:
@@ -405,7 +441,7 @@ class ModelSpec:
         """All weights but the routed experts, on one GPU."""
         # (MLA's q_a and kv_a have the same shape at every TP: replicated)
         lin = sum(layers * n * k * DTYPE_BYTES[dtype] for _name, n, k, layers, dtype in self.step_gemms(tp))
-        norms = (2 * self.num_layers + 1) * self.hidden_size
+        norms = (self.num_layers + self.mlp_layers + 1) * self.hidden_size
         if self.is_mla:
             norms += self.num_layers * (self.kv_lora_rank + self.q_lora_rank)
         vocab = -(-self.vocab_size // tp) * self.hidden_size
@@ -490,6 +526,10 @@ DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_vl", "qwen3_vl
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2",
                    "deepseek_v32", "glm_moe_dsa", "gpt_oss", "minimax_m2", "llama4", "llama4_text",
                    "qwen3_vl_moe", "qwen3_vl_moe_text")
+# Nemotron-H (Nemotron-H, Nemotron-3): blocks of Mamba-2 ("M"), attention ("*"), a squared-ReLU MLP
+# ("-") or a MoE ("E") each, as hybrid_override_pattern lists them
+NEMOTRON_H_MODEL_TYPES = ("nemotron_h",)
+NEMOTRON_H_BLOCKS = {"M": "mamba2", "*": "attention", "-": "mlp", "E": "moe"}
 # Qwen3-VL: Qwen3's and Qwen3-MoE's text decoders (text_config) with a vision encoder
 QWEN3_VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe", "qwen3_vl_moe_text")
 # Hybrids of Gated DeltaNet linear attention and gated full attention (every
@@ -611,7 +651,7 @@ def hf_config_fields(cfg: dict) -> dict:
     if "text_config" in cfg and "num_hidden_layers" not in cfg:
         cfg = cfg["text_config"]
     mt = str(cfg.get("model_type") or outer.get("model_type") or "").lower()
-    known = DENSE_MODEL_TYPES + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES
+    known = DENSE_MODEL_TYPES + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES + NEMOTRON_H_MODEL_TYPES
     if not mt:
         raise ValueError(f"config.json lacks 'model_type' (known: {', '.join(known)})")
     if mt not in known:
@@ -623,6 +663,8 @@ def hf_config_fields(cfg: dict) -> dict:
                 raise ValueError(f"config.json {k}={cfg[k]!r} in a model_type={mt!r} config: "
                                  "expert or latent-attention fields of a family ServeTwin reads as dense")
     w = f"model_type={mt!r}"
+    if mt in NEMOTRON_H_MODEL_TYPES:
+        return _nemotron_h_fields(cfg, outer, w)
     L = _need(cfg, "num_hidden_layers", w)
     h = _need(cfg, "hidden_size", w)
     heads = _need(cfg, "num_attention_heads", w)
@@ -717,6 +759,53 @@ def hf_config_fields(cfg: dict) -> dict:
         if _keeps_attention_unquantized(outer.get("quantization_config") or cfg.get("quantization_config")):
             kw["attn_weight_dtype"] = act
     kw["num_experts_per_tok"] = k
+    return kw
+
+
+def _nemotron_h_fields(cfg: dict, outer: dict, w: str) -> dict:
+    """ModelSpec fields of a Nemotron-H config.json: its blocks from hybrid_override_pattern (the
+    mixers, Mamba-2 and attention, are num_layers; the MLP and MoE blocks num_mlp_layers), Mamba-2
+    as linear layers (linear_kind "mamba2"), squared-ReLU MLPs and experts (two projections)."""
+    pattern = str(_need(cfg, "hybrid_override_pattern", w))
+    blocks = _need(cfg, "num_hidden_layers", w)
+    unknown = sorted(set(pattern) - set(NEMOTRON_H_BLOCKS))
+    if unknown or len(pattern) != blocks:
+        raise ValueError(f"config.json ({w}) hybrid_override_pattern={pattern!r}: one of "
+                         f"{''.join(NEMOTRON_H_BLOCKS)} per block for num_hidden_layers={blocks}"
+                         + (f" (unknown: {unknown})" if unknown else ""))
+    if cfg.get("moe_latent_size"):
+        raise ValueError(f"config.json ({w}) moe_latent_size={cfg['moe_latent_size']!r}: experts in a latent "
+                         "space (Nemotron-3 Super, Ultra) are not a layout ServeTwin can time")
+    act = str(cfg.get("mlp_hidden_act", "relu2"))
+    if act != "relu2":
+        raise ValueError(f"config.json ({w}) mlp_hidden_act={act!r}: only Nemotron-H's squared ReLU ('relu2') is known")
+    count = {k: pattern.count(c) for c, k in NEMOTRON_H_BLOCKS.items()}
+    if not count["attention"]:
+        raise ValueError(f"config.json ({w}) hybrid_override_pattern={pattern!r}: no attention block ('*')")
+    h, heads = _need(cfg, "hidden_size", w), _need(cfg, "num_attention_heads", w)
+    wdtype, edtype = _quantization(cfg)
+    torch_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    kw = dict(num_layers=count["mamba2"] + count["attention"], hidden_size=h, num_heads=heads,
+              num_kv_heads=cfg.get("num_key_value_heads") or heads,
+              head_dim=cfg.get("head_dim") or cfg.get("attention_head_dim") or h // heads,
+              intermediate_size=cfg.get("intermediate_size") or 0, vocab_size=_need(cfg, "vocab_size", w),
+              tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+              max_position_embeddings=cfg.get("max_position_embeddings", 131072),
+              weight_dtype=wdtype or torch_dtype,
+              act_dtype="bfloat16" if canonical_dtype(torch_dtype) in FP8 else torch_dtype, expert_dtype=edtype,
+              num_linear_layers=count["mamba2"], linear_kind="mamba2",
+              linear_num_k_heads=_need(cfg, "n_groups", w), linear_k_head_dim=_need(cfg, "ssm_state_size", w),
+              linear_num_v_heads=_need(cfg, "mamba_num_heads", w), linear_v_head_dim=_need(cfg, "mamba_head_dim", w),
+              linear_conv_kernel=_need(cfg, "conv_kernel", w),
+              linear_state_dtype=cfg.get("mamba_ssm_cache_dtype") or torch_dtype,
+              num_mlp_layers=count["mlp"] + count["moe"], mlp_gated=False)
+    if count["mlp"]:
+        _need(cfg, "intermediate_size", w)
+    if count["moe"]:
+        kw.update(num_experts=_need(cfg, "n_routed_experts", w), num_experts_per_tok=_need(cfg, "num_experts_per_tok", w),
+                  moe_intermediate_size=_need(cfg, "moe_intermediate_size", w), num_moe_layers=count["moe"],
+                  shared_intermediate_size=(cfg.get("n_shared_experts") or 0)
+                  * (cfg.get("moe_shared_expert_intermediate_size") or 0))
     return kw
 
 
@@ -889,6 +978,26 @@ QWEN3_VL_SIZES = {"2b": "qwen3-1.7b", "4b": "qwen3-4b", "8b": "qwen3-8b", "32b":
 _QWEN3_VL_SMALL_VISION = {**QWEN35_VISION_CONFIG, "depth": 24, "hidden_size": 1024, "intermediate_size": 4096,
                           "deepstack_visual_indexes": [5, 11, 17]}
 _QWEN3_VL_VISION = {**QWEN35_VISION_CONFIG, "deepstack_visual_indexes": [8, 16, 24]}
+# Nemotron-H: NVIDIA's Mamba-2 hybrids, from their config.json (the aisimulate wheel's; the fields the
+# reader takes): Nemotron-3 Nano 30B-A3B (23 Mamba-2, 6 attention and 23 MoE blocks) and
+# Nemotron-H 56B (54 Mamba-2, 10 attention, 54 MLP blocks)
+_NEMOTRON_H = {"model_type": "nemotron_h", "conv_kernel": 4, "head_dim": 128, "mamba_head_dim": 64,
+               "mlp_hidden_act": "relu2", "n_groups": 8, "vocab_size": 131072, "tie_word_embeddings": False,
+               "torch_dtype": "bfloat16"}
+NEMOTRON_H_CONFIGS = {
+    "nemotron-3-nano-30b-a3b": {**_NEMOTRON_H, "hidden_size": 2688, "num_attention_heads": 32, "num_key_value_heads": 2,
+                                "num_hidden_layers": 52, "intermediate_size": 1856, "mamba_num_heads": 64,
+                                "ssm_state_size": 128, "mamba_ssm_cache_dtype": "float32",
+                                "max_position_embeddings": 262144, "n_routed_experts": 128, "num_experts_per_tok": 6,
+                                "moe_intermediate_size": 1856, "n_shared_experts": 1,
+                                "moe_shared_expert_intermediate_size": 3712,
+                                "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"},
+    "nemotron-h-56b": {**_NEMOTRON_H, "hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
+                       "num_hidden_layers": 118, "intermediate_size": 32768, "mamba_num_heads": 256,
+                       "ssm_state_size": 256, "max_position_embeddings": 8192,
+                       "hybrid_override_pattern": "M-M-M-M*-" + "M-M-M-M-M*-" * 9 + "M-M-M-M-M-"},
+}
+MODELS.update({name: ModelSpec.from_hf_config(cfg, name=name) for name, cfg in NEMOTRON_H_CONFIGS.items()})
 # GLM-5.2 (and 5.3, whose config.json is the same): GLM-5 with 21 of its 78 layers keeping an indexer
 # of their own (indexer_types), 1,048,576 positions
 MODELS["glm-5.2"] = replace(MODELS["glm-5"], name="glm-5.2", num_index_layers=21, max_position_embeddings=1048576)
@@ -938,6 +1047,11 @@ _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-
                   "deepseek-r1-distill-qwen-7b": "qwen2.5-7b",
                   # Kimi-K2.6 and K2.7-Code: K2.5's architecture and sizes (the wheel's configs)
                   "kimi-k2.6": "kimi-k2.5", "kimi-k2.7-code": "kimi-k2.5",
+                  # Nemotron-H's repository names (-BF16, -Base-BF16, -Base-8K)
+                  "nvidia-nemotron-3-nano-30b-a3b": "nemotron-3-nano-30b-a3b",
+                  "nvidia-nemotron-3-nano-30b-a3b-bf16": "nemotron-3-nano-30b-a3b",
+                  "nvidia-nemotron-3-nano-30b-a3b-base-bf16": "nemotron-3-nano-30b-a3b",
+                  "nemotron-h-56b-base-8k": "nemotron-h-56b",
                   **{f"qwen3-vl-{s}-thinking": f"qwen3-vl-{s}" for s in QWEN3_VL_SIZES}}
 
 DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [

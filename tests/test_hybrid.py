@@ -413,3 +413,49 @@ def test_the_analytic_model_prices_a_gdn_layer_by_its_state_traffic_and_delta_ru
     assert t(9) - t(8) == pytest.approx(e.per_req_overhead_s + 2 * state / (d.mem_bandwidth * e.bandwidth)
                                         + per_token, rel=1e-9)
     assert AnalyticCostModel("llama-3.1-8b", "h100-sxm", 1)._state_time_per_req == 0.0
+
+
+def test_nemotron_h_blocks_read_from_the_pattern_and_counted_by_hand():
+    """Nemotron-3 Nano's config.json: its 52 blocks (23 Mamba-2, 6 attention, 23 MoE) read from
+    hybrid_override_pattern, every weight counted by hand (31.6B as published), KV in the 6
+    attention blocks only, and each request's Mamba-2 state (conv window of x, B and C; a head_dim
+    x state matrix per head in fp32) in the 23 others."""
+    from sim.specs import NEMOTRON_H_CONFIGS
+    cfg = NEMOTRON_H_CONFIGS["nemotron-3-nano-30b-a3b"]
+    m = ModelSpec.from_hf_config(cfg)
+    assert get_model("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16") == dataclasses.replace(
+        m, name="nemotron-3-nano-30b-a3b")
+    assert (m.num_layers, m.num_linear_layers, m.num_attention_layers, m.mlp_layers, m.num_moe_layers) == (29, 23, 6, 23, 23)
+    h, d_inner, conv = 2688, 64 * 64, 64 * 64 + 2 * 8 * 128
+    mamba = h * (2 * d_inner + 2 * 8 * 128 + 64) + conv * 4 + conv + 3 * 64 + d_inner + d_inner * h
+    attn = h * 32 * 128 + 2 * h * 2 * 128 + 32 * 128 * h
+    moe = 128 * 2 * h * 1856 + 2 * h * 3712 + 128 * h                 # routed (up, down), shared, router
+    params = 2 * 131072 * h + 23 * mamba + 6 * attn + 23 * moe + 52 * h + h  # embeddings, head, block norms, final
+    assert m.num_params == pytest.approx(params, abs=3 * 29)            # (per-layer averages truncate)
+    assert m.num_params / 1e9 == pytest.approx(31.6, abs=0.05)
+    assert m.kv_bytes_per_token == 6 * 2 * 2 * 128 * 2
+    assert m.linear_state_bytes_per_request_per_gpu(1) == 23 * (conv * 3 * 2 + 64 * 64 * 128 * 4)
+    assert get_model("nvidia/Nemotron-H-56B-Base-8K").num_params / 1e9 == pytest.approx(56.3, abs=0.1)
+    for bad, field in (({"moe_latent_size": 1024}, "moe_latent_size=1024"),
+                       ({"mlp_hidden_act": "silu"}, "mlp_hidden_act='silu'"),
+                       ({"hybrid_override_pattern": "X" + cfg["hybrid_override_pattern"][1:]}, "hybrid_override_pattern=")):
+        with pytest.raises(ValueError, match=field):
+            ModelSpec.from_hf_config({**cfg, **bad})
+
+
+def test_nemotron_h_times_mamba_by_the_roofline_and_its_squared_relu_experts_from_the_gated_table():
+    """No kernel table holds Mamba-2's kernels: its layers are the linear-attention roofline,
+    counted as fallbacks. The fused-MoE table measured at Nano's shape timed gated (SwiGLU) experts:
+    a squared-ReLU model reads it scaled by its own grouped-GEMM estimate over the gated one's, so
+    a one-token step streams about two thirds of the measured bytes."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        k = KernelCostModel("nemotron-3-nano-30b-a3b", "h100-sxm", 1)
+        assert k.coverage["linear_attention_generation"] is None and k.coverage["linear_attention_context"] is None
+        k.breakdown(BatchFeatures(num_reqs=4, num_decode_reqs=4, decode_context_tokens=4 * 512))
+        assert k.fallbacks["linear_attention"] >= 1
+    key = "bf16/2688/1856/6/128/1/1"
+    assert k.coverage["moe"] == f"scaled from {key}"
+    tab = load_tables("h100_sxm")["moe"]["tables"][key]
+    measured_1 = tab["us"][tab["values"][0].index(1)]
+    assert 0.55 < k.g_moe(1)[0] / measured_1 < 0.75
