@@ -51,7 +51,8 @@ TRACED_BUILD_TP_STEP_S = 3.0e-4
 def device_of(row: dict) -> str:
     """The device spec of a run: its `gpu_product` (nvidia-smi's name, e.g. "NVIDIA A100-SXM4-80GB"),
     else its `hardware` column as the runs write it ("H100", "A100-SXM", "L40S", ...; sim.specs'
-    names and aliases, or DEVICES by its first word). A product sim.specs does not name (a PCIe
+    names and aliases, or DEVICES by its first word before a space, dash or underscore, with the
+    memory size it names). A product sim.specs does not name (a PCIe
     card) is read as the SXM part of its family and memory size ("NVIDIA A100-PCIE-40GB": a100-40g;
     its kernel tables and NVLink). ValueError naming both columns when neither is known."""
     from sim.specs import get_device
@@ -59,7 +60,7 @@ def device_of(row: dict) -> str:
     product = (row.get("gpu_product") or "").split("(")[0].strip()
     family = next((w.upper() for w in (re.split(r"[\s_-]+", hw)[:1] + product.replace("-", " ").split())
                    if w.upper() in DEVICES), None)
-    size = re.search(r"(\d+)\s*GB", product, re.IGNORECASE)
+    size = re.search(r"(\d+)\s*GB", product or hw, re.IGNORECASE)
     for value in (product, f"{family}-{size.group(1)}GB" if family and size else "", hw):
         if value:
             try:

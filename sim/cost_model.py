@@ -232,14 +232,15 @@ class AnalyticCostModel(CostModel):
         self._attn_time_per_pair = 4 * m.num_attention_layers * m.num_heads * m.head_dim / tp / (d.flops * e.attention_flops)
         # KV bytes of this GPU's KV heads (replicated, not divided, when TP > KV heads).
         self._kv_time_per_token = m.kv_bytes_per_token_per_gpu(tp) / (d.mem_bandwidth * e.bandwidth)
-        # Linear-attention layers (Gated DeltaNet): every request of a step reads and writes its
-        # fixed state once (conv window and a k x v matrix per value head, per layer), and each
-        # token costs the delta rule's state product, update and output (3 k x v multiply-adds per
-        # value head) plus its chunked form's intra-chunk terms (GDN_CHUNK tokens of k and v).
+        # Linear-attention layers (Gated DeltaNet, Mamba-2): every request of a step reads and
+        # writes its fixed state once (conv window and a k x v matrix per value head, per layer),
+        # and each token costs the state's products both ways (2 k x v multiply-adds per value
+        # head) and the chunked form's intra-chunk terms (GDN_CHUNK tokens of k and v), as the
+        # kernel model's roofline (sim.kernel_model._gdn_ctx_roof) counts them.
         self._state_time_per_req = 2 * m.linear_state_bytes_per_request_per_gpu(tp) / (d.mem_bandwidth * e.bandwidth)
         dk, dv = m.linear_k_head_dim, m.linear_v_head_dim
         self._linear_time_per_token = (m.num_linear_layers * (m.linear_num_v_heads // tp)
-                                       * (6 * dk * dv + 2 * GDN_CHUNK * (dk + dv)) / (d.flops * e.attention_flops))
+                                       * (4 * dk * dv + 2 * GDN_CHUNK * (dk + dv)) / (d.flops * e.attention_flops))
         if tp > 1:
             ring = 2 * (tp - 1) / tp
             ars = m.num_layers + m.mlp_layers  # an all-reduce after each mixer and each MLP

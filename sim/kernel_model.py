@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from engine.core.features import BatchFeatures
-from sim.cost_model import PROFILE_FORMAT, CostModel, FittedCostModel
+from sim.cost_model import GDN_CHUNK, PROFILE_FORMAT, CostModel, FittedCostModel
 from sim.specs import (DTYPE_BYTES, EXPERT_DTYPE_BYTES, INDEXER_GEMMS, WEIGHT_ONLY_4BIT, DeviceSpec, ModelSpec, get_device, get_model,
                        vllm_version_tuple)
 from sim.sampling import filter_cost_s, filter_implementation, filters as sampling_filters
@@ -1213,7 +1213,7 @@ class KernelCostModel(CostModel):
         T = b * s
         hv, dk, dv = m.linear_num_v_heads // tp, m.linear_k_head_dim, m.linear_v_head_dim
         conv = m.linear_conv_dim(tp)
-        flops = T * (2 * conv * m.linear_conv_kernel + hv * (4 * dk * dv + 2 * 64 * (dk + dv)))
+        flops = T * (2 * conv * m.linear_conv_kernel + hv * (4 * dk * dv + 2 * GDN_CHUNK * (dk + dv)))
         by = (T * (2 * conv + hv * dv) * m.act_dtype_bytes
               + 2 * b * hv * dk * dv * DTYPE_BYTES[m.linear_state_dtype])
         return max(flops / d.flops, by / d.mem_bandwidth) + 5e-6
@@ -1262,16 +1262,18 @@ class KernelCostModel(CostModel):
         # the MLP's activation width per token, averaged over layer kinds (MoE: top-k experts' and
         # the shared experts' intermediate)
         moe_w = m.num_experts_per_tok * m.moe_intermediate_size + m.shared_intermediate_size
-        width = ((m.num_layers - m.num_moe_layers) * m.intermediate_size + m.num_moe_layers * moe_w) / m.num_layers
-        kernels = [3 * T * h * a, 3 * T * h * a,                 # fused add + RMSNorm (x2)
-                   3 * T * width / tp * a]                       # SiLU * mul
-        attn = [2 * T * qk * a,                                  # RoPE on q and k
-                T * 2 * self.kv_heads * self.attn_head_dim * (a + m.kv_dtype_bytes)]  # KV write
+        width = ((m.mlp_layers - m.num_moe_layers) * m.intermediate_size + m.num_moe_layers * moe_w) / m.num_layers
+        norms = (m.num_layers + m.mlp_layers) / m.num_layers  # fused add + RMSNorm per mixer and per MLP
+        kernels = [(m.up_factor + 1) * T * width / tp * a]       # SiLU * mul (squared ReLU: in place)
+        attn = [T * 2 * self.kv_heads * self.attn_head_dim * (a + m.kv_dtype_bytes)]  # KV write
+        if m.rotary:
+            attn += [2 * T * qk * a]                             # RoPE on q and k
         if m.qk_norm:
             attn += [2 * T * qk * a]
         # the attention layers' kernels, averaged over the layers (a hybrid's linear layers have none)
         share = m.num_attention_layers / m.num_layers
-        return sum(max(lat, b / bw) for b in kernels) + share * sum(max(lat, b / bw) for b in attn)
+        return (norms * max(lat, 3 * T * h * a / bw) + sum(max(lat, b / bw) for b in kernels)
+                + share * sum(max(lat, b / bw) for b in attn))
 
     def gpu_time_fn(self) -> Callable[[BatchFeatures], float]:
         return self.gpu_time

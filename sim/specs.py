@@ -70,7 +70,8 @@ class ModelSpec:
     # Mixture of experts (all 0: a dense model). A MoE layer's MLP is a router over num_experts
     # routed experts of moe_intermediate_size, num_experts_per_tok of them per token, plus shared
     # experts that every token runs (shared_intermediate_size: all of them together); the other
-    # num_layers - num_moe_layers layers have a dense MLP of intermediate_size.
+    # mlp_layers - num_moe_layers MLP blocks (every layer's but Nemotron-H's) have a dense MLP of
+    # intermediate_size.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -123,6 +124,9 @@ class ModelSpec:
     # dense MLPs and the experts alike, where SwiGLU's gate and up make the first one twice as wide.
     num_mlp_layers: int = 0
     mlp_gated: bool = True
+    # Whether attention rotates q and k (RoPE; vLLM keeps a cos/sin cache). Nemotron-H's has no
+    # positional encoding: its Mamba-2 blocks carry order.
+    rotary: bool = True
     # Full-attention layers whose q projection also makes a sigmoid output gate per head (Qwen3.5,
     # Qwen3-Next): its width doubles
     attn_output_gate: bool = False
@@ -221,7 +225,7 @@ class ModelSpec:
 
     @property
     def is_hybrid(self) -> bool:
-        """Whether some layers are linear attention (Gated DeltaNet) rather than attention."""
+        """Whether some layers are linear attention (Gated DeltaNet, Mamba-2) rather than attention."""
         return self.num_linear_layers > 0
 
     @property
@@ -433,7 +437,7 @@ class ModelSpec:
         if (self.expert_dtype or self.weight_dtype) == "mxfp4":
             pad = self.expert_weight_bytes_per_gpu(expert_ranks or tp) * (
                 -(-self.hidden_size // 256) * 256 / self.hidden_size - 1)
-        rotary = self.qk_rope_head_dim if self.is_mla else self.head_dim
+        rotary = (self.qk_rope_head_dim if self.is_mla else self.head_dim) if self.rotary else 0
         rope = self.max_position_embeddings * rotary * self.act_dtype_bytes
         return int(self.weight_bytes_per_gpu(tp, expert_ranks) + pad + rope)
 
@@ -780,15 +784,17 @@ def _nemotron_h_fields(cfg: dict, outer: dict, w: str) -> dict:
     if act != "relu2":
         raise ValueError(f"config.json ({w}) mlp_hidden_act={act!r}: only Nemotron-H's squared ReLU ('relu2') is known")
     count = {k: pattern.count(c) for c, k in NEMOTRON_H_BLOCKS.items()}
-    if not count["attention"]:
-        raise ValueError(f"config.json ({w}) hybrid_override_pattern={pattern!r}: no attention block ('*')")
+    if not count["attention"] or not count["mlp"] + count["moe"]:
+        raise ValueError(f"config.json ({w}) hybrid_override_pattern={pattern!r}: needs an attention block ('*') "
+                         "and an MLP or MoE block ('-', 'E')")
     h, heads = _need(cfg, "hidden_size", w), _need(cfg, "num_attention_heads", w)
     wdtype, edtype = _quantization(cfg)
     torch_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
     kw = dict(num_layers=count["mamba2"] + count["attention"], hidden_size=h, num_heads=heads,
               num_kv_heads=cfg.get("num_key_value_heads") or heads,
               head_dim=cfg.get("head_dim") or cfg.get("attention_head_dim") or h // heads,
-              intermediate_size=cfg.get("intermediate_size") or 0, vocab_size=_need(cfg, "vocab_size", w),
+              intermediate_size=(cfg.get("intermediate_size") or 0) if count["mlp"] else 0,
+              vocab_size=_need(cfg, "vocab_size", w),
               tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
               max_position_embeddings=cfg.get("max_position_embeddings", 131072),
               weight_dtype=wdtype or torch_dtype,
@@ -797,8 +803,9 @@ def _nemotron_h_fields(cfg: dict, outer: dict, w: str) -> dict:
               linear_num_k_heads=_need(cfg, "n_groups", w), linear_k_head_dim=_need(cfg, "ssm_state_size", w),
               linear_num_v_heads=_need(cfg, "mamba_num_heads", w), linear_v_head_dim=_need(cfg, "mamba_head_dim", w),
               linear_conv_kernel=_need(cfg, "conv_kernel", w),
-              linear_state_dtype=cfg.get("mamba_ssm_cache_dtype") or torch_dtype,
-              num_mlp_layers=count["mlp"] + count["moe"], mlp_gated=False)
+              # (vLLM keeps Nemotron-H's SSM state in float32 unless the config says otherwise)
+              linear_state_dtype=cfg.get("mamba_ssm_cache_dtype") or "float32",
+              num_mlp_layers=count["mlp"] + count["moe"], mlp_gated=False, rotary=False)
     if count["mlp"]:
         _need(cfg, "intermediate_size", w)
     if count["moe"]:
@@ -1315,7 +1322,7 @@ def activation_reserve_bytes(model: ModelSpec, device: DeviceSpec, tp: int = 1,
     version = vllm_version_tuple(vllm_version)
     a = model.act_dtype_bytes
     t = max_num_batched_tokens
-    mlp = t * (2 * model.intermediate_size // tp) * a * 2           # gate_up output + activation
+    mlp = t * (model.up_factor * model.intermediate_size // tp) * a * 2  # gate_up (or up) output + activation
     attn = t * (model.num_heads // tp + 2 * model.kv_heads_per_gpu(tp)) * model.head_dim * a * 2
     hidden = 4 * t * model.hidden_size * a
     forward = max(mlp, attn) + hidden

@@ -262,6 +262,7 @@ def test_a_published_run_becomes_a_scenario_that_does_what_it_did():
     ("A100 80GB", "NVIDIA A100 80GB PCIe", "a100-80g"),  # a PCIe card sim.specs lacks: its SXM part
     ("A100", "NVIDIA A100-PCIE-40GB", "a100-40g"),        # ... of its memory size
     ("H100-PCIe", "", "h100-sxm"), ("L40S_48GB", "", "l40s"),  # a hardware column alone, family first
+    ("A100-PCIe-40GB", "", "a100-40g"),                        # ... and the memory size it names
 ])
 def test_a_runs_gpu_is_read_from_its_hardware_or_product_name(hardware, product, device):
     from gpu_runs import scenario_for

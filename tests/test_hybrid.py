@@ -400,13 +400,13 @@ def test_the_analytic_model_prices_a_gdn_layer_by_its_state_traffic_and_delta_ru
     """Qwen3.5-27B on one H100 under the analytic roofline: one more decode request (no KV read)
     adds its per-request overhead, its linear-attention state read and written once in each of the
     48 GDN layers (conv window of 10,240 channels x 3 in bf16, 48 value heads of 128 x 128 in
-    fp32), and its token's delta rule (3 x 128 x 128 multiply-adds per head and the 64-token
+    fp32), and its token's delta rule (2 x 128 x 128 multiply-adds per head and the 64-token
     chunk terms), counted by hand; the weights' time is the same (memory-bound either way)."""
     from sim.cost_model import AnalyticCostModel, Efficiency
     a = AnalyticCostModel("qwen3.5-27b", "h100-sxm", 1)
     e, d = Efficiency(), get_device("h100-sxm")
     state = 48 * (10240 * 3 * 2 + 48 * 128 * 128 * 4)
-    per_token = 48 * 48 * (6 * 128 * 128 + 2 * 64 * 256) / (d.flops * e.attention_flops)
+    per_token = 48 * 48 * (4 * 128 * 128 + 2 * 64 * 256) / (d.flops * e.attention_flops)
 
     def t(n):
         return a.step_time(BatchFeatures(num_reqs=n, num_decode_reqs=n))
@@ -435,10 +435,18 @@ def test_nemotron_h_blocks_read_from_the_pattern_and_counted_by_hand():
     assert m.num_params / 1e9 == pytest.approx(31.6, abs=0.05)
     assert m.kv_bytes_per_token == 6 * 2 * 2 * 128 * 2
     assert m.linear_state_bytes_per_request_per_gpu(1) == 23 * (conv * 3 * 2 + 64 * 64 * 128 * 4)
-    assert get_model("nvidia/Nemotron-H-56B-Base-8K").num_params / 1e9 == pytest.approx(56.3, abs=0.1)
+    big = get_model("nvidia/Nemotron-H-56B-Base-8K")
+    assert big.num_params / 1e9 == pytest.approx(56.3, abs=0.1)
+    # its config names no SSM cache dtype: vLLM keeps Nemotron-H's state in float32
+    assert big.linear_state_bytes_per_request_per_gpu(1) == 54 * ((256 * 64 + 2 * 8 * 256) * 3 * 2
+                                                                  + 256 * 64 * 256 * 4)
+    # no rotary embedding: nothing loaded beside the weights
+    assert m.loaded_bytes_per_gpu(1) == m.weight_bytes_per_gpu(1) and big.intermediate_size == 32768
+    assert m.intermediate_size == 0  # (Nano has no dense MLP block)
     for bad, field in (({"moe_latent_size": 1024}, "moe_latent_size=1024"),
                        ({"mlp_hidden_act": "silu"}, "mlp_hidden_act='silu'"),
-                       ({"hybrid_override_pattern": "X" + cfg["hybrid_override_pattern"][1:]}, "hybrid_override_pattern=")):
+                       ({"hybrid_override_pattern": "X" + cfg["hybrid_override_pattern"][1:]}, "hybrid_override_pattern="),
+                       ({"hybrid_override_pattern": "M*" * 26}, r"an MLP or MoE block")):
         with pytest.raises(ValueError, match=field):
             ModelSpec.from_hf_config({**cfg, **bad})
 
