@@ -526,10 +526,11 @@ class ModelSpec:
 INDEXER_GEMMS = ("index_q", "index_k", "index_weights")
 
 # HF model_type -> family. Dense families are read as Llama-like decoders.
-DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_vl", "qwen3_vl_text")
+# (MiMo: Qwen2's decoder; its multi-token-prediction layer is not loaded without speculative decoding)
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_vl", "qwen3_vl_text", "mimo")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2",
                    "deepseek_v32", "glm_moe_dsa", "gpt_oss", "minimax_m2", "llama4", "llama4_text",
-                   "qwen3_vl_moe", "qwen3_vl_moe_text")
+                   "qwen3_vl_moe", "qwen3_vl_moe_text", "step3p7")
 # Nemotron-H (Nemotron-H, Nemotron-3): blocks of Mamba-2 ("M"), attention ("*"), a squared-ReLU MLP
 # ("-") or a MoE ("E") each, as hybrid_override_pattern lists them
 NEMOTRON_H_MODEL_TYPES = ("nemotron_h",)
@@ -741,6 +742,17 @@ def hf_config_fields(cfg: dict) -> dict:
                                  "indexer of its own ('full') for the others to share")
             kw.update(index_topk=_need(cfg, "index_topk", w), index_n_heads=_need(cfg, "index_n_heads", w),
                       index_head_dim=_need(cfg, "index_head_dim", w), num_index_layers=0 if own == L else own)
+    elif mt == "step3p7":  # Step-3.7-Flash: sliding-window and full layers, MoE after the first dense ones
+        types = _need(cfg, "layer_types", w)
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown or len(types) != L:
+            raise ValueError(f"config.json ({w}) layer_types={unknown or len(types)}: one of sliding_attention, "
+                             f"full_attention per layer for num_hidden_layers={L}")
+        kw.update(num_experts=_need(cfg, "num_experts", w), moe_intermediate_size=_need(cfg, "moe_intermediate_size", w),
+                  shared_intermediate_size=(cfg.get("n_shared_experts") or 0) * (cfg.get("share_expert_dim") or 0),
+                  num_moe_layers=L - (cfg.get("first_k_dense_replace") or 0),
+                  sliding_window=_need(cfg, "sliding_window", w),
+                  num_sliding_layers=sum(t == "sliding_attention" for t in types))
     elif mt == "gpt_oss":
         types = cfg.get("layer_types") or []
         kw.update(num_experts=_need(cfg, "num_local_experts", w), moe_intermediate_size=_need(cfg, "intermediate_size", w),
@@ -1005,6 +1017,18 @@ NEMOTRON_H_CONFIGS = {
                        "hybrid_override_pattern": "M-M-M-M*-" + "M-M-M-M-M*-" * 9 + "M-M-M-M-M-"},
 }
 MODELS.update({name: ModelSpec.from_hf_config(cfg, name=name) for name, cfg in NEMOTRON_H_CONFIGS.items()})
+# Step-3.7-Flash and MiMo-7B from their config.json (the aisimulate wheel's; the fields the reader takes)
+MODELS["step-3.7-flash"] = ModelSpec.from_hf_config(
+    {"model_type": "step3p7", "num_hidden_layers": 45, "hidden_size": 4096, "num_attention_heads": 64,
+     "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128896, "max_position_embeddings": 65536,
+     "torch_dtype": "bfloat16", "intermediate_size": 11264, "sliding_window": 512, "first_k_dense_replace": 3,
+     "num_experts": 288, "num_experts_per_tok": 8, "moe_intermediate_size": 1280, "share_expert_dim": 1280,
+     "n_shared_experts": 1, "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
+                                            "sliding_attention"] * 11 + ["full_attention"]}, name="step-3.7-flash")
+MODELS["mimo-7b"] = ModelSpec.from_hf_config(
+    {"model_type": "mimo", "num_hidden_layers": 36, "hidden_size": 4096, "num_attention_heads": 32,
+     "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 11008, "vocab_size": 151680,
+     "max_position_embeddings": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}, name="mimo-7b")
 # GLM-5.2 (and 5.3, whose config.json is the same): GLM-5 with 21 of its 78 layers keeping an indexer
 # of their own (indexer_types), 1,048,576 positions
 MODELS["glm-5.2"] = replace(MODELS["glm-5"], name="glm-5.2", num_index_layers=21, max_position_embeddings=1048576)
@@ -1110,7 +1134,7 @@ CHECKPOINT_FIELDS = ((r"^qwen3-.*-2507", {"max_position_embeddings": 262144}),
 # Publishers whose own -FP8 checkpoints quantize in 128x128 blocks (their config.json's
 # quantization_config has weight_block_size [128, 128]: Qwen3, Qwen3.5, GLM-5, ...); an -FP8 name from
 # anyone else (nvidia/, RedHatAI/, neuralmagic/) reads per-channel or per-tensor fp8.
-FP8_BLOCK_PUBLISHERS = ("qwen", "zai-org", "deepseek-ai", "moonshotai", "minimaxai")
+FP8_BLOCK_PUBLISHERS = ("qwen", "zai-org", "deepseek-ai", "moonshotai", "minimaxai", "stepfun-ai", "xiaomimimo")
 # An fp8 checkpoint's name ending (lower case): -FP8, -FP8-dynamic, -FP8-Static, and a per-tensor
 # one (-FP8-Static-PerTensor: ModelOpt's static per-tensor scales, whoever publishes it)
 FP8_NAME = r"-fp8(-dynamic|-static)?(-per-?tensor)?$"

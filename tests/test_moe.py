@@ -140,7 +140,8 @@ def test_kimi_k2_5_int4_experts_in_groups_of_32_by_hand():
     ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "qwen3-30b-a3b"), ("Qwen/Qwen3-Coder-480B-A35B-Instruct", "qwen3-coder-480b-a35b"),
     ("Qwen/Qwen3.6-35B-A3B", "qwen3.5-35b-a3b"), ("zai-org/GLM-5.1-FP8", "glm-5"), ("deepseek-ai/DeepSeek-V3.2-Exp", "deepseek-v3.2"),
     ("moonshotai/Kimi-K2.6", "kimi-k2.5"), ("nvidia/Kimi-K2.7-Code-NVFP4", "kimi-k2.5"),
-    ("Qwen/Qwen3-VL-30B-A3B-Instruct", "qwen3-vl-30b-a3b")])
+    ("Qwen/Qwen3-VL-30B-A3B-Instruct", "qwen3-vl-30b-a3b"), ("stepfun-ai/Step-3.7-Flash-FP8", "step-3.7-flash"),
+    ("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-FP8", "nemotron-3-nano-30b-a3b")])
 def test_moe_catalog_names(name, family):
     m = get_model(name)
     assert m.name == family and m.is_moe and m.num_experts_per_tok >= 1
@@ -920,3 +921,23 @@ def test_qwen3_vl_reads_as_its_qwen3_text_decoder_with_a_deepstack_vision_encode
     assert small.loaded_bytes_per_gpu(1) > get_model("qwen3-8b").loaded_bytes_per_gpu(1) + 2 * small.vision_params - 1
     assert get_model("Qwen/Qwen3-VL-32B-Thinking").name == "qwen3-vl-32b"
     assert get_model("Qwen/Qwen3-VL-235B-A22B-Instruct-FP8").weight_dtype == "fp8_block"
+
+
+def test_step_flash_reads_its_sliding_and_full_layers_and_its_experts_counted_by_hand():
+    """Step-3.7-Flash's config.json: 33 sliding-window (512) and 12 full-attention layers, MoE after
+    the first 3 dense layers (288 experts, top 8, one shared); weights counted by hand (196B, as
+    Step-3.5-Flash is published), KV per token in the full layers only; its -FP8 checkpoint is
+    128x128 blocks (its quantization_config)."""
+    c = get_model("stepfun-ai/Step-3.7-Flash")
+    assert (c.num_sliding_layers, c.sliding_window, c.num_moe_layers) == (33, 512, 42)
+    h = 4096
+    attn = h * 64 * 128 + 2 * h * 8 * 128 + 64 * 128 * h
+    dense = 3 * h * 11264
+    moe = 288 * 3 * h * 1280 + 3 * h * 1280 + 288 * h
+    params = 2 * 128896 * h + 45 * attn + 3 * dense + 42 * moe + 2 * 45 * h + h
+    assert c.num_params == pytest.approx(params, abs=3 * 45)
+    assert c.num_params / 1e9 == pytest.approx(196, abs=0.5)
+    assert c.kv_bytes_per_token == 12 * 2 * 8 * 128 * 2
+    assert get_model("stepfun-ai/Step-3.7-Flash-FP8").weight_dtype == "fp8_block"
+    assert get_model("XiaomiMiMo/MiMo-7B-Base").num_params == pytest.approx(
+        2 * 151680 * h + 36 * (h * 32 * 128 + 2 * h * 8 * 128 + 32 * 128 * h + 3 * h * 11008 + 2 * h) + h)
