@@ -39,6 +39,8 @@ HF_NAMES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
             "qwen3-next-80b-a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct",
             "deepseek-v3.2": "deepseek-ai/DeepSeek-V3.2", "glm-5": "zai-org/GLM-5", "glm-5.2": "zai-org/GLM-5.2",
             "nemotron-3-nano-30b-a3b": "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16",
+            "nemotron-3-super-120b-a12b": "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16",
+            "nemotron-3-ultra-550b-a55b": "nvidia/NVIDIA-Nemotron-3-Ultra-550B-A55B-BF16",
             "nemotron-h-56b": "nvidia/Nemotron-H-56B-Base-8K", "step-3.7-flash": "stepfun-ai/Step-3.7-Flash",
             "mimo-7b": "XiaomiMiMo/MiMo-7B-Base",
             **{f"qwen3-vl-{s}": f"Qwen/Qwen3-VL-{s.upper()}-Instruct" for s in QWEN3_VL_SIZES}}
@@ -58,6 +60,8 @@ FP8_HF_NAMES = {"llama-3.1-8b": "nvidia/Llama-3.1-8B-Instruct-FP8",
                 "qwen3-next-80b-a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct-FP8", "glm-5": "zai-org/GLM-5-FP8",
                 "glm-5.2": "zai-org/GLM-5.2-FP8",
                 "nemotron-3-nano-30b-a3b": "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-FP8",
+                "nemotron-3-super-120b-a12b": "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-FP8",
+                "nemotron-3-ultra-550b-a55b": "nvidia/NVIDIA-Nemotron-3-Ultra-550B-A55B-FP8",
                 "step-3.7-flash": "stepfun-ai/Step-3.7-Flash-FP8",
                 **{f"qwen3-vl-{s}": f"Qwen/Qwen3-VL-{s.upper()}-Instruct-FP8" for s in QWEN3_VL_SIZES}}
 FP8_DTYPES = ("fp8", "fp8_block")

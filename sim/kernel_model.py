@@ -911,6 +911,8 @@ class KernelCostModel(CostModel):
         # all touched weights streamed once, one launch. With no table at all, that estimate.
         self.g_moe = None
         if m.is_moe:
+            # the experts as the fused-MoE kernel sees them: a latent MoE's in the latent's width
+            ev = replace(m, hidden_size=m.expert_hidden, moe_latent_size=0) if m.moe_latent_size else m
             edt = m.expert_dtype or m.weight_dtype
             ge, re_, _t = grid_of(edt)
 
@@ -958,20 +960,20 @@ class KernelCostModel(CostModel):
                 """((axes, microseconds) for a Grid, note, exact) from the tables of format f at
                 sharding (tp_, ep_): this shape's table, else the nearest shape's scaled by the
                 estimate's ratio over ts; None without either."""
-                key = f"{f}/{m.hidden_size}/{m.moe_intermediate_size}/{m.num_experts_per_tok}/{m.num_experts}/{tp_}/{ep_}"
+                key = f"{f}/{ev.hidden_size}/{m.moe_intermediate_size}/{m.num_experts_per_tok}/{m.num_experts}/{tp_}/{ep_}"
                 if key in mt and m.mlp_gated:
-                    got_, note = reading(key, m)
+                    got_, note = reading(key, ev)
                     return got_, key + note, True
                 # (the tables' experts are gated, SwiGLU's: a squared-ReLU model's own shape is
                 # read as a gated one's and scaled like a neighbour's)
-                ref = (key, m) if key in mt else _nearest_moe_table(mt, f, m, tp_, ep_)
+                ref = (key, ev) if key in mt else _nearest_moe_table(mt, f, ev, tp_, ep_)
                 if ref is None:
                     return None
                 rkey, rspec = ref[0], replace(ref[1], mlp_gated=True)
                 (vals, us), note = reading(rkey, rspec)
                 rgrid = Grid(vals, us, None)
                 lo, hi = vals[0][0], vals[0][-1]
-                mine = _kernel_shape(m, moe_doc.get("kernels", {}).get(f, ""), f,
+                mine = _kernel_shape(ev, moe_doc.get("kernels", {}).get(f, ""), f,
                                      1 if ep_ > 1 else tp_)
                 out = []
                 for T in ts:

@@ -124,6 +124,10 @@ class ModelSpec:
     # dense MLPs and the experts alike, where SwiGLU's gate and up make the first one twice as wide.
     num_mlp_layers: int = 0
     mlp_gated: bool = True
+    # Latent MoE (Nemotron-3 Super, Ultra; 0: none): each MoE block projects the hidden state down
+    # to moe_latent_size (replicated on every rank), its routed experts work in that width, and it
+    # projects their sum back up; the router and the shared experts see the hidden state.
+    moe_latent_size: int = 0
     # Whether attention rotates q and k (RoPE; vLLM keeps a cos/sin cache). Nemotron-H's has no
     # positional encoding: its Mamba-2 blocks carry order.
     rotary: bool = True
@@ -169,6 +173,9 @@ class ModelSpec:
         if not 0 <= self.num_mlp_layers or self.num_moe_layers > self.mlp_layers:
             raise ValueError(f"num_mlp_layers={self.num_mlp_layers!r}, num_moe_layers={self.num_moe_layers!r}: "
                              "the MoE blocks are some of the MLP blocks")
+        if self.moe_latent_size and not (self.is_moe and 0 < self.moe_latent_size < self.hidden_size):
+            raise ValueError(f"moe_latent_size={self.moe_latent_size!r}: a MoE model's latent width, below "
+                             f"hidden_size={self.hidden_size}")
         if not 0 <= self.num_index_layers <= self.num_layers:
             raise ValueError(f"num_index_layers={self.num_index_layers!r}: must be in 0..num_layers={self.num_layers}")
         if not 0 <= self.num_linear_layers < self.num_layers - self.num_sliding_layers:
@@ -237,6 +244,11 @@ class ModelSpec:
     def mlp_layers(self) -> int:
         """Blocks with an MLP or a MoE (every layer unless num_mlp_layers says fewer)."""
         return self.num_mlp_layers or self.num_layers
+
+    @property
+    def expert_hidden(self) -> int:
+        """The width the routed experts read and write: the latent's, else the hidden size."""
+        return self.moe_latent_size or self.hidden_size
 
     @property
     def up_factor(self) -> int:
@@ -337,13 +349,17 @@ class ModelSpec:
                     ("shared_down", h, s // tp, self.num_moe_layers, self.weight_dtype)]
         if self.num_moe_layers:
             out += [("router", self.num_experts, h, self.num_moe_layers, self.act_dtype)]
+        if self.moe_latent_size:  # the latent MoE's projections, replicated
+            out += [("moe_latent_down", self.moe_latent_size, h, self.num_moe_layers, self.weight_dtype),
+                    ("moe_latent_up", h, self.moe_latent_size, self.num_moe_layers, self.weight_dtype)]
         return out
 
     def expert_gemms(self, tp: int = 1) -> dict[str, tuple[int, int]]:
         """(N, K) of one routed expert's GEMMs on one GPU (each rank holds a 1/tp slice of every
         expert; with expert parallelism instead 1/ep of the experts whole: the same bytes)."""
         mi = self.moe_intermediate_size
-        return {"gate_up": (self.up_factor * mi // tp, self.hidden_size), "down": (self.hidden_size, mi // tp)}
+        eh = self.expert_hidden
+        return {"gate_up": (self.up_factor * mi // tp, eh), "down": (eh, mi // tp)}
 
     def experts_touched(self, num_tokens: float) -> float:
         """Expected distinct routed experts one MoE layer runs for num_tokens tokens, each routed
@@ -384,7 +400,7 @@ class ModelSpec:
     @property
     def expert_params(self) -> int:
         """Routed experts' weights of the whole model."""
-        return self.num_moe_layers * self.num_experts * (self.up_factor + 1) * self.hidden_size * self.moe_intermediate_size
+        return self.num_moe_layers * self.num_experts * (self.up_factor + 1) * self.expert_hidden * self.moe_intermediate_size
 
     @property
     def params_per_layer(self) -> int:
@@ -392,7 +408,8 @@ class ModelSpec:
         embeddings and the final norm)."""
         h, L, w = self.hidden_size, self.num_layers, self.up_factor + 1
         dense = (self.mlp_layers - self.num_moe_layers) * w * h * self.intermediate_size
-        moe = self.num_moe_layers * (w * h * self.shared_intermediate_size + h * self.num_experts)
+        moe = self.num_moe_layers * (w * h * self.shared_intermediate_size + h * self.num_experts
+                                     + 2 * h * self.moe_latent_size)
         mlp = (dense + moe + self.expert_params) // L
         mix = (self.num_attention_layers * self.attention_params_per_layer
                + self.num_linear_layers * self.linear_attention_params_per_layer) // L
@@ -782,16 +799,22 @@ def _nemotron_h_fields(cfg: dict, outer: dict, w: str) -> dict:
     """ModelSpec fields of a Nemotron-H config.json: its blocks from hybrid_override_pattern (the
     mixers, Mamba-2 and attention, are num_layers; the MLP and MoE blocks num_mlp_layers), Mamba-2
     as linear layers (linear_kind "mamba2"), squared-ReLU MLPs and experts (two projections)."""
-    pattern = str(_need(cfg, "hybrid_override_pattern", w))
-    blocks = _need(cfg, "num_hidden_layers", w)
+    if cfg.get("hybrid_override_pattern") is None and isinstance(cfg.get("layers_block_type"), list):
+        # (newer configs list the blocks by name: Nemotron-3 Ultra)
+        names = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}
+        unknown = sorted({str(b) for b in cfg["layers_block_type"]} - set(names))
+        if unknown:
+            raise ValueError(f"config.json ({w}) layers_block_type={unknown}: known block kinds {sorted(names)}")
+        pattern = "".join(names[b] for b in cfg["layers_block_type"])
+    else:
+        pattern = str(_need(cfg, "hybrid_override_pattern", w))
+    blocks = cfg.get("num_hidden_layers") or len(pattern) if "layers_block_type" in cfg else \
+        _need(cfg, "num_hidden_layers", w)
     unknown = sorted(set(pattern) - set(NEMOTRON_H_BLOCKS))
     if unknown or len(pattern) != blocks:
         raise ValueError(f"config.json ({w}) hybrid_override_pattern={pattern!r}: one of "
                          f"{''.join(NEMOTRON_H_BLOCKS)} per block for num_hidden_layers={blocks}"
                          + (f" (unknown: {unknown})" if unknown else ""))
-    if cfg.get("moe_latent_size"):
-        raise ValueError(f"config.json ({w}) moe_latent_size={cfg['moe_latent_size']!r}: experts in a latent "
-                         "space (Nemotron-3 Super, Ultra) are not a layout ServeTwin can time")
     act = str(cfg.get("mlp_hidden_act", "relu2"))
     if act != "relu2":
         raise ValueError(f"config.json ({w}) mlp_hidden_act={act!r}: only Nemotron-H's squared ReLU ('relu2') is known")
@@ -823,6 +846,7 @@ def _nemotron_h_fields(cfg: dict, outer: dict, w: str) -> dict:
     if count["moe"]:
         kw.update(num_experts=_need(cfg, "n_routed_experts", w), num_experts_per_tok=_need(cfg, "num_experts_per_tok", w),
                   moe_intermediate_size=_need(cfg, "moe_intermediate_size", w), num_moe_layers=count["moe"],
+                  moe_latent_size=cfg.get("moe_latent_size") or 0,
                   shared_intermediate_size=(cfg.get("n_shared_experts") or 0)
                   * (cfg.get("moe_shared_expert_intermediate_size") or 0))
     return kw
@@ -1011,6 +1035,21 @@ NEMOTRON_H_CONFIGS = {
                                 "moe_intermediate_size": 1856, "n_shared_experts": 1,
                                 "moe_shared_expert_intermediate_size": 3712,
                                 "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"},
+    # Super and Ultra: latent MoE (their experts in moe_latent_size), 512 experts, top 22
+    "nemotron-3-super-120b-a12b": {**_NEMOTRON_H, "hidden_size": 4096, "num_attention_heads": 32,
+                                   "num_key_value_heads": 2, "num_hidden_layers": 88, "mamba_num_heads": 128,
+                                   "ssm_state_size": 128, "mamba_ssm_cache_dtype": "float32",
+                                   "max_position_embeddings": 262144, "n_routed_experts": 512, "num_experts_per_tok": 22,
+                                   "moe_intermediate_size": 2688, "moe_latent_size": 1024, "n_shared_experts": 1,
+                                   "moe_shared_expert_intermediate_size": 5376,
+                                   "hybrid_override_pattern": "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME"},
+    "nemotron-3-ultra-550b-a55b": {**_NEMOTRON_H, "hidden_size": 8192, "num_attention_heads": 64,
+                                   "num_key_value_heads": 2, "num_hidden_layers": 108, "mamba_num_heads": 256,
+                                   "ssm_state_size": 128, "mamba_ssm_cache_dtype": "float32",
+                                   "max_position_embeddings": 262144, "n_routed_experts": 512, "num_experts_per_tok": 22,
+                                   "moe_intermediate_size": 5120, "moe_latent_size": 2048, "n_shared_experts": 1,
+                                   "moe_shared_expert_intermediate_size": 10240,
+                                   "hybrid_override_pattern": "MEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"},
     "nemotron-h-56b": {**_NEMOTRON_H, "hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
                        "num_hidden_layers": 118, "intermediate_size": 32768, "mamba_num_heads": 256,
                        "ssm_state_size": 256, "max_position_embeddings": 8192,
@@ -1083,6 +1122,8 @@ _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-
                   "nvidia-nemotron-3-nano-30b-a3b-bf16": "nemotron-3-nano-30b-a3b",
                   "nvidia-nemotron-3-nano-30b-a3b-base-bf16": "nemotron-3-nano-30b-a3b",
                   "nemotron-h-56b-base-8k": "nemotron-h-56b",
+                  **{f"nvidia-nemotron-3-{x}{suffix}": f"nemotron-3-{x}" for x in ("super-120b-a12b", "ultra-550b-a55b")
+                     for suffix in ("", "-bf16")},
                   **{f"qwen3-vl-{s}-thinking": f"qwen3-vl-{s}" for s in QWEN3_VL_SIZES}}
 
 DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [

@@ -443,8 +443,7 @@ def test_nemotron_h_blocks_read_from_the_pattern_and_counted_by_hand():
     # no rotary embedding: nothing loaded beside the weights
     assert m.loaded_bytes_per_gpu(1) == m.weight_bytes_per_gpu(1) and big.intermediate_size == 32768
     assert m.intermediate_size == 0  # (Nano has no dense MLP block)
-    for bad, field in (({"moe_latent_size": 1024}, "moe_latent_size=1024"),
-                       ({"mlp_hidden_act": "silu"}, "mlp_hidden_act='silu'"),
+    for bad, field in (({"mlp_hidden_act": "silu"}, "mlp_hidden_act='silu'"),
                        ({"hybrid_override_pattern": "X" + cfg["hybrid_override_pattern"][1:]}, "hybrid_override_pattern="),
                        ({"hybrid_override_pattern": "M*" * 26}, r"an MLP or MoE block")):
         with pytest.raises(ValueError, match=field):
@@ -467,3 +466,35 @@ def test_nemotron_h_times_mamba_by_the_roofline_and_its_squared_relu_experts_fro
     tab = load_tables("h100_sxm")["moe"]["tables"][key]
     measured_1 = tab["us"][tab["values"][0].index(1)]
     assert 0.55 < k.g_moe(1)[0] / measured_1 < 0.75
+
+
+def test_nemotron_3_super_experts_work_in_their_latent_width():
+    """Nemotron-3 Super (moe_latent_size 1024): each MoE block projects the hidden state (4096) down
+    to the latent and back up, and its 512 routed experts (top 22) read and write the latent: their
+    GEMMs are 1024 wide and the fused-MoE table is looked up at that width. Weights by hand: 120.7B
+    in all, 12.8B active (published 120B-A12B); Ultra's block list (layers_block_type) 549B-A56B."""
+    from sim.specs import NEMOTRON_H_CONFIGS
+    cfg = NEMOTRON_H_CONFIGS["nemotron-3-super-120b-a12b"]
+    m = get_model("nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16")
+    assert m == dataclasses.replace(ModelSpec.from_hf_config(cfg), name=m.name)
+    assert m.expert_gemms(1) == {"gate_up": (2688, 1024), "down": (1024, 2688)}
+    assert {g[0]: g[1:3] for g in m.step_gemms(1)}["moe_latent_down"] == (1024, 4096)
+    h, d_inner, conv = 4096, 128 * 64, 128 * 64 + 2 * 8 * 128
+    mamba = h * (2 * d_inner + 2 * 8 * 128 + 128) + conv * 5 + 3 * 128 + d_inner + d_inner * h
+    attn = 2 * h * 32 * 128 + 2 * h * 2 * 128
+    routed = 512 * 2 * 1024 * 2688
+    moe = routed + 2 * h * 5376 + 512 * h + 2 * h * 1024        # routed, shared, router, latent down and up
+    params = 2 * 131072 * h + 40 * mamba + 8 * attn + 40 * moe + 88 * h + h
+    assert m.num_params == pytest.approx(params, abs=3 * 48)
+    active = params - 40 * routed + 40 * 22 * 2 * 1024 * 2688
+    assert (m.num_params / 1e9, active / 1e9) == (pytest.approx(120.7, abs=0.05), pytest.approx(12.8, abs=0.05))
+    blocks = {"M": "mamba", "*": "attention", "E": "moe"}
+    ultra_cfg = {**NEMOTRON_H_CONFIGS["nemotron-3-ultra-550b-a55b"]}
+    ultra_cfg["layers_block_type"] = [blocks[c] for c in ultra_cfg.pop("hybrid_override_pattern")]
+    ultra = ModelSpec.from_hf_config({k: v for k, v in ultra_cfg.items() if k != "num_hidden_layers"})
+    assert ultra == dataclasses.replace(get_model("nemotron-3-ultra-550b-a55b"), name=ultra.name)
+    assert ultra.num_params / 1e9 == pytest.approx(549.3, abs=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        k = KernelCostModel(m, "h200", 2)
+    assert k.coverage["moe"].startswith("scaled from bf16/2048/5120/22/512/2/1")  # Ultra's latent shape, measured
