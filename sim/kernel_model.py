@@ -818,10 +818,10 @@ class KernelCostModel(CostModel):
     def _dispatch_roof(self, tokens: int) -> float:
         """One MoE layer's dispatch and combine under data-parallel attention: every rank's tokens
         gathered to the tp x dp GPUs and the outputs reduced back, by the link's bandwidth (the
-        traffic of an all-reduce of their hidden states), plus two latencies and
-        Overheads.dp_dispatch_s."""
+        traffic of an all-reduce of their hidden states; a latent MoE's in the latent width, which
+        its tokens are projected to first), plus two latencies and Overheads.dp_dispatch_s."""
         d, g = self.device, self.moe_ranks
-        return (2 * (g - 1) / g * tokens * self.model.hidden_size * self.model.act_dtype_bytes
+        return (2 * (g - 1) / g * tokens * self.model.expert_hidden * self.model.act_dtype_bytes
                 / d.interconnect_bandwidth + 2 * d.interconnect_latency_s + self.ovh.dp_dispatch_s)
 
     # ------------------------------------------------------------------ building

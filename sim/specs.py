@@ -452,8 +452,8 @@ class ModelSpec:
         rank (2.5 GiB for Llama-4's 10M positions)."""
         pad = 0
         if (self.expert_dtype or self.weight_dtype) == "mxfp4":
-            pad = self.expert_weight_bytes_per_gpu(expert_ranks or tp) * (
-                -(-self.hidden_size // 256) * 256 / self.hidden_size - 1)
+            eh = self.expert_hidden
+            pad = self.expert_weight_bytes_per_gpu(expert_ranks or tp) * (-(-eh // 256) * 256 / eh - 1)
         rotary = (self.qk_rope_head_dim if self.is_mla else self.head_dim) if self.rotary else 0
         rope = self.max_position_embeddings * rotary * self.act_dtype_bytes
         return int(self.weight_bytes_per_gpu(tp, expert_ranks) + pad + rope)
@@ -665,8 +665,9 @@ def hf_config_fields(cfg: dict) -> dict:
     mixtures of experts Mixtral, Qwen2-MoE/Qwen3-MoE, DeepSeek-V2/V3 and Kimi-K2 (MLA),
     DeepSeek-V3.2 and GLM-5 (MLA with sparse attention), gpt-oss,
     MiniMax-M2 and Llama-4 (its text_config), Qwen3-VL (Qwen3 / Qwen3-MoE in its text_config, and
-    its vision encoder), and the linear-attention hybrids Qwen3-Next and
-    Qwen3.5 (dense or MoE; its text_config). Anything else (another model_type, a
+    its vision encoder), Step-3.7-Flash, MiMo (Qwen2's decoder), the linear-attention hybrids
+    Qwen3-Next and Qwen3.5 (dense or MoE; its text_config), and the Mamba-2 hybrids Nemotron-H
+    and Nemotron-3. Anything else (another model_type, a
     dense family with expert fields, a quantization it does not know) is a ValueError naming the
     field: never timed as something else."""
     outer = cfg
@@ -765,9 +766,15 @@ def hf_config_fields(cfg: dict) -> dict:
         if unknown or len(types) != L:
             raise ValueError(f"config.json ({w}) layer_types={unknown or len(types)}: one of sliding_attention, "
                              f"full_attention per layer for num_hidden_layers={L}")
+        sliding_heads = cfg.get("num_sliding_attention_heads",
+                                (cfg.get("attention_other_setting") or {}).get("num_attention_heads", heads))
+        if sliding_heads != heads:
+            raise ValueError(f"config.json ({w}) num_sliding_attention_heads={sliding_heads!r}: sliding layers with "
+                             f"another head count than num_attention_heads={heads} are not a layout ServeTwin can time")
         kw.update(num_experts=_need(cfg, "num_experts", w), moe_intermediate_size=_need(cfg, "moe_intermediate_size", w),
-                  shared_intermediate_size=(cfg.get("n_shared_experts") or 0) * (cfg.get("share_expert_dim") or 0),
-                  num_moe_layers=L - (cfg.get("first_k_dense_replace") or 0),
+                  # (one shared expert of share_expert_dim unless n_shared_experts says otherwise)
+                  shared_intermediate_size=(cfg.get("n_shared_experts", 1) or 0) * (cfg.get("share_expert_dim") or 0),
+                  num_moe_layers=L - _need(cfg, "first_k_dense_replace", w),
                   sliding_window=_need(cfg, "sliding_window", w),
                   num_sliding_layers=sum(t == "sliding_attention" for t in types))
     elif mt == "gpt_oss":
@@ -796,31 +803,34 @@ def hf_config_fields(cfg: dict) -> dict:
 
 
 def _nemotron_h_fields(cfg: dict, outer: dict, w: str) -> dict:
-    """ModelSpec fields of a Nemotron-H config.json: its blocks from hybrid_override_pattern (the
-    mixers, Mamba-2 and attention, are num_layers; the MLP and MoE blocks num_mlp_layers), Mamba-2
-    as linear layers (linear_kind "mamba2"), squared-ReLU MLPs and experts (two projections)."""
-    if cfg.get("hybrid_override_pattern") is None and isinstance(cfg.get("layers_block_type"), list):
-        # (newer configs list the blocks by name: Nemotron-3 Ultra)
-        names = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}
-        unknown = sorted({str(b) for b in cfg["layers_block_type"]} - set(names))
+    """ModelSpec fields of a Nemotron-H config.json: its blocks from hybrid_override_pattern or
+    layers_block_type (the mixers, Mamba-2 and attention, are num_layers; the MLP and MoE blocks
+    num_mlp_layers), Mamba-2 as linear layers (linear_kind "mamba2"), squared-ReLU MLPs and experts
+    (two projections), a latent MoE's width (moe_latent_size)."""
+    names = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}
+    listed = cfg.get("layers_block_type")
+    if listed is not None:  # (newer configs list the blocks by name: Nemotron-3 Ultra)
+        unknown = sorted({str(b) for b in listed} - set(names)) if isinstance(listed, list) else [listed]
         if unknown:
-            raise ValueError(f"config.json ({w}) layers_block_type={unknown}: known block kinds {sorted(names)}")
-        pattern = "".join(names[b] for b in cfg["layers_block_type"])
-    else:
-        pattern = str(_need(cfg, "hybrid_override_pattern", w))
-    blocks = cfg.get("num_hidden_layers") or len(pattern) if "layers_block_type" in cfg else \
-        _need(cfg, "num_hidden_layers", w)
+            raise ValueError(f"config.json ({w}) layers_block_type={unknown}: a list of the block kinds "
+                             f"{sorted(names)}")
+        from_list = "".join(names[b] for b in listed)
+        if cfg.get("hybrid_override_pattern") not in (None, from_list):
+            raise ValueError(f"config.json ({w}) hybrid_override_pattern={cfg['hybrid_override_pattern']!r} "
+                             f"and layers_block_type disagree")
+    field = "hybrid_override_pattern" if listed is None else "layers_block_type"
+    pattern = str(_need(cfg, "hybrid_override_pattern", w)) if listed is None else from_list
+    blocks = cfg.get("num_hidden_layers") if listed is not None else _need(cfg, "num_hidden_layers", w)
     unknown = sorted(set(pattern) - set(NEMOTRON_H_BLOCKS))
-    if unknown or len(pattern) != blocks:
-        raise ValueError(f"config.json ({w}) hybrid_override_pattern={pattern!r}: one of "
-                         f"{''.join(NEMOTRON_H_BLOCKS)} per block for num_hidden_layers={blocks}"
-                         + (f" (unknown: {unknown})" if unknown else ""))
+    if unknown or (blocks is not None and len(pattern) != blocks):
+        raise ValueError(f"config.json ({w}) {field}={pattern!r}: one of {''.join(NEMOTRON_H_BLOCKS)} per "
+                         f"block for num_hidden_layers={blocks}" + (f" (unknown: {unknown})" if unknown else ""))
     act = str(cfg.get("mlp_hidden_act", "relu2"))
     if act != "relu2":
         raise ValueError(f"config.json ({w}) mlp_hidden_act={act!r}: only Nemotron-H's squared ReLU ('relu2') is known")
     count = {k: pattern.count(c) for c, k in NEMOTRON_H_BLOCKS.items()}
     if not count["attention"] or not count["mlp"] + count["moe"]:
-        raise ValueError(f"config.json ({w}) hybrid_override_pattern={pattern!r}: needs an attention block ('*') "
+        raise ValueError(f"config.json ({w}) {field}={pattern!r}: needs an attention block ('*') "
                          "and an MLP or MoE block ('-', 'E')")
     h, heads = _need(cfg, "hidden_size", w), _need(cfg, "num_attention_heads", w)
     wdtype, edtype = _quantization(cfg)

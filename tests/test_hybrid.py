@@ -497,4 +497,13 @@ def test_nemotron_3_super_experts_work_in_their_latent_width():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         k = KernelCostModel(m, "h200", 2)
+        wide = KernelCostModel(dataclasses.replace(m, moe_latent_size=0), "h200", 2)
+    # read from a measured shape, scaled to the latent width: a one-token step streams 22 experts of
+    # 2 x 1024 x 2688 weights, not of 2 x 4096 x 2688 as they would be without the latent
     assert k.coverage["moe"].startswith("scaled from bf16/2048/5120/22/512/2/1")  # Ultra's latent shape, measured
+    assert k.g_moe(1)[0] < 0.4 * wide.g_moe(1)[0]
+    assert k._dispatch_roof(1024) < wide._dispatch_roof(1024)
+    with pytest.raises(ValueError, match="moe_latent_size=4096"):
+        dataclasses.replace(m, moe_latent_size=4096)
+    with pytest.raises(ValueError, match=r"layers_block_type=\['conv'\]"):
+        ModelSpec.from_hf_config({**ultra_cfg, "layers_block_type": ["conv"] + ultra_cfg["layers_block_type"][1:]})

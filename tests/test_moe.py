@@ -939,5 +939,16 @@ def test_step_flash_reads_its_sliding_and_full_layers_and_its_experts_counted_by
     assert c.num_params / 1e9 == pytest.approx(196, abs=0.5)
     assert c.kv_bytes_per_token == 12 * 2 * 8 * 128 * 2
     assert get_model("stepfun-ai/Step-3.7-Flash-FP8").weight_dtype == "fp8_block"
+    from sim.specs import ModelSpec as Spec
+    cfg = {"model_type": "step3p7", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000, "intermediate_size": 512,
+           "sliding_window": 64, "first_k_dense_replace": 1, "num_experts": 8, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 128, "share_expert_dim": 128,
+           "layer_types": ["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"]}
+    assert Spec.from_hf_config(cfg).shared_intermediate_size == 128   # one shared expert unless told
+    with pytest.raises(ValueError, match="num_sliding_attention_heads=16"):
+        Spec.from_hf_config({**cfg, "attention_other_setting": {"num_attention_heads": 16}})
+    with pytest.raises(ValueError, match="first_k_dense_replace"):
+        Spec.from_hf_config({k: v for k, v in cfg.items() if k != "first_k_dense_replace"})
     assert get_model("XiaomiMiMo/MiMo-7B-Base").num_params == pytest.approx(
         2 * 151680 * h + 36 * (h * 32 * 128 + 2 * h * 8 * 128 + 32 * 128 * h + 3 * h * 11008 + 2 * h) + h)
