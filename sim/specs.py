@@ -1037,29 +1037,32 @@ _QWEN3_VL_VISION = {**QWEN35_VISION_CONFIG, "deepstack_visual_indexes": [8, 16, 
 _NEMOTRON_H = {"model_type": "nemotron_h", "conv_kernel": 4, "head_dim": 128, "mamba_head_dim": 64,
                "mlp_hidden_act": "relu2", "n_groups": 8, "vocab_size": 131072, "tie_word_embeddings": False,
                "torch_dtype": "bfloat16"}
+
+
+def _nemotron_3(hidden: int, heads: int, mamba_heads: int, experts: int, top_k: int, expert_inter: int,
+                shared_inter: int, pattern: str, latent: int = 0) -> dict:
+    """A Nemotron-3 config.json's fields (2 KV heads, SSM state 128 in float32, 262,144 positions,
+    one shared expert; latent: moe_latent_size)."""
+    cfg = {**_NEMOTRON_H, "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": 2,
+           "num_hidden_layers": len(pattern), "intermediate_size": expert_inter, "mamba_num_heads": mamba_heads,
+           "ssm_state_size": 128, "mamba_ssm_cache_dtype": "float32", "max_position_embeddings": 262144,
+           "n_routed_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": expert_inter,
+           "n_shared_experts": 1, "moe_shared_expert_intermediate_size": shared_inter,
+           "hybrid_override_pattern": pattern}
+    return {**cfg, "moe_latent_size": latent} if latent else cfg
+
+
 NEMOTRON_H_CONFIGS = {
-    "nemotron-3-nano-30b-a3b": {**_NEMOTRON_H, "hidden_size": 2688, "num_attention_heads": 32, "num_key_value_heads": 2,
-                                "num_hidden_layers": 52, "intermediate_size": 1856, "mamba_num_heads": 64,
-                                "ssm_state_size": 128, "mamba_ssm_cache_dtype": "float32",
-                                "max_position_embeddings": 262144, "n_routed_experts": 128, "num_experts_per_tok": 6,
-                                "moe_intermediate_size": 1856, "n_shared_experts": 1,
-                                "moe_shared_expert_intermediate_size": 3712,
-                                "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"},
+    "nemotron-3-nano-30b-a3b": _nemotron_3(2688, 32, 64, 128, 6, 1856, 3712,
+                                           "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"),
     # Super and Ultra: latent MoE (their experts in moe_latent_size), 512 experts, top 22
-    "nemotron-3-super-120b-a12b": {**_NEMOTRON_H, "hidden_size": 4096, "num_attention_heads": 32,
-                                   "num_key_value_heads": 2, "num_hidden_layers": 88, "mamba_num_heads": 128,
-                                   "ssm_state_size": 128, "mamba_ssm_cache_dtype": "float32",
-                                   "max_position_embeddings": 262144, "n_routed_experts": 512, "num_experts_per_tok": 22,
-                                   "moe_intermediate_size": 2688, "moe_latent_size": 1024, "n_shared_experts": 1,
-                                   "moe_shared_expert_intermediate_size": 5376,
-                                   "hybrid_override_pattern": "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME"},
-    "nemotron-3-ultra-550b-a55b": {**_NEMOTRON_H, "hidden_size": 8192, "num_attention_heads": 64,
-                                   "num_key_value_heads": 2, "num_hidden_layers": 108, "mamba_num_heads": 256,
-                                   "ssm_state_size": 128, "mamba_ssm_cache_dtype": "float32",
-                                   "max_position_embeddings": 262144, "n_routed_experts": 512, "num_experts_per_tok": 22,
-                                   "moe_intermediate_size": 5120, "moe_latent_size": 2048, "n_shared_experts": 1,
-                                   "moe_shared_expert_intermediate_size": 10240,
-                                   "hybrid_override_pattern": "MEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"},
+    "nemotron-3-super-120b-a12b": _nemotron_3(
+        4096, 32, 128, 512, 22, 2688, 5376,
+        "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME", latent=1024),
+    "nemotron-3-ultra-550b-a55b": _nemotron_3(
+        8192, 64, 256, 512, 22, 5120, 10240,
+        "MEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        latent=2048),
     "nemotron-h-56b": {**_NEMOTRON_H, "hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
                        "num_hidden_layers": 118, "intermediate_size": 32768, "mamba_num_heads": 256,
                        "ssm_state_size": 256, "max_position_embeddings": 8192,
