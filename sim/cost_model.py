@@ -243,7 +243,7 @@ class AnalyticCostModel(CostModel):
                                        * (4 * dk * dv + 2 * GDN_CHUNK * (dk + dv)) / (d.flops * e.attention_flops))
         if tp > 1:
             ring = 2 * (tp - 1) / tp
-            ars = m.num_layers + m.mlp_layers  # an all-reduce after each mixer and each MLP
+            ars = m.num_sublayers  # an all-reduce after each mixer and each MLP
             self._comm_fixed = ars * d.interconnect_latency_s
             self._comm_per_token = ars * ring * m.hidden_size * m.act_dtype_bytes / d.interconnect_bandwidth
         else:

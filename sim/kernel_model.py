@@ -1265,7 +1265,7 @@ class KernelCostModel(CostModel):
         # the shared experts' intermediate)
         moe_w = m.num_experts_per_tok * m.moe_intermediate_size + m.shared_intermediate_size
         width = ((m.mlp_layers - m.num_moe_layers) * m.intermediate_size + m.num_moe_layers * moe_w) / m.num_layers
-        norms = (m.num_layers + m.mlp_layers) / m.num_layers  # fused add + RMSNorm per mixer and per MLP
+        norms = m.num_sublayers / m.num_layers  # fused add + RMSNorm per mixer and per MLP
         kernels = [(m.up_factor + 1) * T * width / tp * a]       # SiLU * mul (squared ReLU: in place)
         attn = [T * 2 * self.kv_heads * self.attn_head_dim * (a + m.kv_dtype_bytes)]  # KV write
         if m.rotary:
@@ -1529,7 +1529,7 @@ class KernelCostModel(CostModel):
             eager = self.g_ar_eager is not None and T > self.ovh.cudagraph_max_tokens
             g_ar = self.g_ar_eager if eager else self.g_ar
             # one after each mixer and each MLP (two a layer; Nemotron-H's blocks one each), and the head's
-            out["allreduce"] = (L + m.mlp_layers + 1) * self._look("allreduce", g_ar, T * m.hidden_size)
+            out["allreduce"] = (m.num_sublayers + 1) * self._look("allreduce", g_ar, T * m.hidden_size)
             if m.qk_norm_across_heads:
                 # per layer, the q/k norms' partial sums (2 fp32 = 4 bf16 elements per token),
                 # latency-bound: read no lower than the smallest measured message; and the extra

@@ -246,6 +246,12 @@ class ModelSpec:
         return self.num_mlp_layers or self.num_layers
 
     @property
+    def num_sublayers(self) -> int:
+        """Mixers and MLPs, each behind a fused add + RMSNorm and (under TP) an all-reduce: two a
+        layer, or one a Nemotron-H block."""
+        return self.num_layers + self.mlp_layers
+
+    @property
     def expert_hidden(self) -> int:
         """The width the routed experts read and write: the latent's, else the hidden size."""
         return self.moe_latent_size or self.hidden_size
@@ -390,8 +396,9 @@ class ModelSpec:
         if self.is_mla:
             # the full projections, kept whole: sum of N*K at tp=1, plus the latent's two norms;
             # the indexer's (INDEXER_GEMMS) averaged over the layers, in index_layers of them
-            own = sum(n * k for name, (n, k) in self.attention_gemm_shapes(1).items() if name not in INDEXER_GEMMS)
-            index = sum(n * k for name, (n, k) in self.attention_gemm_shapes(1).items() if name in INDEXER_GEMMS)
+            shapes = self.attention_gemm_shapes(1)
+            own = sum(n * k for name, (n, k) in shapes.items() if name not in INDEXER_GEMMS)
+            index = sum(n * k for name, (n, k) in shapes.items() if name in INDEXER_GEMMS)
             return own + self.kv_lora_rank + self.q_lora_rank + index * self.index_layers // self.num_layers
         h, d = self.hidden_size, self.head_dim
         gate = 2 if self.attn_output_gate else 1
@@ -413,7 +420,7 @@ class ModelSpec:
         mlp = (dense + moe + self.expert_params) // L
         mix = (self.num_attention_layers * self.attention_params_per_layer
                + self.num_linear_layers * self.linear_attention_params_per_layer) // L
-        return mix + mlp + (L + self.mlp_layers) * h // L  # + an RMSNorm weight per mixer and per MLP
+        return mix + mlp + self.num_sublayers * h // L  # + an RMSNorm weight per mixer and per MLP
 
     @property
     def embedding_params(self) -> int:
@@ -462,7 +469,7 @@ class ModelSpec:
         """All weights but the routed experts, on one GPU."""
         # (MLA's q_a and kv_a have the same shape at every TP: replicated)
         lin = sum(layers * n * k * DTYPE_BYTES[dtype] for _name, n, k, layers, dtype in self.step_gemms(tp))
-        norms = (self.num_layers + self.mlp_layers + 1) * self.hidden_size
+        norms = (self.num_sublayers + 1) * self.hidden_size
         if self.is_mla:
             norms += self.num_layers * (self.kv_lora_rank + self.q_lora_rank)
         vocab = -(-self.vocab_size // tp) * self.hidden_size
@@ -551,7 +558,8 @@ MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek
 # Nemotron-H (Nemotron-H, Nemotron-3): blocks of Mamba-2 ("M"), attention ("*"), a squared-ReLU MLP
 # ("-") or a MoE ("E") each, as hybrid_override_pattern lists them
 NEMOTRON_H_MODEL_TYPES = ("nemotron_h",)
-NEMOTRON_H_BLOCKS = {"M": "mamba2", "*": "attention", "-": "mlp", "E": "moe"}
+# (its config.json's names for them, as layers_block_type lists them)
+NEMOTRON_H_BLOCKS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 # Qwen3-VL: Qwen3's and Qwen3-MoE's text decoders (text_config) with a vision encoder
 QWEN3_VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe", "qwen3_vl_moe_text")
 # Hybrids of Gated DeltaNet linear attention and gated full attention (every
@@ -807,7 +815,7 @@ def _nemotron_h_fields(cfg: dict, outer: dict, w: str) -> dict:
     layers_block_type (the mixers, Mamba-2 and attention, are num_layers; the MLP and MoE blocks
     num_mlp_layers), Mamba-2 as linear layers (linear_kind "mamba2"), squared-ReLU MLPs and experts
     (two projections), a latent MoE's width (moe_latent_size)."""
-    names = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}
+    names = {name: c for c, name in NEMOTRON_H_BLOCKS.items()}
     listed = cfg.get("layers_block_type")
     if listed is not None:  # (newer configs list the blocks by name: Nemotron-3 Ultra)
         unknown = sorted({str(b) for b in listed} - set(names)) if isinstance(listed, list) else [listed]
@@ -835,7 +843,7 @@ def _nemotron_h_fields(cfg: dict, outer: dict, w: str) -> dict:
     h, heads = _need(cfg, "hidden_size", w), _need(cfg, "num_attention_heads", w)
     wdtype, edtype = _quantization(cfg)
     torch_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-    kw = dict(num_layers=count["mamba2"] + count["attention"], hidden_size=h, num_heads=heads,
+    kw = dict(num_layers=count["mamba"] + count["attention"], hidden_size=h, num_heads=heads,
               num_kv_heads=cfg.get("num_key_value_heads") or heads,
               head_dim=cfg.get("head_dim") or cfg.get("attention_head_dim") or h // heads,
               intermediate_size=(cfg.get("intermediate_size") or 0) if count["mlp"] else 0,
@@ -844,7 +852,7 @@ def _nemotron_h_fields(cfg: dict, outer: dict, w: str) -> dict:
               max_position_embeddings=cfg.get("max_position_embeddings", 131072),
               weight_dtype=wdtype or torch_dtype,
               act_dtype="bfloat16" if canonical_dtype(torch_dtype) in FP8 else torch_dtype, expert_dtype=edtype,
-              num_linear_layers=count["mamba2"], linear_kind="mamba2",
+              num_linear_layers=count["mamba"], linear_kind="mamba2",
               linear_num_k_heads=_need(cfg, "n_groups", w), linear_k_head_dim=_need(cfg, "ssm_state_size", w),
               linear_num_v_heads=_need(cfg, "mamba_num_heads", w), linear_v_head_dim=_need(cfg, "mamba_head_dim", w),
               linear_conv_kernel=_need(cfg, "conv_kernel", w),
