@@ -42,7 +42,8 @@ HF_NAMES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
             "nemotron-3-super-120b-a12b": "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16",
             "nemotron-3-ultra-550b-a55b": "nvidia/NVIDIA-Nemotron-3-Ultra-550B-A55B-BF16",
             "nemotron-h-56b": "nvidia/Nemotron-H-56B-Base-8K", "step-3.7-flash": "stepfun-ai/Step-3.7-Flash",
-            "mimo-7b": "XiaomiMiMo/MiMo-7B-Base",
+            "mimo-7b": "XiaomiMiMo/MiMo-7B-Base", "mimo-v2-flash": "XiaomiMiMo/MiMo-V2-Flash",
+            "gemma-4-26b-a4b": "google/gemma-4-26B-A4B-it", "gemma-4-31b": "google/gemma-4-31B-it",
             **{f"qwen3-vl-{s}": f"Qwen/Qwen3-VL-{s.upper()}-Instruct" for s in QWEN3_VL_SIZES}}
 
 # Checkpoints published with fp8 weights for catalog models whose own checkpoint is bf16: what a

@@ -229,7 +229,9 @@ class AnalyticCostModel(CostModel):
         epeak = d.peak_flops("bfloat16" if edt in WEIGHT_ONLY_4BIT else edt)
         self._expert_flop_s = (2 * m.num_moe_layers * m.num_experts_per_tok
                                * sum(n * k for n, k in m.expert_gemms(tp).values()) / (epeak * e.flops)) if m.is_moe else 0.0
-        self._attn_time_per_pair = 4 * m.num_attention_layers * m.num_heads * m.head_dim / tp / (d.flops * e.attention_flops)
+        widths = ((m.num_attention_layers - m.num_sliding_layers) * m.head_dim
+                  + m.num_sliding_layers * m.attention_shape(sliding=True)[1])  # query-key widths, every layer
+        self._attn_time_per_pair = 4 * m.num_heads * widths / tp / (d.flops * e.attention_flops)
         # KV bytes of this GPU's KV heads (replicated, not divided, when TP > KV heads).
         self._kv_time_per_token = m.kv_bytes_per_token_per_gpu(tp) / (d.mem_bandwidth * e.bandwidth)
         # Linear-attention layers (Gated DeltaNet, Mamba-2): every request of a step reads and

@@ -689,6 +689,7 @@ class KernelCostModel(CostModel):
         self.g_gdn_ctx = self.g_gdn_gen = None  # linear-attention layers (hybrids): _build
         self._mla_key = None  # an MLA layer's prefill read from the mla_module tables: _build
         self.g_mla_proj = None  # and then its decode tokens' projections by themselves
+        self.g_ctx_sw = self.g_gen_sw = None  # sliding-window layers of their own shape: _build
         if m.num_linear_layers and (m.linear_num_k_heads % tp or m.linear_num_v_heads % tp):
             raise ValueError(f"deployment.tp={tp}: must divide the linear-attention heads "
                              f"({m.linear_num_k_heads} key, {m.linear_num_v_heads} value heads of {m.name})")
@@ -708,10 +709,10 @@ class KernelCostModel(CostModel):
                     _BUILT.clear()
                 _BUILT[key] = (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar, self.g_ar_eager,
                                self._ar_releases, self.g_moe, self.g_gdn_ctx, self.g_gdn_gen, self._mla_key,
-                               self.g_mla_proj, self.coverage, self.source)
+                               self.g_mla_proj, self.g_ctx_sw, self.g_gen_sw, self.coverage, self.source)
             (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar, self.g_ar_eager, self._ar_releases,
-             self.g_moe, self.g_gdn_ctx, self.g_gdn_gen, self._mla_key, self.g_mla_proj, self.coverage,
-             self.source) = _BUILT[key]
+             self.g_moe, self.g_gdn_ctx, self.g_gdn_gen, self._mla_key, self.g_mla_proj, self.g_ctx_sw,
+             self.g_gen_sw, self.coverage, self.source) = _BUILT[key]
         else:
             self.source = tables.get("sources", {})
             self._build(tables)
@@ -797,18 +798,22 @@ class KernelCostModel(CostModel):
             return max(2 * M * N * K / peak, (M * K * a + N * K * wb + M * N * a) / d.mem_bandwidth) + 2e-6
         return roof
 
-    def _ctx_roof(self, b, s):
+    def _ctx_roof(self, b, s, kv_heads=None, hd=None):
+        """Prefill attention of b causal sequences of s tokens by the roofline, for this GPU's
+        heads (kv_heads, hd: a sliding-window layer's own shape)."""
         m, d = self.model, self.device
-        hd = self.attn_head_dim
+        hd = hd or self.attn_head_dim
         flops = 2 * b * s * s * self.q_heads * hd  # causal: half of 4*s^2*h*d
-        by = b * s * (self.q_heads + 2 * self.kv_heads) * hd * m.act_dtype_bytes * 2
+        by = b * s * (self.q_heads + 2 * (kv_heads or self.kv_heads)) * hd * m.act_dtype_bytes * 2
         return max(flops / d.flops, by / d.mem_bandwidth) + 5e-6
 
-    def _gen_roof(self, b, s):
+    def _gen_roof(self, b, s, kv_heads=None, hd=None):
+        """b decodes reading s cached tokens each by the roofline (kv_heads, hd as _ctx_roof)."""
         m, d = self.model, self.device
+        hd = hd or self.attn_head_dim
         copies = 1 if m.is_mla else 2  # MLA: one latent per token, keys and values alike
-        by = b * s * copies * self.kv_heads * self.attn_head_dim * m.kv_dtype_bytes
-        flops = 4 * b * s * self.q_heads * self.attn_head_dim
+        by = b * s * copies * (kv_heads or self.kv_heads) * hd * m.kv_dtype_bytes
+        flops = 4 * b * s * self.q_heads * hd
         return max(flops / d.flops, by / d.mem_bandwidth) + 5e-6
 
     def _ar_roof(self, n):
@@ -825,6 +830,31 @@ class KernelCostModel(CostModel):
                 / d.interconnect_bandwidth + 2 * d.interconnect_latency_s + self.ovh.dp_dispatch_s)
 
     # ------------------------------------------------------------------ building
+    def _attention_roof(self, phase: str, kv: int, hd: int):
+        """The roofline of one phase's attention ("context" or "generation") for kv KV heads of hd."""
+        roof = self._ctx_roof if phase == "context" else self._gen_roof
+        return lambda b, s, r=roof, kv=kv, hd=hd: r(b, s, kv, hd)
+
+    def _attention_grid(self, tables: dict | None, phase: str, kv: int, hd: int) -> tuple:
+        """(Grid, coverage note) of one phase's attention for this GPU's query heads over kv KV
+        heads of width hd: the measured table of that shape, else one derived from neighbours
+        (derive_head_table), else the roofline (counted as fallbacks)."""
+        kvn = KV_NAMES.get(self.model.kv_dtype, "bf16")
+        key = f"{kvn}/{self.q_heads}/{kv}/{hd}"
+        roof = self._attention_roof(phase, kv, hd)
+        tabs = (tables or {}).get(f"{phase}_attention", {}).get("tables", {})
+        tab = tabs.get(key)
+        derived = None if tab is not None else derive_head_table(tabs, kvn, self.q_heads, kv, hd, phase, roof)
+        if tab is None and derived is None:
+            bs, ss = _log_grid(1, 4096, 1), _log_grid(1, 262144, 1)
+            us = [[roof(b, s) * 1e6 for s in ss] for b in bs]
+            return Grid([bs, ss], us, roof, np.zeros((len(bs), len(ss)), dtype=bool)), None
+        values, us = (tab["values"], tab["us"]) if tab is not None else derived[:2]
+        if phase == "context":  # prefill attention: compute-bound over its b x s query rows
+            us = [[None if u is None else u * self.ovh.gemm_factor(b * s) for s, u in zip(values[1], row)]
+                  for b, row in zip(values[0], us)]
+        return Grid(values, us, roof), (key if tab is not None else derived[2])
+
     def _build(self, tables: dict | None) -> None:
         m, tp = self.model, self.tp
         cov = {}
@@ -1031,29 +1061,11 @@ class KernelCostModel(CostModel):
                 cov[f"linear_attention_{phase}"] = lkey if tab is not None else None
         if m.index_topk:  # the sparse attention's indexer: no table, the roofline (_indexer_roof)
             cov["sparse_attention_indexer"] = None
-        # Attention for this GPU's heads.
-        kvn = KV_NAMES.get(m.kv_dtype, "bf16")
-        key = f"{kvn}/{self.q_heads}/{self.kv_heads}/{self.attn_head_dim}"
-        for phase, roof, attr in (("context", self._ctx_roof, "g_ctx"), ("generation", self._gen_roof, "g_gen")):
-            tabs = (tables or {}).get(f"{phase}_attention", {}).get("tables", {})
-            tab = tabs.get(key)
-            derived = None if tab is not None else derive_head_table(tabs, kvn, self.q_heads, self.kv_heads,
-                                                                     self.attn_head_dim, phase, roof)
-            if tab is not None:
-                values, us = tab["values"], tab["us"]
-            elif derived is not None:
-                values, us, note = derived
-            if tab is not None or derived is not None:
-                if phase == "context":  # prefill attention: compute-bound over its b x s query rows
-                    us = [[None if u is None else u * self.ovh.gemm_factor(b * s) for s, u in zip(values[1], row)]
-                          for b, row in zip(values[0], us)]
-                setattr(self, attr, Grid(values, us, lambda b, s, r=roof: r(b, s)))
-            else:
-                bs, ss = _log_grid(1, 4096, 1), _log_grid(1, 262144, 1)
-                us = [[roof(b, s) * 1e6 for s in ss] for b in bs]
-                setattr(self, attr, Grid([bs, ss], us, lambda b, s, r=roof: r(b, s),
-                                         np.zeros((len(bs), len(ss)), dtype=bool)))
-            cov[f"{phase}_attention"] = key if tab is not None else (derived[2] if derived else None)
+        # Attention for this GPU's heads; sliding-window layers of another shape (Gemma-4, MiMo-V2)
+        # from their own tables
+        for phase, attr in (("context", "g_ctx"), ("generation", "g_gen")):
+            grid, cov[f"{phase}_attention"] = self._attention_grid(tables, phase, self.kv_heads, self.attn_head_dim)
+            setattr(self, attr, grid)
             if self._mla_key and phase == "context":
                 section, key = self._mla_key.split("/", 1)
                 doc = tables[section]
@@ -1063,6 +1075,11 @@ class KernelCostModel(CostModel):
                 self.g_ctx = Grid(mt["values"], us, self._mla_layer_roof)
                 kernel = doc["kernels"]["context"][key.split("/")[0]] if section == "mla_module" else doc["kernel"]
                 cov["context_attention"] = f"{section} {key} ({kernel})"
+        self.g_ctx_sw = self.g_gen_sw = None
+        if m.has_sliding_shape:
+            kv, hd = m.kv_heads_per_gpu(tp, sliding=True), m.attention_shape(sliding=True)[1]
+            self.g_ctx_sw, cov["sliding_context_attention"] = self._attention_grid(tables, "context", kv, hd)
+            self.g_gen_sw, cov["sliding_generation_attention"] = self._attention_grid(tables, "generation", kv, hd)
         # All-reduce by message elements: inside CUDA graphs (g_ar), and outside them (g_ar_eager,
         # the `allreduce_eager` table: a step of more tokens than vLLM captures, see _by_tokens;
         # None where the tables have no such table, and g_ar serves both).
@@ -1108,6 +1125,8 @@ class KernelCostModel(CostModel):
             r["g_gdn_ctx"], r["g_gdn_gen"] = self.g_gdn_ctx.to_json(), self.g_gdn_gen.to_json()
         if self.g_mla_proj is not None:
             r["g_mla_proj"], r["mla_key"] = self.g_mla_proj.to_json(), self._mla_key
+        if self.g_ctx_sw is not None:
+            r["g_ctx_sw"], r["g_gen_sw"] = self.g_ctx_sw.to_json(), self.g_gen_sw.to_json()
         return r
 
     def _from_reduced(self, r: dict) -> None:
@@ -1131,6 +1150,14 @@ class KernelCostModel(CostModel):
             self.g_gdn_gen = Grid.from_json(r["g_gdn_gen"], self._gdn_gen_roof)
         elif self.model.num_linear_layers:
             raise ValueError(f"a kernel profile of {self.model.name} without its linear-attention grids "
+                             "(made before ServeTwin timed them): regenerate it")
+        self.g_ctx_sw = self.g_gen_sw = None
+        if "g_ctx_sw" in r:
+            kv, hd = self.model.kv_heads_per_gpu(self.tp, sliding=True), self.model.attention_shape(sliding=True)[1]
+            self.g_ctx_sw = Grid.from_json(r["g_ctx_sw"], self._attention_roof("context", kv, hd))
+            self.g_gen_sw = Grid.from_json(r["g_gen_sw"], self._attention_roof("generation", kv, hd))
+        elif self.model.has_sliding_shape:
+            raise ValueError(f"a kernel profile of {self.model.name} without its sliding layers' attention grids "
                              "(made before ServeTwin timed them): regenerate it")
         self.coverage = r.get("coverage", {})
         self.source = r.get("sources", {})
@@ -1378,7 +1405,7 @@ class KernelCostModel(CostModel):
         if y < 1.0:
             y = 1.0
         m = self.model
-        if (m.num_sliding_layers and y > m.sliding_window) or m.index_topk:
+        if (m.num_sliding_layers and y > m.sliding_window) or m.index_topk or self.g_gen_sw is not None:
             return pre + self._decode_attention(n, y) + head + sampler
         A = m.num_attention_layers
         if row is not None:
@@ -1400,7 +1427,8 @@ class KernelCostModel(CostModel):
                     + m.index_layers * self._roofline_term("indexer", self._indexer_roof(n * y, n, n * y)))
         att = full * self._look("generation_attention", self.g_gen, n, y) if full else 0.0
         if m.num_sliding_layers:
-            att += m.num_sliding_layers * self._look("generation_attention", self.g_gen, n,
+            grid = self.g_gen if self.g_gen_sw is None else self.g_gen_sw
+            att += m.num_sliding_layers * self._look("generation_attention", grid, n,
                                                      max(min(y, float(m.sliding_window)), 1.0))
         return att
 
@@ -1454,7 +1482,8 @@ class KernelCostModel(CostModel):
             if m.num_sliding_layers:
                 pairs = min(f.prefill_attn_pairs, f.num_prefill_tokens * m.sliding_window)
                 s = math.sqrt(2.0 * pairs / b)
-                att += m.num_sliding_layers * self._look("context_attention", self.g_ctx, b, max(s, 1.0))
+                grid = self.g_ctx if self.g_ctx_sw is None else self.g_ctx_sw
+                att += m.num_sliding_layers * self._look("context_attention", grid, b, max(s, 1.0))
         if f.num_decode_reqs:
             att += self._decode_attention(f.num_decode_reqs, max(f.decode_context_tokens / f.num_decode_reqs, 1.0))
             if self.g_mla_proj is not None:  # the decode tokens' MLA projections (_mla_key)

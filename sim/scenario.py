@@ -384,7 +384,12 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
             reserve_full_prompt=sc.boolean("reserve_full_prompt", True),
             unhashed_blocks_first=sc.boolean("unhashed_blocks_first", True),
             watermark=sc.number("watermark", 0.0, ge=0, le=0.99),
-            uncache_unscheduled_victims=sc.boolean("uncache_unscheduled_victims", False))
+            uncache_unscheduled_victims=sc.boolean("uncache_unscheduled_victims", False),
+            # sliding-window layers keep their window in the pool (vLLM's hybrid KV cache manager)
+            **({"sliding_window": model.sliding_window, "sliding_kv_bytes": sliding_bytes,
+                "kv_bytes": model.kv_bytes_per_token_per_gpu(tp)}
+               if (sliding_bytes := model.sliding_kv_bytes_per_token_per_gpu(tp)) and model.kv_bytes_per_token_per_gpu(tp)
+               else {}))
     except ValueError as e:
         if isinstance(e, SpecError):
             raise

@@ -81,6 +81,8 @@ class ModelSpec:
     attn_weight_dtype: str = ""      # attention projections ("": weight_dtype; bf16 in some fp8 checkpoints)
     # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; kv_lora_rank 0: none): the KV cache
     # holds one latent of kv_lora_rank + qk_rope_head_dim per token and layer, on every TP rank.
+    # (v_head_dim without MLA: the value heads' width where it is not head_dim, MiMo-V2's 128
+    # against query and key heads of 192.)
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
@@ -100,6 +102,11 @@ class ModelSpec:
     # most sliding_window tokens per request, so the per-token KV counts the other layers only.
     sliding_window: int = 0
     num_sliding_layers: int = 0
+    # Sliding layers whose KV heads or head width differ from the full layers' (Gemma-4: 8 KV heads
+    # of 256 where its full layers have 2 of 512; MiMo-V2: 8 where its full layers have 4); 0: the
+    # same as the full layers'. The query heads are the same in both kinds.
+    sliding_num_kv_heads: int = 0
+    sliding_head_dim: int = 0
     # Gated DeltaNet linear-attention layers (Qwen3.5, Qwen3-Next; 0: none). num_linear_layers of
     # the num_layers mix tokens with a gated delta rule instead of attention: linear_num_k_heads key
     # heads of linear_k_head_dim and linear_num_v_heads value heads of linear_v_head_dim, after a
@@ -165,6 +172,10 @@ class ModelSpec:
                 raise ValueError(f"num_moe_layers={self.num_moe_layers!r}: must be in 1..num_layers={self.num_layers}")
         if not 0 <= self.num_sliding_layers <= self.num_layers:
             raise ValueError(f"num_sliding_layers={self.num_sliding_layers!r}: must be in 0..num_layers={self.num_layers}")
+        for key in ("sliding_num_kv_heads", "sliding_head_dim"):
+            if getattr(self, key) < 0 or (getattr(self, key) and not self.num_sliding_layers):
+                raise ValueError(f"{key}={getattr(self, key)!r}: a shape of the sliding-window layers, >= 0, "
+                                 "for a model with num_sliding_layers > 0")
         if self.index_topk and not (self.kv_lora_rank and self.index_n_heads > 0 and self.index_head_dim > 0):
             raise ValueError(f"index_topk={self.index_topk!r}: sparse attention needs latent attention "
                              "(kv_lora_rank) and index_n_heads, index_head_dim > 0")
@@ -283,10 +294,25 @@ class ModelSpec:
         return self.act_dtype_bytes if self.weight_dtype in QUANTIZED_WEIGHTS else self.weight_dtype_bytes
 
     # ------------------------------------------------------------ shapes
-    def kv_heads_per_gpu(self, tp: int = 1) -> int:
-        """KV heads each GPU holds: a share of them, or one replicated head when TP > KV heads
-        (vLLM: max(1, num_kv_heads // tp)). Used by memory accounting and every cost model."""
-        return max(1, self.num_kv_heads // tp)
+    def kv_heads_per_gpu(self, tp: int = 1, sliding: bool = False) -> int:
+        """KV heads each GPU holds in a full (or sliding-window) layer: a share of them, or one
+        replicated head when TP > KV heads (vLLM: max(1, num_kv_heads // tp)). Used by memory
+        accounting and every cost model."""
+        return max(1, self.attention_shape(sliding)[0] // tp)
+
+    def attention_shape(self, sliding: bool = False) -> tuple[int, int, int]:
+        """(KV heads, query and key head width, value head width) of a full attention layer, or of
+        a sliding-window one (its own KV heads and width where the config gives them). MLA: the
+        model's heads, qk_nope + qk_rope and v_head_dim."""
+        if sliding and not self.is_mla:
+            d = self.sliding_head_dim or self.head_dim
+            return self.sliding_num_kv_heads or self.num_kv_heads, d, self.v_head_dim or d
+        return self.num_kv_heads, self.head_dim, self.v_head_dim or self.head_dim
+
+    @property
+    def has_sliding_shape(self) -> bool:
+        """Whether the sliding-window layers' attention has another shape than the full layers'."""
+        return bool(self.num_sliding_layers) and self.attention_shape(True) != self.attention_shape(False)
 
     def attention_gemm_shapes(self, tp: int = 1) -> dict[str, tuple[int, int]]:
         """(N, K) of one layer's attention GEMMs on one GPU. MLA (DeepSeek): q down/up (or one q
@@ -311,8 +337,16 @@ class ModelSpec:
                 out["index_k"] = (self.index_head_dim, h)
                 out["index_weights"] = (self.index_n_heads, h)
             return out
+        return self.gqa_gemm_shapes(tp)
+
+    def gqa_gemm_shapes(self, tp: int = 1, sliding: bool = False) -> dict[str, tuple[int, int]]:
+        """(N, K) of a (grouped-query) attention layer's q/k/v and output projections on one GPU,
+        full or sliding-window (attention_shape)."""
+        kv, d, v = self.attention_shape(sliding)
+        kv = max(1, kv // tp)
+        q = self.num_heads // tp
         gate = 2 if self.attn_output_gate else 1  # q and its output gate in one projection
-        return {"qkv": ((gate * q + 2 * self.kv_heads_per_gpu(tp)) * d, h), "o_proj": (h, q * d)}
+        return {"qkv": ((gate * q + kv) * d + kv * v, self.hidden_size), "o_proj": (self.hidden_size, q * v)}
 
     def linear_conv_dim(self, tp: int = 1) -> int:
         """Channels of a linear-attention layer's causal conv1d on one GPU (q, k and v)."""
@@ -340,8 +374,13 @@ class ModelSpec:
         Routed experts are not here (their work depends on the tokens: expert_gemms)."""
         L, h = self.num_layers, self.hidden_size
         A = self.num_attention_layers
-        out = [(k, n, kk, self.index_layers if k in INDEXER_GEMMS else A, self.attn_dtype)
-               for k, (n, kk) in self.attention_gemm_shapes(tp).items()]
+        if self.has_sliding_shape and not self.is_mla:
+            S = self.num_sliding_layers  # sliding-window layers of their own shape (sliding_*)
+            out = [(k, n, kk, A - S, self.attn_dtype) for k, (n, kk) in self.gqa_gemm_shapes(tp).items()]
+            out += [("sliding_" + k, n, kk, S, self.attn_dtype) for k, (n, kk) in self.gqa_gemm_shapes(tp, True).items()]
+        else:
+            out = [(k, n, kk, self.index_layers if k in INDEXER_GEMMS else A, self.attn_dtype)
+                   for k, (n, kk) in self.attention_gemm_shapes(tp).items()]
         # (in_proj_ba: a few columns per GPU, in the activation dtype, as vLLM keeps them)
         out += [(k, n, kk, self.num_linear_layers, self.act_dtype if k == "in_proj_ba" else self.attn_dtype)
                 for k, (n, kk) in self.linear_attention_gemm_shapes(tp).items()]
@@ -391,8 +430,17 @@ class ModelSpec:
                 + self.linear_v_head_dim)
 
     @property
+    def attention_params(self) -> int:
+        """The weights of every attention layer (full and sliding-window, each of its own shape)."""
+        if self.is_mla or not self.num_sliding_layers:
+            return self.num_attention_layers * self.attention_params_per_layer
+        sliding = sum(n * k for n, k in self.gqa_gemm_shapes(1, True).values())
+        return ((self.num_attention_layers - self.num_sliding_layers) * self.attention_params_per_layer
+                + self.num_sliding_layers * sliding)
+
+    @property
     def attention_params_per_layer(self) -> int:
-        """One attention layer's weights (q/k/v/o, or MLA's projections and norms)."""
+        """One (full) attention layer's weights (q/k/v/o, or MLA's projections and norms)."""
         if self.is_mla:
             # the full projections, kept whole: sum of N*K at tp=1, plus the latent's two norms;
             # the indexer's (INDEXER_GEMMS) averaged over the layers, in index_layers of them
@@ -400,9 +448,7 @@ class ModelSpec:
             own = sum(n * k for name, (n, k) in shapes.items() if name not in INDEXER_GEMMS)
             index = sum(n * k for name, (n, k) in shapes.items() if name in INDEXER_GEMMS)
             return own + self.kv_lora_rank + self.q_lora_rank + index * self.index_layers // self.num_layers
-        h, d = self.hidden_size, self.head_dim
-        gate = 2 if self.attn_output_gate else 1
-        return gate * h * self.num_heads * d + 2 * h * self.num_kv_heads * d + self.num_heads * d * h
+        return sum(n * k for n, k in self.gqa_gemm_shapes(1).values())
 
     @property
     def expert_params(self) -> int:
@@ -410,17 +456,20 @@ class ModelSpec:
         return self.num_moe_layers * self.num_experts * (self.up_factor + 1) * self.expert_hidden * self.moe_intermediate_size
 
     @property
-    def params_per_layer(self) -> int:
-        """Per layer, averaged over layer kinds for a MoE model (num_params / num_layers, less
-        embeddings and the final norm)."""
-        h, L, w = self.hidden_size, self.num_layers, self.up_factor + 1
+    def layer_params(self) -> int:
+        """The weights of every layer (mixers, MLPs and MoEs, their norms): num_params less the
+        embeddings and the final norm."""
+        h, w = self.hidden_size, self.up_factor + 1
         dense = (self.mlp_layers - self.num_moe_layers) * w * h * self.intermediate_size
         moe = self.num_moe_layers * (w * h * self.shared_intermediate_size + h * self.num_experts
                                      + 2 * h * self.moe_latent_size)
-        mlp = (dense + moe + self.expert_params) // L
-        mix = (self.num_attention_layers * self.attention_params_per_layer
-               + self.num_linear_layers * self.linear_attention_params_per_layer) // L
-        return mix + mlp + self.num_sublayers * h // L  # + an RMSNorm weight per mixer and per MLP
+        mix = self.attention_params + self.num_linear_layers * self.linear_attention_params_per_layer
+        return mix + dense + moe + self.expert_params + self.num_sublayers * h  # + an RMSNorm per mixer and MLP
+
+    @property
+    def params_per_layer(self) -> int:
+        """Per layer, averaged over layer kinds (layer_params / num_layers, rounded down)."""
+        return self.layer_params // self.num_layers
 
     @property
     def embedding_params(self) -> int:
@@ -432,7 +481,7 @@ class ModelSpec:
 
     @property
     def num_params(self) -> int:
-        return self.embedding_params + self.lm_head_params + self.num_layers * self.params_per_layer + self.hidden_size
+        return self.embedding_params + self.lm_head_params + self.layer_params + self.hidden_size
 
     @property
     def weight_bytes(self) -> int:
@@ -506,8 +555,13 @@ class ModelSpec:
                 # the indexer's fp8 key and its scale, in the layers with an indexer
                 return layers * latent + self.index_layers * (self.index_head_dim + 4)
             return layers * latent
-        heads = self.num_kv_heads if tp == 0 else self.kv_heads_per_gpu(tp)
-        return 2 * layers * heads * self.head_dim * self.kv_dtype_bytes
+        return layers * self._kv_bytes_per_token_layer(tp)
+
+    def _kv_bytes_per_token_layer(self, tp: int, sliding: bool = False) -> int:
+        """One token's K and V in one GQA layer (full or sliding-window) on one GPU (tp=0: all KV heads)."""
+        kv, d, v = self.attention_shape(sliding)
+        heads = kv if tp == 0 else max(1, kv // tp)
+        return heads * (d + v) * self.kv_dtype_bytes
 
     def sliding_kv_bytes_per_request_per_gpu(self, tp: int = 1, block_size: int = 16) -> int:
         """KV of the sliding-window layers for one running request: the window (and the block it
@@ -515,7 +569,13 @@ class ModelSpec:
         if not self.num_sliding_layers or not self.sliding_window:
             return 0
         tokens = -(-self.sliding_window // block_size) * block_size + block_size
-        return 2 * self.num_sliding_layers * self.kv_heads_per_gpu(tp) * self.head_dim * self.kv_dtype_bytes * tokens
+        return self.sliding_kv_bytes_per_token_per_gpu(tp) * tokens
+
+    def sliding_kv_bytes_per_token_per_gpu(self, tp: int = 1) -> int:
+        """One token's K and V in every sliding-window layer, on one GPU (0 without such layers)."""
+        if not self.num_sliding_layers or not self.sliding_window:
+            return 0
+        return self.num_sliding_layers * self._kv_bytes_per_token_layer(tp, sliding=True)
 
     def linear_state_bytes_per_request_per_gpu(self, tp: int = 1) -> int:
         """One request's state in the linear-attention layers on one GPU: per layer, the conv1d's
@@ -566,6 +626,10 @@ QWEN3_VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe", "qwen3_vl_m
 # full_attention_interval-th layer, or as layer_types lists them): Qwen3-Next and Qwen3.5, dense or
 # MoE (Qwen3.5's checkpoints are multimodal: their text_config, and a vision encoder)
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text")
+# Gemma-4 (dense or MoE: enable_moe_block) and MiMo-V2-Flash: sliding-window and full layers of two
+# attention shapes (ModelSpec.sliding_num_kv_heads, sliding_head_dim)
+GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
+SLIDING_SHAPE_MODEL_TYPES = GEMMA4_MODEL_TYPES + ("mimo_v2_flash",)
 # Keys that make a config a mixture of experts (or MLA): a dense family carrying one is refused.
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
              "kv_lora_rank")
@@ -669,6 +733,16 @@ def _hybrid_layers(cfg: dict, L: int, where: str) -> int:
 
 
 def hf_config_fields(cfg: dict) -> dict:
+    """ModelSpec fields from a HF config.json (_hf_config_fields). A dense model's NVFP4 checkpoint
+    that keeps its attention in 16 bits (NVIDIA's Gemma-4-31B: the MLPs in NVFP4) reads as NVFP4
+    linear layers with 16-bit attention, not as NVFP4 experts it does not have."""
+    kw = _hf_config_fields(cfg)
+    if kw.get("expert_dtype") == "nvfp4" and not kw.get("num_experts"):
+        kw.update(attn_weight_dtype=kw["weight_dtype"], weight_dtype="nvfp4", expert_dtype="")
+    return kw
+
+
+def _hf_config_fields(cfg: dict) -> dict:
     """ModelSpec fields from a HF config.json: dense Llama, Mistral, Qwen2 and Qwen3 decoders, the
     mixtures of experts Mixtral, Qwen2-MoE/Qwen3-MoE, DeepSeek-V2/V3 and Kimi-K2 (MLA),
     DeepSeek-V3.2 and GLM-5 (MLA with sparse attention), gpt-oss,
@@ -682,7 +756,7 @@ def hf_config_fields(cfg: dict) -> dict:
     if "text_config" in cfg and "num_hidden_layers" not in cfg:
         cfg = cfg["text_config"]
     mt = str(cfg.get("model_type") or outer.get("model_type") or "").lower()
-    known = DENSE_MODEL_TYPES + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES + NEMOTRON_H_MODEL_TYPES
+    known = DENSE_MODEL_TYPES + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES + NEMOTRON_H_MODEL_TYPES + SLIDING_SHAPE_MODEL_TYPES
     if not mt:
         raise ValueError(f"config.json lacks 'model_type' (known: {', '.join(known)})")
     if mt not in known:
@@ -733,6 +807,10 @@ def hf_config_fields(cfg: dict) -> dict:
     if mt in DENSE_MODEL_TYPES:
         _need(cfg, "intermediate_size", w)
         return kw
+    if mt in GEMMA4_MODEL_TYPES:
+        return _gemma4_fields(cfg, outer, kw, w)
+    if mt == "mimo_v2_flash":
+        return _mimo_v2_fields(cfg, kw, w)
     k = _need(cfg, "num_experts_per_tok" if mt != "gpt_oss" or "num_experts_per_tok" in cfg else "experts_per_token", w)
     if mt == "mixtral":
         kw.update(num_experts=_need(cfg, "num_local_experts", w), moe_intermediate_size=_need(cfg, "intermediate_size", w),
@@ -807,6 +885,85 @@ def hf_config_fields(cfg: dict) -> dict:
         if _keeps_attention_unquantized(outer.get("quantization_config") or cfg.get("quantization_config")):
             kw["attn_weight_dtype"] = act
     kw["num_experts_per_tok"] = k
+    return kw
+
+
+def _layer_kinds(cfg: dict, L: int, w: str) -> int:
+    """How many of L layers layer_types lists as sliding_attention (the rest full_attention)."""
+    types = _need(cfg, "layer_types", w)
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != L:
+        raise ValueError(f"config.json ({w}) layer_types={unknown or len(types)}: one of sliding_attention, "
+                         f"full_attention per layer for num_hidden_layers={L}")
+    return sum(t == "sliding_attention" for t in types)
+
+
+def gemma4_vision_params(vc: dict | None, text_hidden: int) -> int:
+    """Weights of Gemma-4's vision encoder: ViT layers (q/k/v/o without biases, a gated MLP, four
+    RMSNorms), the patch embedding, the two-axis position table and the projection into the text
+    model (embed_vision), counted from vision_config (about 0.57 B)."""
+    if not vc or not vc.get("num_hidden_layers"):
+        return 0
+    h, i, L = vc["hidden_size"], vc["intermediate_size"], vc["num_hidden_layers"]
+    layer = 4 * h * h + 3 * h * i + 4 * h
+    patch = 3 * vc["patch_size"] ** 2 * h
+    return L * layer + patch + 2 * vc.get("position_embedding_size", 0) * h + h * text_hidden
+
+
+def _gemma4_fields(cfg: dict, outer: dict, kw: dict, w: str) -> dict:
+    """Gemma-4's text decoder (text_config): sliding-window layers of num_key_value_heads x
+    head_dim, full layers of global_head_dim (with attention_k_eq_v, num_global_key_value_heads
+    of them, whose keys are also the values: vLLM loads k_proj a second time as the v projection
+    and caches K and V, so they are counted as a v projection and a V cache of their own); a
+    gated GELU MLP in every layer, and with enable_moe_block a MoE beside it (top_k_experts of
+    num_experts, summed with the MLP: read as a shared expert of intermediate_size)."""
+    L = kw["num_layers"]
+    for key in ("hidden_size_per_layer_input", "num_kv_shared_layers"):
+        if cfg.get(key):
+            raise ValueError(f"config.json ({w}) {key}={cfg[key]!r}: Gemma-4's per-layer embeddings and "
+                             "KV-sharing layers (E2B, E4B) are not a layout ServeTwin can time")
+    sliding = _layer_kinds(cfg, L, w)
+    hd, kv = kw["head_dim"], kw["num_kv_heads"]
+    full_hd = cfg.get("global_head_dim") or hd
+    full_kv = (cfg.get("num_global_key_value_heads") or kv) if cfg.get("attention_k_eq_v") else kv
+    kw.update(head_dim=full_hd, num_kv_heads=full_kv, qk_norm=True,
+              sliding_window=_need(cfg, "sliding_window", w), num_sliding_layers=sliding,
+              sliding_head_dim=hd if hd != full_hd else 0, sliding_num_kv_heads=kv if kv != full_kv else 0,
+              vision_params=gemma4_vision_params(outer.get("vision_config"), kw["hidden_size"]))
+    inter = _need(cfg, "intermediate_size", w)
+    if cfg.get("enable_moe_block"):
+        kw.update(num_experts=_need(cfg, "num_experts", w), num_experts_per_tok=_need(cfg, "top_k_experts", w),
+                  moe_intermediate_size=_need(cfg, "moe_intermediate_size", w), shared_intermediate_size=inter,
+                  num_moe_layers=L)
+    return kw
+
+
+def _mimo_v2_fields(cfg: dict, kw: dict, w: str) -> dict:
+    """MiMo-V2-Flash: hybrid_layer_pattern 1 for a sliding-window layer (swa_num_key_value_heads of
+    swa_head_dim), 0 for a full one; query and key heads of head_dim, value heads of v_head_dim
+    in both; a dense MLP where moe_layer_freq is 0, n_routed_experts elsewhere. Its multi-token
+    prediction layers are not loaded without speculative decoding."""
+    L, heads = kw["num_layers"], kw["num_heads"]
+    pattern = _need(cfg, "hybrid_layer_pattern", w)
+    freq = cfg.get("moe_layer_freq") or [1] * L
+    if len(pattern) != L or len(freq) != L or not set(pattern) | set(freq) <= {0, 1}:
+        raise ValueError(f"config.json ({w}) hybrid_layer_pattern / moe_layer_freq: one 0 or 1 per layer "
+                         f"for num_hidden_layers={L}")
+    v = cfg.get("v_head_dim") or kw["head_dim"]
+    for key, want in (("swa_num_attention_heads", heads), ("swa_v_head_dim", v)):
+        if cfg.get(key, want) != want:
+            raise ValueError(f"config.json ({w}) {key}={cfg[key]!r}: sliding-window layers with another "
+                             f"value than the full layers' ({want}) are not a layout ServeTwin can time")
+    swa_kv, swa_hd = cfg.get("swa_num_key_value_heads") or kw["num_kv_heads"], cfg.get("swa_head_dim") or kw["head_dim"]
+    mi = _need(cfg, "moe_intermediate_size", w)
+    kw.update(v_head_dim=v if v != kw["head_dim"] else 0,
+              sliding_window=cfg.get("sliding_window_size") or _need(cfg, "sliding_window", w),
+              num_sliding_layers=sum(pattern),
+              sliding_num_kv_heads=swa_kv if swa_kv != kw["num_kv_heads"] else 0,
+              sliding_head_dim=swa_hd if swa_hd != kw["head_dim"] else 0,
+              num_experts=_need(cfg, "n_routed_experts", w), num_experts_per_tok=_need(cfg, "num_experts_per_tok", w),
+              moe_intermediate_size=mi, shared_intermediate_size=(cfg.get("n_shared_experts") or 0) * mi,
+              num_moe_layers=sum(freq))
     return kw
 
 
@@ -933,6 +1090,9 @@ def _qwen35(name: str, layers: int, hidden: int, heads: int, kv_heads: int, v_he
 # Catalog models whose fp8 checkpoints keep the attention projections in 16 bits (RedHat's
 # FP8-dynamic Llama-4 recipe ignores self_attn; _keeps_attention_unquantized reads it from a config)
 FP8_KEEPS_16BIT_ATTENTION = ("llama-4-scout-17b-16e",)
+# Dense catalog models whose NVIDIA NVFP4 checkpoint leaves the attention in 16 bits (its
+# quantization_config's ignore list: Gemma-4-31B-IT-NVFP4)
+NVFP4_KEEPS_16BIT_ATTENTION = ("gemma-4-31b",)
 
 MODELS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, False, 131072),
@@ -1089,6 +1249,35 @@ MODELS["mimo-7b"] = ModelSpec.from_hf_config(
     {"model_type": "mimo", "num_hidden_layers": 36, "hidden_size": 4096, "num_attention_heads": 32,
      "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 11008, "vocab_size": 151680,
      "max_position_embeddings": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}, name="mimo-7b")
+# Gemma-4 (google/gemma-4-26B-A4B and -31B: their config.json's text_config and vision_config, the
+# fields the reader takes; five sliding-window layers to each full one) and MiMo-V2-Flash (its
+# fp8 checkpoint, XiaomiMiMo/MiMo-V2-Flash: 9 full layers, 39 sliding-window ones)
+_GEMMA4 = {"model_type": "gemma4_text", "head_dim": 256, "global_head_dim": 512, "attention_k_eq_v": True,
+           "sliding_window": 1024, "vocab_size": 262144, "tie_word_embeddings": True,
+           "max_position_embeddings": 262144, "torch_dtype": "bfloat16"}
+_GEMMA4_VISION = {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "patch_size": 16,
+                  "position_embedding_size": 10240}
+GEMMA4_CONFIGS = {
+    "gemma-4-26b-a4b": {**_GEMMA4, "num_hidden_layers": 30, "hidden_size": 2816, "num_attention_heads": 16,
+                        "num_key_value_heads": 8, "num_global_key_value_heads": 2, "intermediate_size": 2112,
+                        "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8,
+                        "moe_intermediate_size": 704, "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5},
+    "gemma-4-31b": {**_GEMMA4, "num_hidden_layers": 60, "hidden_size": 5376, "num_attention_heads": 32,
+                    "num_key_value_heads": 16, "num_global_key_value_heads": 4, "intermediate_size": 21504,
+                    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 10},
+}
+MODELS.update({name: ModelSpec.from_hf_config({"model_type": "gemma4", "text_config": cfg,
+                                               "vision_config": _GEMMA4_VISION}, name=name)
+               for name, cfg in GEMMA4_CONFIGS.items()})
+MODELS["mimo-v2-flash"] = ModelSpec.from_hf_config(
+    {"model_type": "mimo_v2_flash", "num_hidden_layers": 48, "hidden_size": 4096, "num_attention_heads": 64,
+     "num_key_value_heads": 4, "head_dim": 192, "v_head_dim": 128, "intermediate_size": 16384,
+     "vocab_size": 152576, "max_position_embeddings": 262144, "sliding_window_size": 128,
+     "swa_num_attention_heads": 64, "swa_num_key_value_heads": 8, "swa_head_dim": 192, "swa_v_head_dim": 128,
+     "hybrid_layer_pattern": [0] + ([1] * 5 + [0]) * 7 + [1] * 4 + [0],
+     "moe_layer_freq": [0] + [1] * 47, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+     "num_experts_per_tok": 8, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+     "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, name="mimo-v2-flash")
 # GLM-5.2 (and 5.3, whose config.json is the same): GLM-5 with 21 of its 78 layers keeping an indexer
 # of their own (indexer_types), 1,048,576 positions
 MODELS["glm-5.2"] = replace(MODELS["glm-5"], name="glm-5.2", num_index_layers=21, max_position_embeddings=1048576)
@@ -1322,7 +1511,8 @@ def _lookup_model(value: str, base_dir: Path | None = None) -> ModelSpec:
         # 16 bits), and an fp8 KV cache (kv_cache_quant_algo FP8)
         if m.is_moe:
             return replace(m, weight_dtype=m.act_dtype, attn_weight_dtype="", expert_dtype="nvfp4", kv_dtype="fp8")
-        return m.with_dtypes(weight_dtype="nvfp4", kv_dtype="fp8")
+        m = m.with_dtypes(weight_dtype="nvfp4", kv_dtype="fp8")
+        return replace(m, attn_weight_dtype=m.act_dtype) if key in NVFP4_KEEPS_16BIT_ATTENTION else m
     if m.weight_dtype in FP8:  # an fp8 catalog model keeps its own format
         return m
     owner = value.strip().lower().split("/")[0] if "/" in value else ""

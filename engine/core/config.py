@@ -23,6 +23,12 @@ class SchedulerConfig:
       track_block_ids=False   the KV pool counts blocks while no prefix-cache hit is possible
           (engine/core/kv_cache_manager.py); while it counts, the block ids in the scheduler's
           outputs are -1. Same decisions; the simulator sets it, an engine must not.
+    And one for the simulator of a model with sliding-window layers (vLLM's hybrid KV cache
+    manager keeps their windows in the same pool):
+      sliding_window, sliding_kv_bytes, kv_bytes   each running request also holds the pool blocks
+          its window weighs: sliding_window tokens of sliding_kv_bytes per token (every
+          sliding-window layer's), in blocks of block_size tokens of kv_bytes (the layers the
+          pool is sized by). 0: no charge (engine/core/kv_cache_manager.py).
     """
 
     max_num_batched_tokens: int = 2048
@@ -39,6 +45,9 @@ class SchedulerConfig:
     watermark: float = 0.0
     uncache_unscheduled_victims: bool = False
     track_block_ids: bool = True
+    sliding_window: int = 0
+    sliding_kv_bytes: int = 0
+    kv_bytes: int = 0
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -51,6 +60,12 @@ class SchedulerConfig:
         v = self.num_gpu_blocks
         if not isinstance(v, int) or isinstance(v, bool) or v < 2:
             bad("num_gpu_blocks", "must be an integer >= 2 (it counts the null block, so 2 give 1 usable)")
+        for name in ("sliding_window", "sliding_kv_bytes", "kv_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                bad(name, "must be an integer >= 0")
+        if self.sliding_window and not (self.sliding_kv_bytes and self.kv_bytes):
+            bad("sliding_window", "needs sliding_kv_bytes and kv_bytes > 0 (what a window token weighs in the pool)")
         v = self.long_prefill_token_threshold
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             bad("long_prefill_token_threshold", "must be an integer >= 0 (0 disables it)")

@@ -389,6 +389,8 @@ class FastForwardScheduler(Scheduler):
         running = self.running
         if not running or len(running) > self.max_num_batched_tokens:
             return False
+        if self.kv_cache_manager.sliding_window:  # a window's blocks change off the block boundaries
+            return False
         for r in running:
             if r.num_tokens - r.num_computed_tokens != 1:
                 return False

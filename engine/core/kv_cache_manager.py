@@ -1,7 +1,14 @@
 """Per-request KV block bookkeeping: prefix-cache lookup, slot allocation, caching, free.
 
 This folds vLLM's KVCacheManager, coordinator and single-type (full attention) manager into one
-class: one KV cache group, full attention, which is what the engine and simulator model.
+class: one KV cache group, full attention, which is what the engine models. For a model whose
+sliding-window layers keep their window in the same pool (vLLM's hybrid KV cache manager gives
+each sliding-window group blocks for the tokens in its window only), the simulator also charges
+each request its window: `sliding_window` tokens of `sliding_kv_bytes` per token, counted in
+blocks of the pool, whose block holds block_size tokens of `kv_bytes` per token (the full-attention
+layers'). A request holds, beside its own blocks, the pool blocks its window's blocks weigh: those
+covering its last sliding_window - 1 computed tokens and the ones it schedules (all of a prefill
+chunk, as vLLM allocates them before it frees what fell out of the window), rounded up.
 """
 from __future__ import annotations
 
@@ -19,8 +26,16 @@ class KVCacheManager:
         enable_caching: bool = True,
         unhashed_first: bool = True,
         track_block_ids: bool = True,
+        sliding_window: int = 0,
+        sliding_kv_bytes: int = 0,
+        kv_bytes: int = 0,
     ) -> None:
         self.block_size = block_size
+        # The sliding-window charge (module docstring; 0: none) and each request's window blocks
+        self.sliding_window = sliding_window if sliding_kv_bytes > 0 and kv_bytes > 0 else 0
+        self.sliding_kv_bytes = sliding_kv_bytes
+        self.kv_bytes = kv_bytes
+        self.req_to_window: dict[str, list[KVCacheBlock]] = {}
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         # The pool strategy (engine/core/block_pool.py): tracking, or counting until a lookup needs ids.
@@ -51,6 +66,18 @@ class KVCacheManager:
         """The request's block ids (-1 for each block while the pool is in counting mode)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
+    def window_blocks(self, num_computed: int, num_need_slot: int) -> int:
+        """Pool blocks a request's sliding-window layers hold once it has num_need_slot tokens' slots
+        of which num_computed were computed before this step (0 without a sliding-window charge)."""
+        w = self.sliding_window
+        if not w:
+            return 0
+        bs = self.block_size
+        first = num_computed - w + 1
+        first = first // bs if first > 0 else 0
+        sw = -(-num_need_slot // bs) - first
+        return -(-(sw * self.sliding_kv_bytes) // self.kv_bytes)
+
     @property
     def counting(self) -> bool:
         """Whether the pool counts blocks instead of tracking which (engine/core/block_pool.py)."""
@@ -63,7 +90,7 @@ class KVCacheManager:
         pool = self.block_pool
         assert isinstance(pool, CountingBlockPool)
         held = list(self.req_to_blocks.items())
-        self.block_pool = pool.tracked([blocks for _rid, blocks in held])
+        self.block_pool = pool.tracked([blocks for _rid, blocks in held] + list(self.req_to_window.values()))
         if self.enable_caching:
             for rid, blocks in held:
                 for i in range(self.num_cached_block[rid]):
@@ -146,8 +173,14 @@ class KVCacheManager:
         if num_reserve_tokens:
             n = min(num_reserve_tokens, self.max_model_len)
             num_check = max(num_required, -(-n // bs))
+        window = 0
+        if self.sliding_window:  # the window's blocks (module docstring): more, or fewer, than held
+            window = self.window_blocks(num_computed, num_need_slot) - len(self.req_to_window.get(request.request_id, ()))
+            num_check += window if window > 0 else 0
         if num_check - num_held - num_hits + num_evictable + num_watermark_blocks > free:
             return None
+        if window:
+            self._resize_window(request.request_id, window)
 
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request.request_id] = []
@@ -185,7 +218,15 @@ class KVCacheManager:
             if r.num_computed_tokens >= len(req_to_blocks[r.request_id]) * bs:
                 need += 1
         pool = self.block_pool
-        if need > pool.free_queue.num_free_blocks:
+        if self.sliding_window:
+            deltas = [self.window_blocks(r.num_computed_tokens, r.num_computed_tokens + 1)
+                      - len(self.req_to_window.get(r.request_id, ())) for r in requests]
+            if need + sum(d for d in deltas if d > 0) > pool.free_queue.num_free_blocks:
+                return None
+            for r, d in zip(requests, deltas):
+                if d:
+                    self._resize_window(r.request_id, d)
+        elif need > pool.free_queue.num_free_blocks:
             return None
         new = pool.get_new_blocks(need) if need else _NO_BLOCKS
         k = 0
@@ -200,6 +241,17 @@ class KVCacheManager:
             if caching and (p + 1) % bs == 0 and (p + 1) // bs > self.num_cached_block[r.request_id]:
                 self._cache_full_blocks(r, blocks, (p + 1) // bs)
         return new
+
+    def _resize_window(self, request_id: str, delta: int) -> None:
+        """Give a request delta more window blocks (fewer when negative: the last ones go back)."""
+        held = self.req_to_window.get(request_id)
+        if held is None:
+            held = self.req_to_window[request_id] = []
+        if delta > 0:
+            held.extend(self.block_pool.get_new_blocks(delta))
+        else:
+            self.block_pool.free_request_blocks(held[delta:])
+            del held[delta:]
 
     def cache_full_blocks(self, request: Request) -> None:
         """Enter the request's full computed blocks in the prefix cache, if some are not yet (as
@@ -262,10 +314,16 @@ class KVCacheManager:
         self.num_cached_block.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_request_blocks(blocks)
+        window = self.req_to_window.pop(request.request_id, None)
+        if window:
+            self.block_pool.free_request_blocks(window)
 
     def check_integrity(self) -> None:
         """Invariants (mini-sglang style): the pool's own (ref counts equal holders, free queue
         consistent; or, counting, held + free = usable), and the manager's books."""
-        self.block_pool.check_integrity(self.req_to_blocks)
+        held = self.req_to_blocks
+        if self.req_to_window:
+            held = {**held, **{"window " + rid: w for rid, w in self.req_to_window.items()}}
+        self.block_pool.check_integrity(held)
         for rid, n in self.num_cached_block.items():
             assert n <= len(self.req_to_blocks.get(rid, ())), f"request {rid}: {n} cached blocks > held"

@@ -49,6 +49,9 @@ class Scheduler:
             enable_caching=config.enable_prefix_caching,
             unhashed_first=config.unhashed_blocks_first,
             track_block_ids=config.track_block_ids,
+            sliding_window=config.sliding_window,
+            sliding_kv_bytes=config.sliding_kv_bytes,
+            kv_bytes=config.kv_bytes,
         )
         self.requests: dict[str, Request] = {}  # live (unfinished) requests by id
         self.waiting = make_queue(config.policy)
