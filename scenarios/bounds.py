@@ -24,6 +24,7 @@ import math
 import numpy as np
 
 from engine.core.features import BatchFeatures
+from engine.core.kv_cache_manager import window_reserve_blocks
 
 SLACK = 1.3        # the bound is an upper bound on capacity with this margin
 TPOT_SLACK = 1.5   # a decode batch counts as allowed while its step fits TPOT limit x this
@@ -76,7 +77,10 @@ def workload_means(sc) -> tuple[float, float]:
 def _pool_bound(cost, cfg, p_u: float, out: float, tpot: float | None, prefill_only=False,
                 decode_only=False) -> float:
     ctx = p_u + out / 2
-    kv_reqs = max(1, (cfg.num_gpu_blocks - 1) * cfg.block_size // max(int(p_u + out), 1))
+    # (a sliding-window model's running request also holds its window: KVCacheManager's charge)
+    window = window_reserve_blocks(1, cfg.block_size, cfg.sliding_window, cfg.sliding_kv_bytes,
+                                   cfg.kv_bytes) * cfg.block_size if cfg.sliding_window else 0
+    kv_reqs = max(1, (cfg.num_gpu_blocks - 1) * cfg.block_size // max(int(p_u + out) + window, 1))
     per_req = 0.0
     if not prefill_only:
         row, _ = decode_seconds_per_row(cost, max(1, min(cfg.max_num_seqs, kv_reqs)), ctx, tpot)

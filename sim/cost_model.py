@@ -234,6 +234,8 @@ class AnalyticCostModel(CostModel):
         self._attn_time_per_pair = 4 * m.num_heads * widths / tp / (d.flops * e.attention_flops)
         # KV bytes of this GPU's KV heads (replicated, not divided, when TP > KV heads).
         self._kv_time_per_token = m.kv_bytes_per_token_per_gpu(tp) / (d.mem_bandwidth * e.bandwidth)
+        # Sliding-window layers read at most their window's tokens of each request
+        self._sliding_kv_time_per_token = m.sliding_kv_bytes_per_token_per_gpu(tp) / (d.mem_bandwidth * e.bandwidth)
         # Linear-attention layers (Gated DeltaNet, Mamba-2): every request of a step reads and
         # writes its fixed state once (conv window and a k x v matrix per value head, per layer),
         # and each token costs the state's products both ways (2 k x v multiply-adds per value
@@ -275,6 +277,8 @@ class AnalyticCostModel(CostModel):
             lin += max(self._expert_s * m.experts_touched(num_tokens) / m.num_experts,
                        self._expert_flop_s * num_tokens)
         attn = self._attn_time_per_pair * prefill_pairs + self._kv_time_per_token * (decode_ctx + prefill_ctx)
+        if self._sliding_kv_time_per_token:  # (at most the window's tokens of each request)
+            attn += self._sliding_kv_time_per_token * min(decode_ctx + prefill_ctx, num_reqs * self.model.sliding_window)
         if self._state_time_per_req:
             attn += self._state_time_per_req * num_reqs + self._linear_time_per_token * num_tokens
         comm = self._comm_fixed + self._comm_per_token * num_tokens

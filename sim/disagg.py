@@ -139,6 +139,9 @@ class DisaggSimulation(Simulation):
         replica.outstanding -= 1
         rec.finish_reason = rec.finish_s = None  # in transit: not finished yet
         need = -(-(sreq.spec.prompt_len + 1) // self.decode_config.block_size)
+        # a sliding-window model's window while the decode replica takes the prompt in
+        need += self.decoders[0].scheduler.kv_cache_manager.window_reserve(
+            min(sreq.spec.prompt_len + 1, self.decode_config.max_num_batched_tokens))
         self.queue.append(_Handoff(sreq, out_len, need, self.env.now))
         self._start_transfers()
 

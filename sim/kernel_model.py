@@ -798,22 +798,29 @@ class KernelCostModel(CostModel):
             return max(2 * M * N * K / peak, (M * K * a + N * K * wb + M * N * a) / d.mem_bandwidth) + 2e-6
         return roof
 
+    def _v_dim(self, hd):
+        """The value heads' width beside query-key heads of hd: MLA's latent is both; a GQA model's
+        v_head_dim where it has one (MiMo-V2), else hd."""
+        return hd if self.model.is_mla else (self.model.v_head_dim or hd)
+
     def _ctx_roof(self, b, s, kv_heads=None, hd=None):
         """Prefill attention of b causal sequences of s tokens by the roofline, for this GPU's
         heads (kv_heads, hd: a sliding-window layer's own shape)."""
         m, d = self.model, self.device
         hd = hd or self.attn_head_dim
-        flops = 2 * b * s * s * self.q_heads * hd  # causal: half of 4*s^2*h*d
-        by = b * s * (self.q_heads + 2 * (kv_heads or self.kv_heads)) * hd * m.act_dtype_bytes * 2
+        v, kv = self._v_dim(hd), kv_heads or self.kv_heads
+        flops = b * s * s * self.q_heads * (hd + v)  # causal: half of 2*s^2*h*(d_qk + d_v)
+        by = b * s * ((self.q_heads + kv) * hd + kv * v) * m.act_dtype_bytes * 2
         return max(flops / d.flops, by / d.mem_bandwidth) + 5e-6
 
     def _gen_roof(self, b, s, kv_heads=None, hd=None):
         """b decodes reading s cached tokens each by the roofline (kv_heads, hd as _ctx_roof)."""
         m, d = self.model, self.device
         hd = hd or self.attn_head_dim
-        copies = 1 if m.is_mla else 2  # MLA: one latent per token, keys and values alike
-        by = b * s * copies * (kv_heads or self.kv_heads) * hd * m.kv_dtype_bytes
-        flops = 4 * b * s * self.q_heads * hd
+        v = self._v_dim(hd)
+        width = hd if m.is_mla else hd + v  # MLA: one latent per token, keys and values alike
+        by = b * s * (kv_heads or self.kv_heads) * width * m.kv_dtype_bytes
+        flops = 2 * b * s * self.q_heads * (hd + v)
         return max(flops / d.flops, by / d.mem_bandwidth) + 5e-6
 
     def _ar_roof(self, n):
@@ -1216,15 +1223,16 @@ class KernelCostModel(CostModel):
 
     def _indexer_roof(self, pairs: float, rows: float, keys: float) -> float:
         """One layer's sparse-attention indexer by the roofline (no table holds it): the scores of
-        `pairs` (query, earlier token) pairs over index_n_heads heads of index_head_dim in fp8 (on
-        every TP rank: its projections are replicated), reading `keys` cached fp8 keys with their
-        scales, writing each pair's fp32 score and reading it back for the top-k, and the `rows`
-        queries' top-k indices. A decode reads each of its sequence's keys (keys = pairs); a
-        prefill chunk's queries share them (keys: its context once)."""
+        `pairs` (query, earlier token) pairs over index_n_heads heads of index_head_dim in the
+        keys' dtype (fp8, or 16-bit for MiniMax-M3's; on every TP rank: its projections are
+        replicated), reading `keys` cached keys (with their scales), writing each pair's fp32 score
+        and reading it back for the top-k, and the `rows` queries' top-k indices. A decode reads
+        each of its sequence's keys (keys = pairs); a prefill chunk's queries share them (keys: its
+        context once)."""
         m, d = self.model, self.device
         flops = 2.0 * pairs * m.index_n_heads * m.index_head_dim
-        by = keys * (m.index_head_dim + 4) + pairs * 8 + rows * m.index_topk * 4
-        return max(flops / d.peak_flops("fp8"), by / d.mem_bandwidth) + 5e-6
+        by = keys * m.index_key_bytes + pairs * 8 + rows * m.index_topk * 4
+        return max(flops / d.peak_flops(m.index_key_dtype), by / d.mem_bandwidth) + 5e-6
 
     def _roofline_term(self, term: str, seconds: float) -> float:
         """A term no kernel table holds, by its roofline: counted as a lookup and a fallback."""
@@ -1287,22 +1295,29 @@ class KernelCostModel(CostModel):
         m, tp = self.model, self.tp
         a, lat, bw = m.act_dtype_bytes, self.ovh.elementwise_latency_s, self.device.mem_bandwidth
         h = m.hidden_size
-        qk = (self.q_heads + self.kv_heads) * self.attn_head_dim
         # the MLP's activation width per token, averaged over layer kinds (MoE: top-k experts' and
         # the shared experts' intermediate)
         moe_w = m.num_experts_per_tok * m.moe_intermediate_size + m.shared_intermediate_size
         width = ((m.mlp_layers - m.num_moe_layers) * m.intermediate_size + m.num_moe_layers * moe_w) / m.num_layers
         norms = m.num_sublayers / m.num_layers  # fused add + RMSNorm per mixer and per MLP
         kernels = [(m.up_factor + 1) * T * width / tp * a]       # SiLU * mul (squared ReLU: in place)
-        attn = [T * 2 * self.kv_heads * self.attn_head_dim * (a + m.kv_dtype_bytes)]  # KV write
-        if m.rotary:
-            attn += [2 * T * qk * a]                             # RoPE on q and k
-        if m.qk_norm:
-            attn += [2 * T * qk * a]
-        # the attention layers' kernels, averaged over the layers (a hybrid's linear layers have none)
-        share = m.num_attention_layers / m.num_layers
+
+        def attn(kv: int, hd: int) -> float:  # one attention layer's, for kv KV heads of hd
+            qk = (self.q_heads + kv) * hd
+            ks = [T * 2 * kv * hd * (a + m.kv_dtype_bytes)]     # KV write
+            if m.rotary:
+                ks += [2 * T * qk * a]                           # RoPE on q and k
+            if m.qk_norm:
+                ks += [2 * T * qk * a]
+            return sum(max(lat, b / bw) for b in ks)
+        # the attention layers' kernels, averaged over the layers (a hybrid's linear layers have
+        # none; sliding-window layers of their own shape theirs)
+        own = m.num_sliding_layers if m.has_sliding_shape else 0
+        layers = (m.num_attention_layers - own) * attn(self.kv_heads, self.attn_head_dim)
+        if own:
+            layers += own * attn(m.kv_heads_per_gpu(tp, sliding=True), m.attention_shape(sliding=True)[1])
         return (norms * max(lat, 3 * T * h * a / bw) + sum(max(lat, b / bw) for b in kernels)
-                + share * sum(max(lat, b / bw) for b in attn))
+                + layers / m.num_layers)
 
     def gpu_time_fn(self) -> Callable[[BatchFeatures], float]:
         return self.gpu_time
@@ -1422,9 +1437,13 @@ class KernelCostModel(CostModel):
         indexer scored all y (linear-attention layers: _decode_terms)."""
         m = self.model
         full = m.num_full_attention_layers
-        if m.index_topk:  # sparse attention: the latent attention reads the top-k; the indexer all
-            return (full * self._look("generation_attention", self.g_gen, n, min(y, float(m.index_topk)))
-                    + m.index_layers * self._roofline_term("indexer", self._indexer_roof(n * y, n, n * y)))
+        if m.index_topk:  # sparse attention: the attention reads the top-k; the indexer all
+            sparse = m.sparse_attention_layers
+            att = (sparse * self._look("generation_attention", self.g_gen, n, min(y, float(m.index_topk)))
+                   + m.index_layers * self._roofline_term("indexer", self._indexer_roof(n * y, n, n * y)))
+            if full > sparse:  # (MiniMax-M3's layers without an indexer)
+                att += (full - sparse) * self._look("generation_attention", self.g_gen, n, y)
+            return att
         att = full * self._look("generation_attention", self.g_gen, n, y) if full else 0.0
         if m.num_sliding_layers:
             grid = self.g_gen if self.g_gen_sw is None else self.g_gen_sw
@@ -1468,11 +1487,15 @@ class KernelCostModel(CostModel):
                         f.prefill_attn_pairs, f.num_prefill_tokens, f.prefill_context_tokens + f.num_prefill_tokens),
                         max(layer - own - floor, 0.0))
             elif full and m.index_topk:
-                # sparse attention: each query reads at most top-k latents; the indexer scores
-                # every earlier token
+                # sparse attention: each query reads at most top-k keys; the indexer scores
+                # every earlier token (layers without an indexer: all pairs)
+                sparse = m.sparse_attention_layers
                 pairs = min(f.prefill_attn_pairs, f.num_prefill_tokens * m.index_topk)
                 s = math.sqrt(2.0 * pairs / b)
-                att += (full * self._look("context_attention", self.g_ctx, b, max(s, 1.0))
+                if full > sparse:
+                    att += (full - sparse) * self._look("context_attention", self.g_ctx, b,
+                                                        max(math.sqrt(2.0 * f.prefill_attn_pairs / b), 1.0))
+                att += (sparse * self._look("context_attention", self.g_ctx, b, max(s, 1.0))
                         + m.index_layers * self._roofline_term("indexer", self._indexer_roof(
                             f.prefill_attn_pairs, f.num_prefill_tokens,
                             f.prefill_context_tokens + f.num_prefill_tokens)))

@@ -40,6 +40,7 @@ from pathlib import Path
 import yaml
 
 from engine.core import SchedulerConfig
+from engine.core.kv_cache_manager import window_reserve_blocks
 from engine.core.policy import POLICIES
 from sim.cost_model import PROFILES_DIR, AnalyticCostModel, CostModel, load_profile
 from sim.kernel_model import MOE_ACTIVATIONS, MOE_BACKENDS, KernelCostModel, cost_model_from_profile
@@ -191,7 +192,13 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     except ValueError as e:
         raise ScenarioError(str(e)) from None
     tp = dep.integer("tp", 1, ge=1)
-    if model.num_heads % tp or model.num_kv_heads % tp and tp % model.num_kv_heads:
+
+    def heads_split(t: int) -> bool:
+        """Whether vLLM splits the query heads and every layer kind's KV heads over t GPUs (a share
+        each, or KV heads replicated when t is a multiple of them)."""
+        kvs = {model.num_kv_heads, model.attention_shape(sliding=True)[0]}
+        return not model.num_heads % t and all(not kv % t or not t % kv for kv in kvs)
+    if not heads_split(tp):
         raise ScenarioError(f"deployment.tp={tp}: must divide num_heads={model.num_heads} of {model.name}")
     # vLLM's --enable-expert-parallel with data parallel size 1: each rank holds 1/tp of the
     # experts whole instead of 1/tp of every expert: the same weight bytes (memory as TP); kernel
@@ -252,7 +259,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
                                 "pd.prefill_replicas and pd.decode_replicas")
         for key in ("prefill_tp", "decode_tp"):
             t = pd[key]
-            if model.num_heads % t or model.num_kv_heads % t and t % model.num_kv_heads:
+            if not heads_split(t):
                 raise ScenarioError(f"deployment.pd.{key}={t}: must divide num_heads={model.num_heads} "
                                     f"of {model.name}")
     dep.done()
@@ -369,7 +376,20 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
                               f"the linear-attention state of {held} requests in the memory it leaves (half of "
                               f"it at most); at most {held} run at once")
             max_seqs = held
-    default_len = min(model.max_position_embeddings, (blocks - 1) * block_size)
+    def window_charge(t: int) -> dict:
+        """SchedulerConfig's sliding-window charge at TP t: sliding-window layers keep each running
+        request's window in the pool (vLLM's hybrid KV cache manager); {} without such layers."""
+        sliding, full = model.sliding_kv_bytes_per_token_per_gpu(t), model.kv_bytes_per_token_per_gpu(t)
+        return {"sliding_window": model.sliding_window, "sliding_kv_bytes": sliding, "kv_bytes": full} \
+            if sliding and full else {}
+
+    def reserve_for(t: int) -> int:
+        """Pool blocks a prompt's window holds while a chunk of the whole budget prefills (0: none)."""
+        c = window_charge(t)
+        return window_reserve_blocks(budget, block_size, c["sliding_window"], c["sliding_kv_bytes"],
+                                     c["kv_bytes"]) if c else 0
+
+    default_len = min(model.max_position_embeddings, max(blocks - 1 - reserve_for(tp), 1) * block_size)
     policy = sc.text("policy", "fcfs", choices=tuple(POLICIES))
     try:
         cfg = SchedulerConfig(
@@ -385,11 +405,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
             unhashed_blocks_first=sc.boolean("unhashed_blocks_first", True),
             watermark=sc.number("watermark", 0.0, ge=0, le=0.99),
             uncache_unscheduled_victims=sc.boolean("uncache_unscheduled_victims", False),
-            # sliding-window layers keep their window in the pool (vLLM's hybrid KV cache manager)
-            **({"sliding_window": model.sliding_window, "sliding_kv_bytes": sliding_bytes,
-                "kv_bytes": model.kv_bytes_per_token_per_gpu(tp)}
-               if (sliding_bytes := model.sliding_kv_bytes_per_token_per_gpu(tp)) and model.kv_bytes_per_token_per_gpu(tp)
-               else {}))
+            **window_charge(tp))
     except ValueError as e:
         if isinstance(e, SpecError):
             raise
@@ -437,8 +453,9 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
         for pool in ("prefill", "decode"):
             pool_cost, meta = timing_for(pd[f"{pool}_tp"])
             pool_blocks = blocks_for(pd[f"{pool}_tp"], meta)
-            pool_cfg = replace(cfg, num_gpu_blocks=pool_blocks,
-                               max_model_len=min(cfg.max_model_len, (pool_blocks - 1) * block_size))
+            t = pd[f"{pool}_tp"]
+            pool_cfg = replace(cfg, num_gpu_blocks=pool_blocks, **window_charge(t),
+                               max_model_len=min(cfg.max_model_len, (pool_blocks - 1 - reserve_for(t)) * block_size))
             pd[pool] = (pool_cfg, pool_cost)
         pd["kv_bytes_per_token"] = model.kv_bytes_per_token
         blocks = pd["decode"][0].num_gpu_blocks

@@ -98,6 +98,12 @@ class ModelSpec:
     # Layers with an indexer of their own (GLM-5.2's indexer_types "full"); the others ("shared")
     # reuse the top-k of the last one and have no indexer weights, keys or scoring. 0: every layer.
     num_index_layers: int = 0
+    # Block-sparse attention on grouped-query attention (MiniMax-M3; kv_lora_rank 0): in the
+    # num_index_layers layers with an indexer (its query heads of index_head_dim, one key head,
+    # replicated), each KV head reads the index_topk tokens of its best blocks; the other layers
+    # attend to everything. index_key_dtype: the indexer's cached key, "fp8" with a 4-byte scale
+    # (DeepSeek's) or a 16-bit one.
+    index_key_dtype: str = "fp8"
     # Sliding-window attention layers (gpt-oss: every other layer, window 128): their KV holds at
     # most sliding_window tokens per request, so the per-token KV counts the other layers only.
     sliding_window: int = 0
@@ -176,9 +182,10 @@ class ModelSpec:
             if getattr(self, key) < 0 or (getattr(self, key) and not self.num_sliding_layers):
                 raise ValueError(f"{key}={getattr(self, key)!r}: a shape of the sliding-window layers, >= 0, "
                                  "for a model with num_sliding_layers > 0")
-        if self.index_topk and not (self.kv_lora_rank and self.index_n_heads > 0 and self.index_head_dim > 0):
-            raise ValueError(f"index_topk={self.index_topk!r}: sparse attention needs latent attention "
-                             "(kv_lora_rank) and index_n_heads, index_head_dim > 0")
+        if self.index_topk and not (self.index_n_heads > 0 and self.index_head_dim > 0):
+            raise ValueError(f"index_topk={self.index_topk!r}: sparse attention needs an indexer "
+                             "(index_n_heads, index_head_dim > 0)")
+        object.__setattr__(self, "index_key_dtype", canonical_dtype(self.index_key_dtype, "index_key_dtype"))
         if self.linear_kind not in ("", "mamba2"):
             raise ValueError(f"linear_kind={self.linear_kind!r}: expected '' (gated delta rule) or 'mamba2'")
         if not 0 <= self.num_mlp_layers or self.num_moe_layers > self.mlp_layers:
@@ -284,6 +291,22 @@ class ModelSpec:
         return (self.num_index_layers or self.num_layers) if self.index_topk else 0
 
     @property
+    def sparse_attention_layers(self) -> int:
+        """Layers whose attention reads only index_topk keys: every full-attention layer of a
+        latent-attention model (DeepSeek-V3.2, GLM-5), the layers with an indexer of a
+        grouped-query one (MiniMax-M3); 0 without sparse attention."""
+        if not self.index_topk:
+            return 0
+        return self.num_full_attention_layers if self.is_mla else self.index_layers
+
+    @property
+    def index_key_bytes(self) -> float:
+        """Bytes of one token's cached indexer key: fp8 with its 4-byte scale, or 16-bit."""
+        if self.index_key_dtype == "fp8":
+            return self.index_head_dim + 4
+        return self.index_head_dim * DTYPE_BYTES[self.index_key_dtype]
+
+    @property
     def num_full_attention_layers(self) -> int:
         """Layers whose KV grows with the context: all but sliding-window and linear ones."""
         return self.num_layers - self.num_sliding_layers - self.num_linear_layers
@@ -337,7 +360,10 @@ class ModelSpec:
                 out["index_k"] = (self.index_head_dim, h)
                 out["index_weights"] = (self.index_n_heads, h)
             return out
-        return self.gqa_gemm_shapes(tp)
+        out = self.gqa_gemm_shapes(tp)
+        if self.index_topk:  # a block-sparse indexer's query and key projections (replicated)
+            out.update(index_q=(self.index_n_heads * self.index_head_dim, h), index_k=(self.index_head_dim, h))
+        return out
 
     def gqa_gemm_shapes(self, tp: int = 1, sliding: bool = False) -> dict[str, tuple[int, int]]:
         """(N, K) of a (grouped-query) attention layer's q/k/v and output projections on one GPU,
@@ -432,11 +458,12 @@ class ModelSpec:
     @property
     def attention_params(self) -> int:
         """The weights of every attention layer (full and sliding-window, each of its own shape)."""
-        if self.is_mla or not self.num_sliding_layers:
-            return self.num_attention_layers * self.attention_params_per_layer
-        sliding = sum(n * k for n, k in self.gqa_gemm_shapes(1, True).values())
-        return ((self.num_attention_layers - self.num_sliding_layers) * self.attention_params_per_layer
-                + self.num_sliding_layers * sliding)
+        index = sum(n * k for name, (n, k) in self.attention_gemm_shapes(1).items() if name in INDEXER_GEMMS)
+        own = self.attention_params_per_layer - (index * self.index_layers // self.num_layers if self.is_mla else 0)
+        out = self.num_attention_layers * own + self.index_layers * index
+        if self.num_sliding_layers and not self.is_mla:
+            out += self.num_sliding_layers * (sum(n * k for n, k in self.gqa_gemm_shapes(1, True).values()) - own)
+        return out
 
     @property
     def attention_params_per_layer(self) -> int:
@@ -553,9 +580,10 @@ class ModelSpec:
                 if self.kv_dtype_bytes == 1:  # vLLM's fp8_ds_mla: fp8 latent, 4 fp32 scales, bf16 rope
                     latent = self.kv_lora_rank + 16 + 2 * self.qk_rope_head_dim
                 # the indexer's fp8 key and its scale, in the layers with an indexer
-                return layers * latent + self.index_layers * (self.index_head_dim + 4)
+                return layers * latent + self.index_layers * int(self.index_key_bytes)
             return layers * latent
-        return layers * self._kv_bytes_per_token_layer(tp)
+        # (a block-sparse indexer's key: one head, on every rank)
+        return layers * self._kv_bytes_per_token_layer(tp) + self.index_layers * int(self.index_key_bytes)
 
     def _kv_bytes_per_token_layer(self, tp: int, sliding: bool = False) -> int:
         """One token's K and V in one GQA layer (full or sliding-window) on one GPU (tp=0: all KV heads)."""
@@ -614,7 +642,7 @@ INDEXER_GEMMS = ("index_q", "index_k", "index_weights")
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_vl", "qwen3_vl_text", "mimo")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2",
                    "deepseek_v32", "glm_moe_dsa", "gpt_oss", "minimax_m2", "llama4", "llama4_text",
-                   "qwen3_vl_moe", "qwen3_vl_moe_text", "step3p7")
+                   "qwen3_vl_moe", "qwen3_vl_moe_text", "step3p7", "minimax_m3", "minimax_m3_vl")
 # Nemotron-H (Nemotron-H, Nemotron-3): blocks of Mamba-2 ("M"), attention ("*"), a squared-ReLU MLP
 # ("-") or a MoE ("E") each, as hybrid_override_pattern lists them
 NEMOTRON_H_MODEL_TYPES = ("nemotron_h",)
@@ -650,6 +678,22 @@ def _quantization(cfg: dict) -> tuple[str | None, str]:
     text = json.dumps(q).lower()
     if method == "mxfp4":
         return None, "mxfp4"
+    if method == "modelopt" and str(q.get("quant_algo", "")).upper() == "MIXED_PRECISION":
+        # ModelOpt's per-layer formats (NVIDIA's MiniMax-M3-NVFP4: NVFP4 experts, MXFP8 elsewhere)
+        names = {"NVFP4": "nvfp4", "FP8": "fp8", "MXFP8": "fp8", "FP8_PER_CHANNEL_PER_TOKEN": "fp8"}
+        layers = q.get("quantized_layers") or {}
+        kinds = {}
+        for name, v in layers.items():
+            algo = str((v or {}).get("quant_algo", "")).upper()
+            if algo not in names:
+                raise ValueError(f"config.json quantization_config.quantized_layers[{name!r}].quant_algo={algo!r}: "
+                                 f"a weight format ServeTwin does not know (known: {', '.join(names)})")
+            kinds.setdefault(".experts." in name, set()).add(names[algo])
+        if any(len(v) > 1 for v in kinds.values()):
+            raise ValueError(f"config.json quantization_config.quantized_layers: formats {kinds} mixed within "
+                             "the experts or within the other layers")
+        other, experts = kinds.get(False, {None}), kinds.get(True, {""})
+        return next(iter(other)), next(iter(experts))
     groups = q.get("config_groups") or {}
     weights = [(g.get("weights") or {}) for g in groups.values() if isinstance(g, dict)]
     if (method == "modelopt" and str(q.get("quant_algo", "")).upper() == "NVFP4") or (
@@ -869,6 +913,8 @@ def _hf_config_fields(cfg: dict) -> dict:
                   num_moe_layers=L, sliding_window=cfg.get("sliding_window") or 0,
                   num_sliding_layers=sum(t == "sliding_attention" for t in types),
                   attn_weight_dtype=torch_dtype if edtype else "")
+    elif mt in ("minimax_m3", "minimax_m3_vl"):  # (the VL checkpoints' text_config; the vision tower not counted)
+        _minimax_m3_fields(cfg, kw, w)
     elif mt == "minimax_m2":
         kw.update(qk_norm=True, qk_norm_across_heads=True,
                   num_experts=_need(cfg, "num_local_experts", w), moe_intermediate_size=_need(cfg, "intermediate_size", w),
@@ -965,6 +1011,38 @@ def _mimo_v2_fields(cfg: dict, kw: dict, w: str) -> dict:
               moe_intermediate_size=mi, shared_intermediate_size=(cfg.get("n_shared_experts") or 0) * mi,
               num_moe_layers=sum(freq))
     return kw
+
+
+def _minimax_m3_fields(cfg: dict, kw: dict, w: str) -> None:
+    """MiniMax-M3: grouped-query attention with q and k norms per head; in the layers whose
+    sparse_attention_config.sparse_attention_freq is 1, block-sparse attention (an indexer of
+    sparse_num_index_heads query heads and one key head of sparse_index_dim, 16-bit keys; each KV
+    head reads its sparse_topk_blocks best blocks of sparse_block_size tokens, the current one
+    among them); first_k_dense_replace dense layers of dense_intermediate_size, then MoE layers
+    (moe_layer_freq) of num_local_experts with one shared expert. Its MTP modules are not loaded."""
+    L = kw["num_layers"]
+    freq = cfg.get("moe_layer_freq")
+    first = cfg.get("first_k_dense_replace") or 0
+    moe = [int(i >= first) for i in range(L)] if not isinstance(freq, list) else freq
+    sp = cfg.get("sparse_attention_config") or {}
+    sparse = (sp.get("sparse_attention_freq") or [1] * L) if sp.get("use_sparse_attention") else [0] * L
+    for key, v in (("moe_layer_freq", moe), ("sparse_attention_config.sparse_attention_freq", sparse)):
+        if len(v) != L or not set(v) <= {0, 1}:
+            raise ValueError(f"config.json ({w}) {key}: one 0 or 1 per layer for num_hidden_layers={L}")
+    no_value = sp.get("sparse_disable_index_value", [1] * L)
+    if any(s_ and not nv for s_, nv in zip(sparse, no_value if isinstance(no_value, list) else [no_value] * L)):
+        raise ValueError(f"config.json ({w}) sparse_attention_config.sparse_disable_index_value={no_value!r}: an "
+                         "indexer with value and output projections is not a layout ServeTwin can time")
+    mi = cfg.get("moe_intermediate_size") or _need(cfg, "intermediate_size", w)  # (the VL configs' name for it)
+    kw.update(qk_norm=True, intermediate_size=cfg.get("dense_intermediate_size") or kw["intermediate_size"],
+              num_experts=_need(cfg, "num_local_experts", w), moe_intermediate_size=mi,
+              shared_intermediate_size=(cfg.get("n_shared_experts") or 0) * (cfg.get("shared_intermediate_size") or mi),
+              num_moe_layers=sum(moe))
+    if sum(sparse):
+        kw.update(index_topk=_need(sp, "sparse_topk_blocks", w) * _need(sp, "sparse_block_size", w),
+                  index_n_heads=_need(sp, "sparse_num_index_heads", w), index_head_dim=_need(sp, "sparse_index_dim", w),
+                  num_index_layers=sum(sparse) if sum(sparse) < L else 0,
+                  index_key_dtype=kw["act_dtype"])
 
 
 def _nemotron_h_fields(cfg: dict, outer: dict, w: str) -> dict:
@@ -1093,6 +1171,10 @@ FP8_KEEPS_16BIT_ATTENTION = ("llama-4-scout-17b-16e",)
 # Dense catalog models whose NVIDIA NVFP4 checkpoint leaves the attention in 16 bits (its
 # quantization_config's ignore list: Gemma-4-31B-IT-NVFP4)
 NVFP4_KEEPS_16BIT_ATTENTION = ("gemma-4-31b",)
+# Mixtures of experts whose NVIDIA NVFP4 checkpoint quantizes the layers beside the experts to MXFP8
+# (ModelOpt's MIXED_PRECISION: MiniMax-M3-NVFP4), read as fp8; its KV cache stays 16-bit
+# (kv_cache_quant_algo null)
+NVFP4_FP8_ELSEWHERE = ("minimax-m3",)
 
 MODELS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, False, 131072),
@@ -1269,6 +1351,18 @@ GEMMA4_CONFIGS = {
 MODELS.update({name: ModelSpec.from_hf_config({"model_type": "gemma4", "text_config": cfg,
                                                "vision_config": _GEMMA4_VISION}, name=name)
                for name, cfg in GEMMA4_CONFIGS.items()})
+# MiniMax-M3 (MiniMaxAI/MiniMax-M3's config.json: the fields the reader takes)
+MODELS["minimax-m3"] = ModelSpec.from_hf_config(
+    {"model_type": "minimax_m3", "num_hidden_layers": 60, "hidden_size": 6144, "num_attention_heads": 64,
+     "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 3072, "dense_intermediate_size": 12288,
+     "first_k_dense_replace": 3, "moe_layer_freq": [0] * 3 + [1] * 57, "num_local_experts": 128,
+     "num_experts_per_tok": 4, "moe_intermediate_size": 3072, "n_shared_experts": 1, "shared_intermediate_size": 3072,
+     "vocab_size": 200064, "max_position_embeddings": 1048576, "tie_word_embeddings": False,
+     "torch_dtype": "bfloat16", "use_qk_norm": True,
+     "sparse_attention_config": {"use_sparse_attention": True, "sparse_attention_freq": [0] * 3 + [1] * 57,
+                                 "sparse_block_size": 128, "sparse_topk_blocks": 16, "sparse_num_index_heads": 4,
+                                 "sparse_index_dim": 128, "sparse_disable_index_value": [0] * 3 + [1] * 57}},
+    name="minimax-m3")
 MODELS["mimo-v2-flash"] = ModelSpec.from_hf_config(
     {"model_type": "mimo_v2_flash", "num_hidden_layers": 48, "hidden_size": 4096, "num_attention_heads": 64,
      "num_key_value_heads": 4, "head_dim": 192, "v_head_dim": 128, "intermediate_size": 16384,
@@ -1510,6 +1604,8 @@ def _lookup_model(value: str, base_dir: Path | None = None) -> ModelSpec:
         # mixture of experts' routed experts only (attention, router and shared experts left in
         # 16 bits), and an fp8 KV cache (kv_cache_quant_algo FP8)
         if m.is_moe:
+            if key in NVFP4_FP8_ELSEWHERE:
+                return replace(m, weight_dtype="fp8", attn_weight_dtype="", expert_dtype="nvfp4")
             return replace(m, weight_dtype=m.act_dtype, attn_weight_dtype="", expert_dtype="nvfp4", kv_dtype="fp8")
         m = m.with_dtypes(weight_dtype="nvfp4", kv_dtype="fp8")
         return replace(m, attn_weight_dtype=m.act_dtype) if key in NVFP4_KEEPS_16BIT_ATTENTION else m

@@ -174,3 +174,39 @@ def test_windows_bound_how_many_requests_run():
         plain.add_request(_req(f"r{i}", 160))
     plain.schedule()
     assert len(plain.running) == 20
+
+
+def test_a_prefix_hit_is_never_taken_for_a_window_block():
+    # A and F are cached and freed (A's blocks first in the free queue's cached part); E takes
+    # every unhashed block; B, with A's prompt, hits A's first two blocks, which are still free:
+    # its window's blocks must come from the others (A's third, F's), not from its own hits.
+    kvm = KVCacheManager(num_gpu_blocks=17, block_size=16, max_model_len=4096, enable_caching=True,
+                         sliding_window=32, sliding_kv_bytes=100, kv_bytes=100)
+    a, f = _req("a", 48), Request("f", list(range(1000, 1048)), SamplingParams(max_tokens=8))
+    for r in (a, f):  # 3 blocks each and a window of 3
+        assert kvm.allocate_slots(r, 48) is not None
+        r.num_computed_tokens = 48
+    kvm.free(a)
+    kvm.free(f)
+    e = Request("e", list(range(2000, 2080)), SamplingParams(max_tokens=8))
+    assert kvm.allocate_slots(e, 80) is not None  # 5 blocks and a window of 5: the 10 unhashed
+    b = _req("b", 48)
+    hits, num_hit = kvm.get_computed_blocks(b)
+    assert num_hit == 32  # two full blocks (the last one is never a hit)
+    assert kvm.allocate_slots(b, 48 - num_hit, num_hit, hits) is not None
+    assert not {x.block_id for x in hits} & {x.block_id for x in kvm.req_to_window["b"]}
+    assert all(x.ref_cnt == 1 and x.block_hash is not None for x in hits)
+    kvm.check_integrity()
+    assert kvm.num_free_blocks == 16 - 10 - 3 - 3  # E's 10; B's 3 blocks and its window's 3
+
+
+def test_a_request_whose_window_cannot_fit_is_refused_not_left_waiting():
+    cfg = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=4096, block_size=16,
+                          num_gpu_blocks=101, enable_prefix_caching=False, sliding_window=64,
+                          sliding_kv_bytes=300, kv_bytes=100)
+    s = Scheduler(cfg)
+    # 320 tokens: 20 blocks of its own; a 320-token chunk's window at worst (320 + 63) / 16 -> 24
+    # blocks, + 1 for the alignment: 25 x 3 = 75; 95 <= 100
+    assert s.fit_problem(320, 1) is None
+    # 480 tokens: 30 + ((480 + 63) / 16 -> 34, + 1) x 3 = 135 > 100
+    assert "needs 135 KV blocks" in s.fit_problem(480, 1)

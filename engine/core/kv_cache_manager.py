@@ -17,6 +17,15 @@ from engine.core.request import Request
 
 _NO_BLOCKS: list = []  # shared, never mutated
 
+
+def window_reserve_blocks(num_new_tokens: int, block_size: int, sliding_window: int, sliding_kv_bytes: int,
+                          kv_bytes: int) -> int:
+    """The most pool blocks a request's sliding-window layers hold in a step that schedules
+    num_new_tokens: their blocks for the last sliding_window - 1 tokens and the new ones, at the
+    worst alignment (one block more), each weighing sliding_kv_bytes / kv_bytes pool blocks."""
+    sw = -(-(num_new_tokens + sliding_window - 1) // block_size) + 1
+    return -(-(sw * sliding_kv_bytes) // kv_bytes)
+
 class KVCacheManager:
     def __init__(
         self,
@@ -77,6 +86,14 @@ class KVCacheManager:
         first = first // bs if first > 0 else 0
         sw = -(-num_need_slot // bs) - first
         return -(-(sw * self.sliding_kv_bytes) // self.kv_bytes)
+
+    def window_reserve(self, num_new_tokens: int) -> int:
+        """Pool blocks a request's window holds at most in a step that schedules num_new_tokens
+        (window_reserve_blocks; 0 without a sliding-window charge)."""
+        if not self.sliding_window:
+            return 0
+        return window_reserve_blocks(num_new_tokens, self.block_size, self.sliding_window,
+                                     self.sliding_kv_bytes, self.kv_bytes)
 
     @property
     def counting(self) -> bool:
@@ -175,12 +192,16 @@ class KVCacheManager:
             num_check = max(num_required, -(-n // bs))
         window = 0
         if self.sliding_window:  # the window's blocks (module docstring): more, or fewer, than held
-            window = self.window_blocks(num_computed, num_need_slot) - len(self.req_to_window.get(request.request_id, ()))
-            num_check += window if window > 0 else 0
+            rid = request.request_id
+            window = self.window_blocks(num_computed, num_need_slot) - len(self.req_to_window.get(rid, ()))
+            if window < 0:  # blocks that left the window go back first (vLLM's remove_skipped_blocks)
+                self._resize_window(rid, window)
+                window = 0
+                free = pool.free_queue.num_free_blocks
+            # admission (reserve_full_prompt): room for the window of a chunk this size at any offset
+            num_check += max(window, self.window_reserve(num_new_tokens)) if num_reserve_tokens else window
         if num_check - num_held - num_hits + num_evictable + num_watermark_blocks > free:
             return None
-        if window:
-            self._resize_window(request.request_id, window)
 
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request.request_id] = []
@@ -191,6 +212,8 @@ class KVCacheManager:
             num_held += num_hits
             # Hits are already in the map: they count as cached blocks of this request.
             self.num_cached_block[request.request_id] = num_hits
+        if window:  # (after the hits left the free queue: a window block is never one of them)
+            self._resize_window(request.request_id, window)
         num_new_blocks = num_required - num_held
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
         if new_blocks:
@@ -219,13 +242,18 @@ class KVCacheManager:
                 need += 1
         pool = self.block_pool
         if self.sliding_window:
-            deltas = [self.window_blocks(r.num_computed_tokens, r.num_computed_tokens + 1)
-                      - len(self.req_to_window.get(r.request_id, ())) for r in requests]
-            if need + sum(d for d in deltas if d > 0) > pool.free_queue.num_free_blocks:
-                return None
-            for r, d in zip(requests, deltas):
-                if d:
+            grow = []
+            for r in requests:
+                d = self.window_blocks(r.num_computed_tokens, r.num_computed_tokens + 1) \
+                    - len(self.req_to_window.get(r.request_id, ()))
+                if d < 0:  # out of the window: back first, as in allocate_slots
                     self._resize_window(r.request_id, d)
+                elif d:
+                    grow.append((r.request_id, d))
+            if need + sum(d for _rid, d in grow) > pool.free_queue.num_free_blocks:
+                return None
+            for rid, d in grow:
+                self._resize_window(rid, d)
         elif need > pool.free_queue.num_free_blocks:
             return None
         new = pool.get_new_blocks(need) if need else _NO_BLOCKS

@@ -89,10 +89,13 @@ class Scheduler:
 
         A sequence whose KV cannot fit in the whole pool would wait (or preempt itself) for ever
         and block every request queued behind it. Its last sampled token is never computed, so
-        it needs slots for at most min(prompt + max_tokens - 1, max_model_len) tokens.
+        it needs slots for at most min(prompt + max_tokens - 1, max_model_len) tokens, and with
+        a sliding-window charge the window of its largest prefill chunk.
         """
         tokens = min(num_prompt_tokens + max_tokens - 1, self.max_model_len)
         need = -(-tokens // self.block_size)
+        # and a sliding-window model's window while it prefills (KVCacheManager.window_reserve)
+        need += self.kv_cache_manager.window_reserve(min(num_prompt_tokens, self.max_num_batched_tokens))
         usable = self.kv_cache_manager.num_usable_blocks
         if need > usable:
             return (f"prompt of {num_prompt_tokens} tokens + max_tokens={max_tokens} needs {need} KV "
@@ -162,6 +165,7 @@ class Scheduler:
         if thr and len(running) + len(waiting) <= 1:
             thr = 0  # a lone request is never held back by the long-prefill cap
         victim_key = waiting.victim_key
+        window = kvm.sliding_window
 
         num_scheduled: dict[str, int] = {}
         preempted: list[Request] = []
@@ -188,7 +192,8 @@ class Scheduler:
                 # A pure counter increment: the slot exists and the token completes no block, so
                 # append_slots would allocate and cache nothing (a fast-forward step skips exactly
                 # these requests too).
-                if computed < len(req_to_blocks[rid]) * bs and (not caching or (computed + 1) % bs):
+                if computed < len(req_to_blocks[rid]) * bs and (not caching or (computed + 1) % bs) \
+                        and not window:  # (a window may drop a block at any token)
                     num_scheduled[rid] = 1
                     c_ids.append(rid)
                     c_blocks.append(no_blocks)
