@@ -1304,7 +1304,7 @@ class KernelCostModel(CostModel):
 
         def attn(kv: int, hd: int) -> float:  # one attention layer's, for kv KV heads of hd
             qk = (self.q_heads + kv) * hd
-            ks = [T * 2 * kv * hd * (a + m.kv_dtype_bytes)]     # KV write
+            ks = [T * kv * (hd + self._v_dim(hd)) * (a + m.kv_dtype_bytes)]  # KV write
             if m.rotary:
                 ks += [2 * T * qk * a]                           # RoPE on q and k
             if m.qk_norm:

@@ -389,7 +389,16 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
         return window_reserve_blocks(budget, block_size, c["sliding_window"], c["sliding_kv_bytes"],
                                      c["kv_bytes"]) if c else 0
 
-    default_len = min(model.max_position_embeddings, max(blocks - 1 - reserve_for(tp), 1) * block_size)
+    def room(t: int, pool_blocks: int, where: str) -> int:
+        """Tokens a request may hold in a pool of pool_blocks at TP t, after its window's reserve."""
+        left = pool_blocks - 1 - reserve_for(t)
+        if left < 1:
+            raise ScenarioError(f"{where}: {model.name}'s sliding-window layers hold {reserve_for(t)} KV blocks for one "
+                                f"request's window while a chunk of scheduler.max_num_batched_tokens={budget} prefills "
+                                f"at tp={t}, but the pool has {pool_blocks - 1}: lower the budget or raise tp")
+        return left * block_size
+
+    default_len = min(model.max_position_embeddings, room(tp, blocks, f"deployment.tp={tp}"))
     policy = sc.text("policy", "fcfs", choices=tuple(POLICIES))
     try:
         cfg = SchedulerConfig(
@@ -455,7 +464,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
             pool_blocks = blocks_for(pd[f"{pool}_tp"], meta)
             t = pd[f"{pool}_tp"]
             pool_cfg = replace(cfg, num_gpu_blocks=pool_blocks, **window_charge(t),
-                               max_model_len=min(cfg.max_model_len, (pool_blocks - 1 - reserve_for(t)) * block_size))
+                               max_model_len=min(cfg.max_model_len, room(t, pool_blocks, f"deployment.pd.{pool}_tp={t}")))
             pd[pool] = (pool_cfg, pool_cost)
         pd["kv_bytes_per_token"] = model.kv_bytes_per_token
         blocks = pd["decode"][0].num_gpu_blocks

@@ -210,3 +210,40 @@ def test_a_request_whose_window_cannot_fit_is_refused_not_left_waiting():
     assert s.fit_problem(320, 1) is None
     # 480 tokens: 30 + ((480 + 63) / 16 -> 34, + 1) x 3 = 135 > 100
     assert "needs 135 KV blocks" in s.fit_problem(480, 1)
+
+
+def test_a_preempted_request_fits_again_with_its_outputs_as_its_prompt():
+    # A request preempted after its outputs comes back with prompt + outputs as one prompt, whose
+    # chunk's window must fit too: 16 + 400 - 1 = 415 tokens, 26 blocks, and the window of a
+    # 415-token chunk, ((415 + 31) / 16 -> 28, + 1) x 3 = 87: 113 blocks, more than 39
+    cfg = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=4096, block_size=16,
+                          num_gpu_blocks=40, enable_prefix_caching=True, sliding_window=32,
+                          sliding_kv_bytes=300, kv_bytes=100)
+    s = Scheduler(cfg)
+    assert "needs 113 KV blocks" in s.fit_problem(16, 400)
+    assert s.fit_problem(16, 8) is None   # 2 blocks and ((23 + 31) / 16 -> 4, + 1) x 3 = 15
+
+
+def test_decodes_give_back_the_block_that_leaves_the_window():
+    # window 32, ratio 1, no prefix caching (the decode path that skips append_slots between block
+    # boundaries): the window holds 2-3 blocks whatever the length
+    cfg = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=4096, block_size=16,
+                          num_gpu_blocks=200, enable_prefix_caching=False, sliding_window=32,
+                          sliding_kv_bytes=100, kv_bytes=100)
+    s = Scheduler(cfg)
+    r = _req("a", 40, max_tokens=100)
+    s.add_request(r)
+    held = []
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        kvm = s.kv_cache_manager
+        if r.request_id in kvm.req_to_window:
+            # blocks covering tokens computed - 31 .. computed (this step's token included)
+            c = r.num_computed_tokens - 1
+            first = max(c - 31, 0) // 16
+            assert len(kvm.req_to_window["a"]) == -(-(c + 1) // 16) - first
+            held.append(len(kvm.req_to_window["a"]))
+        s.update_from_output(out, {rid: [7] for rid in out.sampling_req_ids})
+        kvm.check_integrity()
+    assert max(held[1:]) == 3 and min(held[1:]) == 2
+    assert s.kv_cache_manager.num_free_blocks == 199

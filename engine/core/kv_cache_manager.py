@@ -193,13 +193,15 @@ class KVCacheManager:
         window = 0
         if self.sliding_window:  # the window's blocks (module docstring): more, or fewer, than held
             rid = request.request_id
-            window = self.window_blocks(num_computed, num_need_slot) - len(self.req_to_window.get(rid, ()))
+            want = self.window_blocks(num_computed, num_need_slot)
+            held_w = len(self.req_to_window.get(rid, ()))
+            window = want - held_w
             if window < 0:  # blocks that left the window go back first (vLLM's remove_skipped_blocks)
                 self._resize_window(rid, window)
-                window = 0
+                window, held_w = 0, want
                 free = pool.free_queue.num_free_blocks
             # admission (reserve_full_prompt): room for the window of a chunk this size at any offset
-            num_check += max(window, self.window_reserve(num_new_tokens)) if num_reserve_tokens else window
+            num_check += max(want, self.window_reserve(num_new_tokens)) - held_w if num_reserve_tokens else window
         if num_check - num_held - num_hits + num_evictable + num_watermark_blocks > free:
             return None
 

@@ -95,7 +95,8 @@ class Scheduler:
         tokens = min(num_prompt_tokens + max_tokens - 1, self.max_model_len)
         need = -(-tokens // self.block_size)
         # and a sliding-window model's window while it prefills (KVCacheManager.window_reserve)
-        need += self.kv_cache_manager.window_reserve(min(num_prompt_tokens, self.max_num_batched_tokens))
+        # (a preempted request comes back with its outputs in its prompt: as many as `tokens`)
+        need += self.kv_cache_manager.window_reserve(min(tokens, self.max_num_batched_tokens))
         usable = self.kv_cache_manager.num_usable_blocks
         if need > usable:
             return (f"prompt of {num_prompt_tokens} tokens + max_tokens={max_tokens} needs {need} KV "
@@ -193,7 +194,8 @@ class Scheduler:
                 # append_slots would allocate and cache nothing (a fast-forward step skips exactly
                 # these requests too).
                 if computed < len(req_to_blocks[rid]) * bs and (not caching or (computed + 1) % bs) \
-                        and not window:  # (a window may drop a block at any token)
+                        and not (window and computed >= window and (computed - window + 1) % bs == 0):
+                    # (nor a token at which a sliding window drops its oldest block)
                     num_scheduled[rid] = 1
                     c_ids.append(rid)
                     c_blocks.append(no_blocks)
