@@ -44,7 +44,8 @@ HF_NAMES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
             "nemotron-h-56b": "nvidia/Nemotron-H-56B-Base-8K", "step-3.7-flash": "stepfun-ai/Step-3.7-Flash",
             "mimo-7b": "XiaomiMiMo/MiMo-7B-Base", "mimo-v2-flash": "XiaomiMiMo/MiMo-V2-Flash",
             "gemma-4-26b-a4b": "google/gemma-4-26B-A4B-it", "gemma-4-31b": "google/gemma-4-31B-it",
-            "minimax-m3": "MiniMaxAI/MiniMax-M3",
+            "minimax-m3": "MiniMaxAI/MiniMax-M3", "deepseek-v4-flash": "deepseek-ai/DeepSeek-V4-Flash",
+            "deepseek-v4-pro": "deepseek-ai/DeepSeek-V4-Pro",
             **{f"qwen3-vl-{s}": f"Qwen/Qwen3-VL-{s.upper()}-Instruct" for s in QWEN3_VL_SIZES}}
 
 # Checkpoints published with fp8 weights for catalog models whose own checkpoint is bf16: what a

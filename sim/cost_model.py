@@ -276,6 +276,8 @@ class AnalyticCostModel(CostModel):
             m = self.model
             lin += max(self._expert_s * m.experts_touched(num_tokens) / m.num_experts,
                        self._expert_flop_s * num_tokens)
+        if self.model.compressed_mqa:  # (DeepSeek-V4: a query reads its window and picked entries at most)
+            prefill_pairs = min(prefill_pairs, num_tokens * (self.model.sliding_window + self.model.index_topk))
         attn = self._attn_time_per_pair * prefill_pairs + self._kv_time_per_token * (decode_ctx + prefill_ctx)
         if self._sliding_kv_time_per_token:  # (at most the window's tokens of each request)
             attn += self._sliding_kv_time_per_token * min(decode_ctx + prefill_ctx, num_reqs * self.model.sliding_window)

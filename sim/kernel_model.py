@@ -820,6 +820,8 @@ class KernelCostModel(CostModel):
         v = self._v_dim(hd)
         width = hd if m.is_mla else hd + v  # MLA: one latent per token, keys and values alike
         by = b * s * (kv_heads or self.kv_heads) * width * m.kv_dtype_bytes
+        if m.compressed_mqa:  # one cached latent entry per key (vLLM's fp8 layout)
+            by = b * s * m.latent_entry_bytes
         flops = 2 * b * s * self.q_heads * (hd + v)
         return max(flops / d.flops, by / d.mem_bandwidth) + 5e-6
 
@@ -1303,8 +1305,11 @@ class KernelCostModel(CostModel):
         kernels = [(m.up_factor + 1) * T * width / tp * a]       # SiLU * mul (squared ReLU: in place)
 
         def attn(kv: int, hd: int) -> float:  # one attention layer's, for kv KV heads of hd
-            qk = (self.q_heads + kv) * hd
-            ks = [T * kv * (hd + self._v_dim(hd)) * (a + m.kv_dtype_bytes)]  # KV write
+            if m.compressed_mqa:  # one latent (key and value alike), rotated in its rope dims only
+                qk, write = (self.q_heads + kv) * m.qk_rope_head_dim, T * kv * hd * a + T * m.latent_entry_bytes
+            else:
+                qk, write = (self.q_heads + kv) * hd, T * kv * (hd + self._v_dim(hd)) * (a + m.kv_dtype_bytes)
+            ks = [write]                                         # KV write
             if m.rotary:
                 ks += [2 * T * qk * a]                           # RoPE on q and k
             if m.qk_norm:
@@ -1316,7 +1321,8 @@ class KernelCostModel(CostModel):
         layers = (m.num_attention_layers - own) * attn(self.kv_heads, self.attn_head_dim)
         if own:
             layers += own * attn(m.kv_heads_per_gpu(tp, sliding=True), m.attention_shape(sliding=True)[1])
-        return (norms * max(lat, 3 * T * h * a / bw) + sum(max(lat, b / bw) for b in kernels)
+        # (hyper-connections: each sublayer's residual mixing reads and writes residual_streams copies)
+        return (norms * max(lat, 3 * T * h * a * m.residual_streams / bw) + sum(max(lat, b / bw) for b in kernels)
                 + layers / m.num_layers)
 
     def gpu_time_fn(self) -> Callable[[BatchFeatures], float]:
@@ -1420,7 +1426,8 @@ class KernelCostModel(CostModel):
         if y < 1.0:
             y = 1.0
         m = self.model
-        if (m.num_sliding_layers and y > m.sliding_window) or m.index_topk or self.g_gen_sw is not None:
+        if (m.num_sliding_layers and y > m.sliding_window) or m.index_topk or self.g_gen_sw is not None \
+                or m.compressed_mqa:
             return pre + self._decode_attention(n, y) + head + sampler
         A = m.num_attention_layers
         if row is not None:
@@ -1437,6 +1444,8 @@ class KernelCostModel(CostModel):
         indexer scored all y (linear-attention layers: _decode_terms)."""
         m = self.model
         full = m.num_full_attention_layers
+        if m.compressed_mqa:
+            return self._compressed_attention(n, n * y, min(y, float(m.sliding_window)), y, n * y)
         if m.index_topk:  # sparse attention: the attention reads the top-k; the indexer all
             sparse = m.sparse_attention_layers
             att = (sparse * self._look("generation_attention", self.g_gen, n, min(y, float(m.index_topk)))
@@ -1449,6 +1458,35 @@ class KernelCostModel(CostModel):
             grid = self.g_gen if self.g_gen_sw is None else self.g_gen_sw
             att += m.num_sliding_layers * self._look("generation_attention", grid, n,
                                                      max(min(y, float(m.sliding_window)), 1.0))
+        return att
+
+    def _compressed_attention(self, rows: float, pairs: float, window: float, ctx: float, keys: float,
+                              prefill: bool = False) -> float:
+        """DeepSeek-V4's attention over every layer for `rows` sequences (decodes, or prefill
+        chunks) whose queries make `pairs` (query, earlier token) pairs, a query `ctx` of them on
+        average: each layer reads its window's raw latents (at most sliding_window a query); a
+        CSA layer also the index_topk compressed entries its indexer picks of one per csa_ratio
+        tokens, after the indexer scored them all (`keys`: the cached tokens its scoring reads);
+        an HCA layer every entry of one per hca_ratio tokens. Read from the attention table (one
+        KV head of head_dim) at those lengths: a decode's keys per query, a prefill chunk's causal
+        length sqrt(2 x pairs / chunks) at the pairs each kind sees."""
+        m = self.model
+        phase, grid = ("context_attention", self.g_ctx) if prefill else ("generation_attention", self.g_gen)
+        per_query = pairs / max(ctx, 1.0)  # the queries
+        csa = window + min(ctx / m.csa_ratio, float(m.index_topk))
+        hca = window + ctx / m.hca_ratio
+
+        def look(keys_per_query: float) -> float:
+            if prefill:
+                return self._look(phase, grid, rows, max(math.sqrt(2.0 * per_query * keys_per_query / rows), 1.0))
+            return self._look(phase, grid, rows, max(keys_per_query, 1.0))
+        swa = m.num_layers - m.num_csa_layers - m.num_hca_layers
+        att = swa * look(window) if swa else 0.0
+        if m.num_csa_layers:
+            att += m.num_csa_layers * (look(csa) + self._roofline_term("indexer", self._indexer_roof(
+                pairs / m.csa_ratio, per_query, keys / m.csa_ratio)))
+        if m.num_hca_layers:
+            att += m.num_hca_layers * look(hca)
         return att
 
     def _attention(self, f: BatchFeatures) -> float:
@@ -1464,7 +1502,12 @@ class KernelCostModel(CostModel):
                                                         max(f.num_prefill_tokens / f.num_prefill_reqs, 1.0))
             if f.num_decode_reqs:
                 att += m.num_linear_layers * self._look("linear_attention", self.g_gdn_gen, f.num_decode_reqs)
-        if f.num_prefill_reqs:
+        if f.num_prefill_reqs and m.compressed_mqa:
+            b = f.num_prefill_reqs
+            pairs, T = f.prefill_attn_pairs, f.num_prefill_tokens
+            att += self._compressed_attention(b, pairs, min(pairs / T, float(m.sliding_window)),
+                                              pairs / T, f.prefill_context_tokens + T, prefill=True)
+        elif f.num_prefill_reqs:
             b = f.num_prefill_reqs
             full = m.num_full_attention_layers
             if full and self.g_mla_proj is not None:

@@ -16,6 +16,7 @@ A model may also be a local HF `config.json` (a path), or a mapping `{base: NAME
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -104,6 +105,20 @@ class ModelSpec:
     # attend to everything. index_key_dtype: the indexer's cached key, "fp8" with a 4-byte scale
     # (DeepSeek's) or a 16-bit one.
     index_key_dtype: str = "fp8"
+    # DeepSeek-V4's compressed attention (compressed_mqa): one KV head of head_dim that is both key
+    # and value (multi-query over a shared latent), q through q_lora_rank, the output through
+    # o_groups block-diagonal groups of o_lora_rank; every layer attends to its last sliding_window
+    # raw tokens, and num_csa_layers also to one compressed entry per csa_ratio tokens (the
+    # indexer picks index_topk of them; index_* fields), num_hca_layers to one per hca_ratio
+    # tokens (all of them). residual_streams: the hyper-connections' parallel residual streams.
+    compressed_mqa: bool = False
+    num_csa_layers: int = 0
+    num_hca_layers: int = 0
+    csa_ratio: int = 4
+    hca_ratio: int = 128
+    o_groups: int = 0
+    o_lora_rank: int = 0
+    residual_streams: int = 1
     # Sliding-window attention layers (gpt-oss: every other layer, window 128): their KV holds at
     # most sliding_window tokens per request, so the per-token KV counts the other layers only.
     sliding_window: int = 0
@@ -344,6 +359,9 @@ class ModelSpec:
         indexer's query, key and head-weight projections (replicated)."""
         h, d = self.hidden_size, self.head_dim
         q = self.num_heads // tp
+        if self.compressed_mqa:  # every layer's own projections (the compressors': step_gemms)
+            return {name: (n, k) for name, n, k, layers, _dt in self.compressed_attention_gemms(tp)
+                    if layers == self.num_layers}
         if self.is_mla:
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim
             out = {}
@@ -364,6 +382,37 @@ class ModelSpec:
         if self.index_topk:  # a block-sparse indexer's query and key projections (replicated)
             out.update(index_q=(self.index_n_heads * self.index_head_dim, h), index_k=(self.index_head_dim, h))
         return out
+
+    def compressed_attention_gemms(self, tp: int = 1) -> list[tuple[str, int, int, int, str]]:
+        """DeepSeek-V4's attention GEMMs on one GPU, (name, N, K, layers, weight dtype): q down
+        (replicated) and up, the shared latent's projection (one KV head: replicated), the grouped
+        output projection (its groups split over the ranks: one block-diagonal GEMM) and the mix
+        back to the hidden size, in every layer; the compressors' key and gate projections (two
+        overlapping series in the CSA layers) and the indexer's query, head weights and own
+        compressor in the CSA layers, all replicated, in 16 bits as the checkpoints keep them."""
+        h, d, L, a = self.hidden_size, self.head_dim, self.num_layers, self.act_dtype
+        q, qr, dt = self.num_heads // tp, self.q_lora_rank, self.attn_dtype
+        g = max(self.o_groups // tp, 1)
+        c4, c128, di, ni = self.num_csa_layers, self.num_hca_layers, self.index_head_dim, self.index_n_heads
+        rows = [("q_a", qr, h, L, dt), ("q_b", q * d, qr, L, dt), ("kv", d, h, L, dt),
+                ("o_a", g * self.o_lora_rank, self.num_heads * d // self.o_groups, L, dt),
+                ("o_b", h, g * self.o_lora_rank, L, dt)]
+        if c4:
+            rows += [("csa_compress", 4 * d, h, c4, a), ("index_q", ni * di, qr, c4, dt),
+                     ("index_weights", ni, h, c4, a), ("index_compress", 4 * di, h, c4, a)]
+        if c128:
+            rows += [("hca_compress", 2 * d, h, c128, a)]
+        return rows
+
+    @property
+    def latent_entry_bytes(self) -> int:
+        """One cached entry of DeepSeek-V4's latent (a raw token's or a compressed one): in fp8,
+        vLLM's layout of the non-rotary dims in fp8 with a scale per 64 and a pad byte, and the
+        rotary ones in 16 bits (584 bytes for 448 + 64); else every dim in the KV dtype."""
+        if self.kv_dtype_bytes == 1:
+            nope = self.head_dim - self.qk_rope_head_dim
+            return nope + nope // 64 + 1 + 2 * self.qk_rope_head_dim
+        return self.head_dim * self.kv_dtype_bytes
 
     def gqa_gemm_shapes(self, tp: int = 1, sliding: bool = False) -> dict[str, tuple[int, int]]:
         """(N, K) of a (grouped-query) attention layer's q/k/v and output projections on one GPU,
@@ -400,7 +449,9 @@ class ModelSpec:
         Routed experts are not here (their work depends on the tokens: expert_gemms)."""
         L, h = self.num_layers, self.hidden_size
         A = self.num_attention_layers
-        if self.has_sliding_shape and not self.is_mla:
+        if self.compressed_mqa:
+            out = self.compressed_attention_gemms(tp)
+        elif self.has_sliding_shape and not self.is_mla:
             S = self.num_sliding_layers  # sliding-window layers of their own shape (sliding_*)
             out = [(k, n, kk, A - S, self.attn_dtype) for k, (n, kk) in self.gqa_gemm_shapes(tp).items()]
             out += [("sliding_" + k, n, kk, S, self.attn_dtype) for k, (n, kk) in self.gqa_gemm_shapes(tp, True).items()]
@@ -457,7 +508,16 @@ class ModelSpec:
 
     @property
     def attention_params(self) -> int:
-        """The weights of every attention layer (full and sliding-window, each of its own shape)."""
+        """The weights of every attention layer (full and sliding-window, each of its own shape;
+        DeepSeek-V4's with its compressors, their position biases, and the hyper-connections' mixing
+        weights of every sublayer and of the head)."""
+        if self.compressed_mqa:
+            h, d, di = self.hidden_size, self.head_dim, self.index_head_dim
+            proj = sum(n * k * layers for _name, n, k, layers, _dt in self.compressed_attention_gemms(1))
+            bias = (self.num_csa_layers * self.csa_ratio * 2 * (d + di) + self.num_hca_layers * self.hca_ratio * d)
+            r = self.residual_streams
+            hc = (self.num_sublayers * (2 + r) * r + r) * r * h if r > 1 else 0
+            return proj + bias + hc
         index = sum(n * k for name, (n, k) in self.attention_gemm_shapes(1).items() if name in INDEXER_GEMMS)
         own = self.attention_params_per_layer - (index * self.index_layers // self.num_layers if self.is_mla else 0)
         out = self.num_attention_layers * own + self.index_layers * index
@@ -537,7 +597,7 @@ class ModelSpec:
         if (self.expert_dtype or self.weight_dtype) == "mxfp4":
             eh = self.expert_hidden
             pad = self.expert_weight_bytes_per_gpu(expert_ranks or tp) * (-(-eh // 256) * 256 / eh - 1)
-        rotary = (self.qk_rope_head_dim if self.is_mla else self.head_dim) if self.rotary else 0
+        rotary = (self.qk_rope_head_dim if self.is_mla or self.compressed_mqa else self.head_dim) if self.rotary else 0
         rope = self.max_position_embeddings * rotary * self.act_dtype_bytes
         return int(self.weight_bytes_per_gpu(tp, expert_ranks) + pad + rope)
 
@@ -574,6 +634,10 @@ class ModelSpec:
         rank; sliding-window layers are left out (at most sliding_window tokens per request), and
         so are linear-attention layers (a fixed state per request: linear_state_bytes_per_request_per_gpu)."""
         layers = self.num_full_attention_layers
+        if self.compressed_mqa:  # compressed entries (and the indexer's keys) per token; windows apart
+            e = self.latent_entry_bytes
+            return math.ceil(self.num_csa_layers * (e + self.index_key_bytes) / self.csa_ratio
+                             + self.num_hca_layers * e / self.hca_ratio)
         if self.is_mla:
             latent = (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_dtype_bytes
             if self.index_topk:
@@ -594,13 +658,16 @@ class ModelSpec:
     def sliding_kv_bytes_per_request_per_gpu(self, tp: int = 1, block_size: int = 16) -> int:
         """KV of the sliding-window layers for one running request: the window (and the block it
         starts in) of each such layer."""
-        if not self.num_sliding_layers or not self.sliding_window:
+        if not (self.num_sliding_layers or self.compressed_mqa) or not self.sliding_window:
             return 0
         tokens = -(-self.sliding_window // block_size) * block_size + block_size
         return self.sliding_kv_bytes_per_token_per_gpu(tp) * tokens
 
     def sliding_kv_bytes_per_token_per_gpu(self, tp: int = 1) -> int:
-        """One token's K and V in every sliding-window layer, on one GPU (0 without such layers)."""
+        """One token's K and V in every sliding-window layer, on one GPU (0 without such layers;
+        DeepSeek-V4: every layer's raw-token latent)."""
+        if self.compressed_mqa and self.sliding_window:
+            return self.num_layers * self.latent_entry_bytes
         if not self.num_sliding_layers or not self.sliding_window:
             return 0
         return self.num_sliding_layers * self._kv_bytes_per_token_layer(tp, sliding=True)
@@ -631,7 +698,8 @@ class ModelSpec:
         kw = hf_config_fields(cfg)
         if dtype is not None:
             kw["weight_dtype"] = dtype
-        return cls(name=name, kv_dtype=kv_dtype, **kw)
+        # (a family whose cache is fp8 whatever is asked: DeepSeek-V4's latents)
+        return cls(name=name, **{"kv_dtype": kv_dtype, **kw})
 
 
 # The sparse-attention indexer's GEMMs (ModelSpec.attention_gemm_shapes): in index_layers layers only
@@ -642,7 +710,7 @@ INDEXER_GEMMS = ("index_q", "index_k", "index_weights")
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_vl", "qwen3_vl_text", "mimo")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2",
                    "deepseek_v32", "glm_moe_dsa", "gpt_oss", "minimax_m2", "llama4", "llama4_text",
-                   "qwen3_vl_moe", "qwen3_vl_moe_text", "step3p7", "minimax_m3", "minimax_m3_vl")
+                   "qwen3_vl_moe", "qwen3_vl_moe_text", "step3p7", "minimax_m3", "minimax_m3_vl", "deepseek_v4")
 # Nemotron-H (Nemotron-H, Nemotron-3): blocks of Mamba-2 ("M"), attention ("*"), a squared-ReLU MLP
 # ("-") or a MoE ("E") each, as hybrid_override_pattern lists them
 NEMOTRON_H_MODEL_TYPES = ("nemotron_h",)
@@ -678,8 +746,9 @@ def _quantization(cfg: dict) -> tuple[str | None, str]:
     text = json.dumps(q).lower()
     if method == "mxfp4":
         return None, "mxfp4"
-    if method == "modelopt" and str(q.get("quant_algo", "")).upper() == "MIXED_PRECISION":
-        # ModelOpt's per-layer formats (NVIDIA's MiniMax-M3-NVFP4: NVFP4 experts, MXFP8 elsewhere)
+    if str(q.get("quant_algo", "")).upper() == "MIXED_PRECISION":
+        # ModelOpt's per-layer formats (NVIDIA's MiniMax-M3-NVFP4: NVFP4 experts, MXFP8 elsewhere;
+        # its DeepSeek-V4-Flash-NVFP4: NVFP4 experts listed, the rest the fp8 blocks it names)
         names = {"NVFP4": "nvfp4", "FP8": "fp8", "MXFP8": "fp8", "FP8_PER_CHANNEL_PER_TOKEN": "fp8"}
         layers = q.get("quantized_layers") or {}
         kinds = {}
@@ -688,11 +757,12 @@ def _quantization(cfg: dict) -> tuple[str | None, str]:
             if algo not in names:
                 raise ValueError(f"config.json quantization_config.quantized_layers[{name!r}].quant_algo={algo!r}: "
                                  f"a weight format ServeTwin does not know (known: {', '.join(names)})")
-            kinds.setdefault(".experts." in name, set()).add(names[algo])
+            kinds.setdefault(re.search(r"\.experts(\.|$)", name) is not None, set()).add(names[algo])
         if any(len(v) > 1 for v in kinds.values()):
             raise ValueError(f"config.json quantization_config.quantized_layers: formats {kinds} mixed within "
                              "the experts or within the other layers")
-        other, experts = kinds.get(False, {None}), kinds.get(True, {""})
+        rest = ("fp8_block" if q.get("weight_block_size") else "fp8") if method == "fp8" else None
+        other, experts = kinds.get(False, {rest}), kinds.get(True, {""})
         return next(iter(other)), next(iter(experts))
     groups = q.get("config_groups") or {}
     weights = [(g.get("weights") or {}) for g in groups.values() if isinstance(g, dict)]
@@ -913,6 +983,8 @@ def _hf_config_fields(cfg: dict) -> dict:
                   num_moe_layers=L, sliding_window=cfg.get("sliding_window") or 0,
                   num_sliding_layers=sum(t == "sliding_attention" for t in types),
                   attn_weight_dtype=torch_dtype if edtype else "")
+    elif mt == "deepseek_v4":
+        _deepseek_v4_fields(cfg, kw, w)
     elif mt in ("minimax_m3", "minimax_m3_vl"):  # (the VL checkpoints' text_config; the vision tower not counted)
         _minimax_m3_fields(cfg, kw, w)
     elif mt == "minimax_m2":
@@ -1011,6 +1083,38 @@ def _mimo_v2_fields(cfg: dict, kw: dict, w: str) -> dict:
               moe_intermediate_size=mi, shared_intermediate_size=(cfg.get("n_shared_experts") or 0) * mi,
               num_moe_layers=sum(freq))
     return kw
+
+
+def _deepseek_v4_fields(cfg: dict, kw: dict, w: str) -> None:
+    """DeepSeek-V4 (Flash, Pro): compressed multi-query attention (ModelSpec.compressed_mqa) with
+    compress_ratios per layer (0: the sliding window only; the smaller ratio: compressed sparse
+    attention with the indexer; the larger: heavily compressed, all entries read; a last entry for
+    the MTP layer, which is not loaded), a MoE in every layer with one shared expert, routed
+    experts in expert_dtype ("fp4": MXFP4; NVIDIA's NVFP4 checkpoint's quantizes them alone), the
+    other linear layers as quantization_config says (fp8 128x128 blocks), hc_mult residual streams. Its cache holds
+    fp8 latents (vLLM's layout), so the KV dtype is fp8."""
+    L = kw["num_layers"]
+    ratios = list(_need(cfg, "compress_ratios", w))[:L]
+    if len(ratios) != L or not set(ratios) <= {0, 4, 128}:
+        raise ValueError(f"config.json ({w}) compress_ratios={sorted(set(ratios))}: one per layer for "
+                         f"num_hidden_layers={L}, each 0 (the window only), 4 (compressed sparse attention, "
+                         "with the indexer) or 128 (heavily compressed)")
+    csa, hca = (4 if 4 in ratios else 0), (128 if 128 in ratios else 0)
+    mi = _need(cfg, "moe_intermediate_size", w)
+    experts = str(cfg.get("expert_dtype") or "").lower()
+    quantized = kw["expert_dtype"]  # NVIDIA's NVFP4 experts, from its quantization_config
+    kw.update(compressed_mqa=True, kv_dtype="fp8", num_kv_heads=1, qk_rope_head_dim=_need(cfg, "qk_rope_head_dim", w),
+              q_lora_rank=_need(cfg, "q_lora_rank", w), o_groups=_need(cfg, "o_groups", w),
+              o_lora_rank=_need(cfg, "o_lora_rank", w), sliding_window=_need(cfg, "sliding_window", w),
+              num_csa_layers=ratios.count(csa) if csa else 0, num_hca_layers=ratios.count(hca) if hca else 0,
+              csa_ratio=csa or 4, hca_ratio=hca or 128, residual_streams=cfg.get("hc_mult") or 1,
+              num_experts=_need(cfg, "n_routed_experts", w), moe_intermediate_size=mi,
+              shared_intermediate_size=(cfg.get("n_shared_experts") or 0) * mi, num_moe_layers=L,
+              expert_dtype=quantized if quantized == "nvfp4" else "mxfp4" if experts == "fp4" else quantized or experts)
+    if csa:
+        kw.update(index_topk=_need(cfg, "index_topk", w), index_n_heads=_need(cfg, "index_n_heads", w),
+                  index_head_dim=_need(cfg, "index_head_dim", w), num_index_layers=ratios.count(csa),
+                  index_key_dtype="fp8")
 
 
 def _minimax_m3_fields(cfg: dict, kw: dict, w: str) -> None:
@@ -1171,10 +1275,10 @@ FP8_KEEPS_16BIT_ATTENTION = ("llama-4-scout-17b-16e",)
 # Dense catalog models whose NVIDIA NVFP4 checkpoint leaves the attention in 16 bits (its
 # quantization_config's ignore list: Gemma-4-31B-IT-NVFP4)
 NVFP4_KEEPS_16BIT_ATTENTION = ("gemma-4-31b",)
-# Mixtures of experts whose NVIDIA NVFP4 checkpoint quantizes the layers beside the experts to MXFP8
-# (ModelOpt's MIXED_PRECISION: MiniMax-M3-NVFP4), read as fp8; its KV cache stays 16-bit
-# (kv_cache_quant_algo null)
-NVFP4_FP8_ELSEWHERE = ("minimax-m3",)
+# Mixtures of experts whose NVIDIA NVFP4 checkpoint keeps the layers beside the experts in fp8
+# (ModelOpt's MIXED_PRECISION: MiniMax-M3-NVFP4's MXFP8, read as fp8; DeepSeek-V4's own 128x128
+# blocks), and the KV cache as the model keeps it (kv_cache_quant_algo null)
+NVFP4_FP8_ELSEWHERE = {"minimax-m3": "fp8", "deepseek-v4-flash": "fp8_block", "deepseek-v4-pro": "fp8_block"}
 
 MODELS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, False, 131072),
@@ -1351,6 +1455,22 @@ GEMMA4_CONFIGS = {
 MODELS.update({name: ModelSpec.from_hf_config({"model_type": "gemma4", "text_config": cfg,
                                                "vision_config": _GEMMA4_VISION}, name=name)
                for name, cfg in GEMMA4_CONFIGS.items()})
+# DeepSeek-V4 Flash and Pro (their config.json: the fields the reader takes; compress_ratios: two
+# window-only layers then CSA and HCA alternating (Flash), HCA first (Pro), one more for the MTP layer)
+_DSV4 = {"model_type": "deepseek_v4", "head_dim": 512, "qk_rope_head_dim": 64, "num_key_value_heads": 1,
+         "o_lora_rank": 1024, "sliding_window": 128, "index_n_heads": 64, "index_head_dim": 128, "hc_mult": 4,
+         "n_shared_experts": 1, "num_experts_per_tok": 6, "vocab_size": 129280, "expert_dtype": "fp4",
+         "max_position_embeddings": 1048576, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+         "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+DSV4_CONFIGS = {
+    "deepseek-v4-flash": {**_DSV4, "num_hidden_layers": 43, "hidden_size": 4096, "num_attention_heads": 64,
+                          "q_lora_rank": 1024, "o_groups": 8, "n_routed_experts": 256, "moe_intermediate_size": 2048,
+                          "index_topk": 512, "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0]},
+    "deepseek-v4-pro": {**_DSV4, "num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
+                        "q_lora_rank": 1536, "o_groups": 16, "n_routed_experts": 384, "moe_intermediate_size": 3072,
+                        "index_topk": 1024, "compress_ratios": [128, 128] + [4, 128] * 29 + [4, 0]},
+}
+MODELS.update({name: ModelSpec.from_hf_config(cfg, name=name) for name, cfg in DSV4_CONFIGS.items()})
 # MiniMax-M3 (MiniMaxAI/MiniMax-M3's config.json: the fields the reader takes)
 MODELS["minimax-m3"] = ModelSpec.from_hf_config(
     {"model_type": "minimax_m3", "num_hidden_layers": 60, "hidden_size": 6144, "num_attention_heads": 64,
@@ -1605,7 +1725,7 @@ def _lookup_model(value: str, base_dir: Path | None = None) -> ModelSpec:
         # 16 bits), and an fp8 KV cache (kv_cache_quant_algo FP8)
         if m.is_moe:
             if key in NVFP4_FP8_ELSEWHERE:
-                return replace(m, weight_dtype="fp8", attn_weight_dtype="", expert_dtype="nvfp4")
+                return replace(m, weight_dtype=NVFP4_FP8_ELSEWHERE[key], attn_weight_dtype="", expert_dtype="nvfp4")
             return replace(m, weight_dtype=m.act_dtype, attn_weight_dtype="", expert_dtype="nvfp4", kv_dtype="fp8")
         m = m.with_dtypes(weight_dtype="nvfp4", kv_dtype="fp8")
         return replace(m, attn_weight_dtype=m.act_dtype) if key in NVFP4_KEEPS_16BIT_ATTENTION else m
