@@ -1729,8 +1729,9 @@ def _lookup_model(value: str, base_dir: Path | None = None) -> ModelSpec:
             return replace(m, weight_dtype=m.act_dtype, attn_weight_dtype="", expert_dtype="nvfp4", kv_dtype="fp8")
         m = m.with_dtypes(weight_dtype="nvfp4", kv_dtype="fp8")
         return replace(m, attn_weight_dtype=m.act_dtype) if key in NVFP4_KEEPS_16BIT_ATTENTION else m
-    if m.weight_dtype in FP8:  # an fp8 catalog model keeps its own format
-        return m
+    if m.weight_dtype in FP8:  # an fp8 catalog model keeps its own format, its 4-bit experts in fp8 too
+        # (an -FP8 repository of DeepSeek-V4, whose own experts are MXFP4: sgl-project's)
+        return replace(m, expert_dtype="") if m.expert_dtype in WEIGHT_ONLY_4BIT else m
     owner = value.strip().lower().split("/")[0] if "/" in value else ""
     per_tensor = re.search(r"-per-?tensor$", raw) is not None
     m = m.with_dtypes(weight_dtype="fp8_block" if owner in FP8_BLOCK_PUBLISHERS and not per_tensor else "fp8")

@@ -85,3 +85,11 @@ def test_a_prefill_chunk_reads_each_layer_kind_its_keys():
             + 20 * look(128.0 + ctx / 128))
     assert km._compressed_attention(1, pairs, 128.0, ctx, 100_000 + T, prefill=True) == pytest.approx(want, rel=1e-9)
     assert km._attention(f) == pytest.approx(want, rel=1e-9)
+
+
+def test_an_fp8_repository_holds_fp8_experts():
+    own, fp8 = get_model("deepseek-ai/DeepSeek-V4-Flash"), get_model("sgl-project/DeepSeek-V4-Flash-FP8")
+    assert (own.expert_dtype, fp8.expert_dtype, fp8.weight_dtype) == ("mxfp4", "", "fp8_block")
+    # the experts at one byte a weight (and a block scale) instead of 0.53
+    assert fp8.expert_weight_bytes_per_gpu(1) == pytest.approx(own.expert_weight_bytes_per_gpu(1) / (0.5 + 1 / 32),
+                                                              rel=0.001)
