@@ -818,10 +818,10 @@ class KernelCostModel(CostModel):
         m, d = self.model, self.device
         hd = hd or self.attn_head_dim
         v = self._v_dim(hd)
-        width = hd if m.is_mla else hd + v  # MLA: one latent per token, keys and values alike
-        by = b * s * (kv_heads or self.kv_heads) * width * m.kv_dtype_bytes
         if m.compressed_mqa:  # one cached latent entry per key (vLLM's fp8 layout)
             by = b * s * m.latent_entry_bytes
+        else:  # (MLA: one latent per token, keys and values alike)
+            by = b * s * (kv_heads or self.kv_heads) * (hd if m.is_mla else hd + v) * m.kv_dtype_bytes
         flops = 2 * b * s * self.q_heads * (hd + v)
         return max(flops / d.flops, by / d.mem_bandwidth) + 5e-6
 

@@ -658,10 +658,10 @@ class ModelSpec:
     def sliding_kv_bytes_per_request_per_gpu(self, tp: int = 1, block_size: int = 16) -> int:
         """KV of the sliding-window layers for one running request: the window (and the block it
         starts in) of each such layer."""
-        if not (self.num_sliding_layers or self.compressed_mqa) or not self.sliding_window:
+        per_token = self.sliding_kv_bytes_per_token_per_gpu(tp)
+        if not per_token:
             return 0
-        tokens = -(-self.sliding_window // block_size) * block_size + block_size
-        return self.sliding_kv_bytes_per_token_per_gpu(tp) * tokens
+        return per_token * (-(-self.sliding_window // block_size) * block_size + block_size)
 
     def sliding_kv_bytes_per_token_per_gpu(self, tp: int = 1) -> int:
         """One token's K and V in every sliding-window layer, on one GPU (0 without such layers;
@@ -961,11 +961,7 @@ def _hf_config_fields(cfg: dict) -> dict:
             kw.update(index_topk=_need(cfg, "index_topk", w), index_n_heads=_need(cfg, "index_n_heads", w),
                       index_head_dim=_need(cfg, "index_head_dim", w), num_index_layers=0 if own == L else own)
     elif mt == "step3p7":  # Step-3.7-Flash: sliding-window and full layers, MoE after the first dense ones
-        types = _need(cfg, "layer_types", w)
-        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
-        if unknown or len(types) != L:
-            raise ValueError(f"config.json ({w}) layer_types={unknown or len(types)}: one of sliding_attention, "
-                             f"full_attention per layer for num_hidden_layers={L}")
+        num_sliding = _layer_kinds(cfg, L, w)
         sliding_heads = cfg.get("num_sliding_attention_heads",
                                 (cfg.get("attention_other_setting") or {}).get("num_attention_heads", heads))
         if sliding_heads != heads:
@@ -975,8 +971,7 @@ def _hf_config_fields(cfg: dict) -> dict:
                   # (one shared expert of share_expert_dim unless n_shared_experts says otherwise)
                   shared_intermediate_size=(cfg.get("n_shared_experts", 1) or 0) * (cfg.get("share_expert_dim") or 0),
                   num_moe_layers=L - _need(cfg, "first_k_dense_replace", w),
-                  sliding_window=_need(cfg, "sliding_window", w),
-                  num_sliding_layers=sum(t == "sliding_attention" for t in types))
+                  sliding_window=_need(cfg, "sliding_window", w), num_sliding_layers=num_sliding)
     elif mt == "gpt_oss":
         types = cfg.get("layer_types") or []
         kw.update(num_experts=_need(cfg, "num_local_experts", w), moe_intermediate_size=_need(cfg, "intermediate_size", w),
@@ -1004,6 +999,13 @@ def _hf_config_fields(cfg: dict) -> dict:
             kw["attn_weight_dtype"] = act
     kw["num_experts_per_tok"] = k
     return kw
+
+
+def _layer_flags(values, L: int, key: str, w: str) -> list:
+    """A config's per-layer list of 0 and 1 (moe_layer_freq, hybrid_layer_pattern, ...), checked."""
+    if not isinstance(values, list) or len(values) != L or not set(values) <= {0, 1}:
+        raise ValueError(f"config.json ({w}) {key}: one 0 or 1 per layer for num_hidden_layers={L}")
+    return values
 
 
 def _layer_kinds(cfg: dict, L: int, w: str) -> int:
@@ -1062,11 +1064,8 @@ def _mimo_v2_fields(cfg: dict, kw: dict, w: str) -> dict:
     in both; a dense MLP where moe_layer_freq is 0, n_routed_experts elsewhere. Its multi-token
     prediction layers are not loaded without speculative decoding."""
     L, heads = kw["num_layers"], kw["num_heads"]
-    pattern = _need(cfg, "hybrid_layer_pattern", w)
-    freq = cfg.get("moe_layer_freq") or [1] * L
-    if len(pattern) != L or len(freq) != L or not set(pattern) | set(freq) <= {0, 1}:
-        raise ValueError(f"config.json ({w}) hybrid_layer_pattern / moe_layer_freq: one 0 or 1 per layer "
-                         f"for num_hidden_layers={L}")
+    pattern = _layer_flags(_need(cfg, "hybrid_layer_pattern", w), L, "hybrid_layer_pattern", w)
+    freq = _layer_flags(cfg.get("moe_layer_freq") or [1] * L, L, "moe_layer_freq", w)
     v = cfg.get("v_head_dim") or kw["head_dim"]
     for key, want in (("swa_num_attention_heads", heads), ("swa_v_head_dim", v)):
         if cfg.get(key, want) != want:
@@ -1130,9 +1129,8 @@ def _minimax_m3_fields(cfg: dict, kw: dict, w: str) -> None:
     moe = [int(i >= first) for i in range(L)] if not isinstance(freq, list) else freq
     sp = cfg.get("sparse_attention_config") or {}
     sparse = (sp.get("sparse_attention_freq") or [1] * L) if sp.get("use_sparse_attention") else [0] * L
-    for key, v in (("moe_layer_freq", moe), ("sparse_attention_config.sparse_attention_freq", sparse)):
-        if len(v) != L or not set(v) <= {0, 1}:
-            raise ValueError(f"config.json ({w}) {key}: one 0 or 1 per layer for num_hidden_layers={L}")
+    moe = _layer_flags(moe, L, "moe_layer_freq", w)
+    sparse = _layer_flags(sparse, L, "sparse_attention_config.sparse_attention_freq", w)
     no_value = sp.get("sparse_disable_index_value", [1] * L)
     if any(s_ and not nv for s_, nv in zip(sparse, no_value if isinstance(no_value, list) else [no_value] * L)):
         raise ValueError(f"config.json ({w}) sparse_attention_config.sparse_disable_index_value={no_value!r}: an "
