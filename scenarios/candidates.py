@@ -46,6 +46,7 @@ HF_NAMES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
             "gemma-4-26b-a4b": "google/gemma-4-26B-A4B-it", "gemma-4-31b": "google/gemma-4-31B-it",
             "minimax-m3": "MiniMaxAI/MiniMax-M3", "deepseek-v4-flash": "deepseek-ai/DeepSeek-V4-Flash",
             "deepseek-v4-pro": "deepseek-ai/DeepSeek-V4-Pro",
+            "kimi-linear-48b-a3b": "moonshotai/Kimi-Linear-48B-A3B-Instruct", "kimi-k3": "moonshotai/Kimi-K3",
             **{f"qwen3-vl-{s}": f"Qwen/Qwen3-VL-{s.upper()}-Instruct" for s in QWEN3_VL_SIZES}}
 
 # Checkpoints published with fp8 weights for catalog models whose own checkpoint is bf16: what a

@@ -40,10 +40,11 @@ from sim.sampling import filter_cost_s, filter_implementation, filters as sampli
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "calibration" / "kernels"
 KV_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8"}
 GEMM_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8", "fp8_block": "fp8_block", "nvfp4": "nvfp4"}
-# GEMMs of a few columns, often below the tables' N axis (the router; a linear-attention layer's
-# decay and step sizes; the sparse-attention indexer's key and head weights): their roofline is not
-# counted as a fallback of the layer, it is a fraction of a percent of it
-UNCOUNTED_GEMMS = ("router", "in_proj_ba", "index_k", "index_weights")
+# GEMMs of a few columns or rows, often outside the tables' N or K axis (the router; a linear-attention
+# layer's decay and step sizes, and KDA's rank-head_dim gate up projections; the sparse-attention
+# indexer's key and head weights): their roofline is not counted as a fallback of the layer, it is a
+# few percent of it at most
+UNCOUNTED_GEMMS = ("router", "in_proj_ba", "kda_f_b", "kda_g_b", "index_k", "index_weights")
 
 
 @lru_cache(maxsize=8)
@@ -606,7 +607,7 @@ def _mla_module_key(m: ModelSpec, tp: int, tables: dict | None) -> str | None:
     TP group, as "section/key": `mla_module` kv_dtype/weight_dtype/heads for DeepSeek-V3's shape,
     `dsa_module` shape/kv_dtype/weight_dtype/heads for a sparse-attention shape it holds; None for
     another shape, an attention weight format or head count the tables lack, or no such tables."""
-    if not m.is_mla:
+    if not m.is_mla or m.attn_output_gate:  # (the tables' layer has no output gate: Kimi-K3's has)
         return None
     w = MLA_MODULE_DTYPES.get(m.attn_dtype)
     base = f"{KV_NAMES.get(m.kv_dtype, 'bf16')}/{w}/{m.num_heads // tp}"
@@ -1553,7 +1554,7 @@ class KernelCostModel(CostModel):
         if f.num_decode_reqs:
             att += self._decode_attention(f.num_decode_reqs, max(f.decode_context_tokens / f.num_decode_reqs, 1.0))
             if self.g_mla_proj is not None:  # the decode tokens' MLA projections (_mla_key)
-                att += m.num_layers * self._look("gemm", self.g_mla_proj, f.num_decode_reqs)
+                att += m.num_full_attention_layers * self._look("gemm", self.g_mla_proj, f.num_decode_reqs)
         return att
 
     def _decode_terms(self, n: int) -> tuple:
@@ -1566,7 +1567,7 @@ class KernelCostModel(CostModel):
         if self.model.num_linear_layers:  # linear-attention layers: by the batch alone
             pre += self.model.num_linear_layers * self._look("linear_attention", self.g_gdn_gen, n)
         if self.g_mla_proj is not None:  # MLA projections outside the GEMM term (_mla_key)
-            pre += self.model.num_layers * self._look("gemm", self.g_mla_proj, n)
+            pre += self.model.num_full_attention_layers * self._look("gemm", self.g_mla_proj, n)
         num_lookups, fallbacks = self._delta(before)
         grid = self.g_gen
         row = grid.row(n) if grid._fast == grid._call2 else None

@@ -143,9 +143,14 @@ class ModelSpec:
     linear_state_dtype: str = "bfloat16"
     # What the linear layers run: "" the gated delta rule; "mamba2" a Mamba-2 mixer (Nemotron-H:
     # n_groups B/C heads of ssm_state_size as the key heads, its heads of mamba_head_dim as the
-    # value heads; one dt per head where the delta rule has a decay and a step size). No kernel
-    # table holds Mamba-2's: its layers are the roofline, counted.
+    # value heads; one dt per head where the delta rule has a decay and a step size); "kda" Kimi
+    # Delta Attention (Kimi-Linear, Kimi-K3): the delta rule with a decay per key channel from a
+    # low-rank forget gate (down to linear_k_head_dim, replicated, and up to every key channel), a
+    # step size per head, and an output gate that is either full-rank in the input projection
+    # (linear_gate_rank 0) or low-rank (down to linear_gate_rank, replicated, and up). No kernel
+    # table holds Mamba-2's or KDA's: their layers are the roofline, counted.
     linear_kind: str = ""
+    linear_gate_rank: int = 0
     # Blocks with an MLP or MoE of their own (0: every layer). Nemotron-H's blocks are each one
     # of a mixer (Mamba-2 or attention: num_layers of them), an MLP or a MoE, so it has fewer MLP
     # blocks than mixers. mlp_gated False: up and down projections only (squared ReLU), in the
@@ -201,8 +206,11 @@ class ModelSpec:
             raise ValueError(f"index_topk={self.index_topk!r}: sparse attention needs an indexer "
                              "(index_n_heads, index_head_dim > 0)")
         object.__setattr__(self, "index_key_dtype", canonical_dtype(self.index_key_dtype, "index_key_dtype"))
-        if self.linear_kind not in ("", "mamba2"):
-            raise ValueError(f"linear_kind={self.linear_kind!r}: expected '' (gated delta rule) or 'mamba2'")
+        if self.linear_kind not in ("", "mamba2", "kda"):
+            raise ValueError(f"linear_kind={self.linear_kind!r}: expected '' (gated delta rule), 'mamba2' or 'kda'")
+        if self.linear_gate_rank < 0 or (self.linear_gate_rank and self.linear_kind != "kda"):
+            raise ValueError(f"linear_gate_rank={self.linear_gate_rank!r}: a KDA layer's low-rank output gate "
+                             "(linear_kind 'kda'), >= 0")
         if not 0 <= self.num_mlp_layers or self.num_moe_layers > self.mlp_layers:
             raise ValueError(f"num_mlp_layers={self.num_mlp_layers!r}, num_moe_layers={self.num_moe_layers!r}: "
                              "the MoE blocks are some of the MLP blocks")
@@ -373,6 +381,8 @@ class ModelSpec:
             out["kv_a"] = (self.kv_lora_rank + self.qk_rope_head_dim, h)
             out["kv_b"] = (q * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
             out["o_proj"] = (h, q * self.v_head_dim)
+            if self.attn_output_gate:  # (Kimi-K3) a sigmoid gate per head and value dim, from the hidden state
+                out["o_gate"] = (q * self.v_head_dim, h)
             if self.index_topk:  # the indexer's query (from the q latent), key and head weights
                 out["index_q"] = (self.index_n_heads * self.index_head_dim, self.q_lora_rank or h)
                 out["index_k"] = (self.index_head_dim, h)
@@ -431,10 +441,21 @@ class ModelSpec:
     def linear_attention_gemm_shapes(self, tp: int = 1) -> dict[str, tuple[int, int]]:
         """(N, K) of one linear-attention layer's GEMMs on one GPU: the projection to q, k, v and
         the output gate z, the one to the decay and step sizes (b, a: one each per value head),
-        and the output projection."""
+        and the output projection. KDA: q, k, v (and a full-rank output gate); the step sizes
+        with the forget gate's (and a low-rank output gate's) replicated down projections; their up
+        projections (kda_f_b to every key channel, kda_g_b to every value channel); the output."""
         if not self.num_linear_layers:
             return {}
         h, vd = self.hidden_size, self.linear_num_v_heads * self.linear_v_head_dim
+        if self.linear_kind == "kda":
+            dk, r = self.linear_k_head_dim, self.linear_gate_rank
+            out = {"in_proj_qkvz": ((self.linear_conv_dim(1) + (0 if r else vd)) // tp, h),
+                   "in_proj_ba": (self.linear_num_v_heads // tp + dk + r, h),
+                   "kda_f_b": (self.linear_num_k_heads * dk // tp, dk)}
+            if r:
+                out["kda_g_b"] = (vd // tp, r)
+            out["out_proj"] = (h, vd // tp)
+            return out
         return {"in_proj_qkvz": ((self.linear_conv_dim(1) + vd) // tp, h),
                 "in_proj_ba": (self.ba_width * self.linear_num_v_heads // tp, h),
                 "out_proj": (h, vd // tp)}
@@ -503,6 +524,9 @@ class ModelSpec:
             # conv1d taps and biases; dt_bias, A_log and D per head; the gated RMSNorm over all heads
             return (proj + self.linear_conv_dim(1) * (self.linear_conv_kernel + 1) + 3 * self.linear_num_v_heads
                     + self.linear_num_v_heads * self.linear_v_head_dim)
+        if self.linear_kind == "kda":  # conv taps; A_log per head, dt_bias per key channel; the norm
+            return (proj + self.linear_conv_dim(1) * self.linear_conv_kernel + self.linear_num_v_heads
+                    + self.linear_num_k_heads * self.linear_k_head_dim + self.linear_v_head_dim)
         return (proj + self.linear_conv_dim(1) * self.linear_conv_kernel + 2 * self.linear_num_v_heads
                 + self.linear_v_head_dim)
 
@@ -722,6 +746,9 @@ QWEN3_VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe", "qwen3_vl_m
 # full_attention_interval-th layer, or as layer_types lists them): Qwen3-Next and Qwen3.5, dense or
 # MoE (Qwen3.5's checkpoints are multimodal: their text_config, and a vision encoder)
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text")
+# Kimi-Linear (and Kimi-K3's text_config): Kimi Delta Attention layers and latent attention (MLA)
+# layers as linear_attn_config lists them, a MoE after the first dense layers
+KIMI_LINEAR_MODEL_TYPES = ("kimi_linear",)
 # Gemma-4 (dense or MoE: enable_moe_block) and MiMo-V2-Flash: sliding-window and full layers of two
 # attention shapes (ModelSpec.sliding_num_kv_heads, sliding_head_dim)
 GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
@@ -766,6 +793,16 @@ def _quantization(cfg: dict) -> tuple[str | None, str]:
         return next(iter(other)), next(iter(experts))
     groups = q.get("config_groups") or {}
     weights = [(g.get("weights") or {}) for g in groups.values() if isinstance(g, dict)]
+    if method == "compressed-tensors" and weights and (
+            "mxfp4" in str(q.get("format", "")).lower()
+            or all(w.get("num_bits") == 4 and w.get("type") == "float" and w.get("group_size") == 32 for w in weights)):
+        # MXFP4 in groups of 32 (Kimi-K3's routed experts): the attention, shared experts and dense
+        # MLPs must be in its ignore list, kept in 16 bits
+        skipped = json.dumps(q.get("ignore") or []).lower()
+        if "self_attn" not in skipped:
+            raise ValueError(f"config.json quantization_config.ignore={q.get('ignore')!r}: an MXFP4 "
+                             "compressed-tensors checkpoint is known with its attention kept in 16 bits only")
+        return None, "mxfp4"
     if (method == "modelopt" and str(q.get("quant_algo", "")).upper() == "NVFP4") or (
             method == "compressed-tensors" and weights
             and all(w.get("num_bits") == 4 and w.get("type") == "float" for w in weights)):
@@ -870,7 +907,8 @@ def _hf_config_fields(cfg: dict) -> dict:
     if "text_config" in cfg and "num_hidden_layers" not in cfg:
         cfg = cfg["text_config"]
     mt = str(cfg.get("model_type") or outer.get("model_type") or "").lower()
-    known = DENSE_MODEL_TYPES + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES + NEMOTRON_H_MODEL_TYPES + SLIDING_SHAPE_MODEL_TYPES
+    known = (DENSE_MODEL_TYPES + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES + NEMOTRON_H_MODEL_TYPES
+             + SLIDING_SHAPE_MODEL_TYPES + KIMI_LINEAR_MODEL_TYPES)
     if not mt:
         raise ValueError(f"config.json lacks 'model_type' (known: {', '.join(known)})")
     if mt not in known:
@@ -925,6 +963,8 @@ def _hf_config_fields(cfg: dict) -> dict:
         return _gemma4_fields(cfg, outer, kw, w)
     if mt == "mimo_v2_flash":
         return _mimo_v2_fields(cfg, kw, w)
+    if mt in KIMI_LINEAR_MODEL_TYPES:
+        return _kimi_linear_fields(cfg, kw, w)
     k = _need(cfg, "num_experts_per_tok" if mt != "gpt_oss" or "num_experts_per_tok" in cfg else "experts_per_token", w)
     if mt == "mixtral":
         kw.update(num_experts=_need(cfg, "num_local_experts", w), moe_intermediate_size=_need(cfg, "intermediate_size", w),
@@ -1081,6 +1121,49 @@ def _mimo_v2_fields(cfg: dict, kw: dict, w: str) -> dict:
               num_experts=_need(cfg, "n_routed_experts", w), num_experts_per_tok=_need(cfg, "num_experts_per_tok", w),
               moe_intermediate_size=mi, shared_intermediate_size=(cfg.get("n_shared_experts") or 0) * mi,
               num_moe_layers=sum(freq))
+    return kw
+
+
+def _kimi_linear_fields(cfg: dict, kw: dict, w: str) -> dict:
+    """Kimi-Linear and Kimi-K3 (its text_config): linear_attn_config's kda_layers are Kimi Delta
+    Attention (num_heads of head_dim for keys and values alike, a short conv of
+    short_conv_kernel_size, fp32 states as vLLM keeps them; use_full_rank_gate: the output gate
+    in the input projection, else down to head_dim and up), its full_attn_layers latent attention
+    (MLA, with mla_use_output_gate a sigmoid gate per head); numbered from 1 unless
+    kda_layer_index_base says 0. MoE layers after first_k_dense_replace dense ones: num_experts,
+    num_experts_per_token, num_shared_experts of moe_intermediate_size; K3's routed experts work
+    in routed_expert_hidden_size (a latent MoE). K3's vision tower, its attention-residual mixing
+    (elementwise) and its norms in the latent are not counted."""
+    L, heads = kw["num_layers"], kw["num_heads"]
+    lac = _need(cfg, "linear_attn_config", w)
+    base = lac.get("kda_layer_index_base", 1)
+    kda = [int(i) - base for i in _need(lac, "kda_layers", w + " linear_attn_config")]
+    full = [int(i) - base for i in _need(lac, "full_attn_layers", w + " linear_attn_config")]
+    if sorted(kda + full) != list(range(L)):
+        raise ValueError(f"config.json ({w}) linear_attn_config: kda_layers ({len(kda)}) and full_attn_layers "
+                         f"({len(full)}) must number each of num_hidden_layers={L} once (from {base})")
+    if (cfg.get("moe_layer_freq") or 1) != 1:
+        raise ValueError(f"config.json ({w}) moe_layer_freq={cfg['moe_layer_freq']!r}: only a MoE in every "
+                         "layer after the first dense ones is known")
+    hd = _need(lac, "head_dim", w + " linear_attn_config")
+    lh = _need(lac, "num_heads", w + " linear_attn_config")
+    mi = _need(cfg, "moe_intermediate_size", w)
+    latent = cfg.get("routed_expert_hidden_size") or 0
+    kw.update(num_linear_layers=len(kda), linear_kind="kda", linear_num_k_heads=lh, linear_num_v_heads=lh,
+              linear_k_head_dim=hd, linear_v_head_dim=hd,
+              linear_conv_kernel=_need(lac, "short_conv_kernel_size", w + " linear_attn_config"),
+              linear_state_dtype="float32", linear_gate_rank=0 if lac.get("use_full_rank_gate") else hd,
+              kv_lora_rank=_need(cfg, "kv_lora_rank", w), qk_rope_head_dim=_need(cfg, "qk_rope_head_dim", w),
+              qk_nope_head_dim=_need(cfg, "qk_nope_head_dim", w), v_head_dim=_need(cfg, "v_head_dim", w),
+              q_lora_rank=cfg.get("q_lora_rank") or 0, num_kv_heads=heads,
+              attn_output_gate=bool(cfg.get("mla_use_output_gate")),
+              num_experts=_need(cfg, "num_experts", w),
+              num_experts_per_tok=_need(cfg, "num_experts_per_token", w), moe_intermediate_size=mi,
+              shared_intermediate_size=(cfg.get("num_shared_experts") or 0) * mi,
+              num_moe_layers=L - (cfg.get("first_k_dense_replace") or 0),
+              moe_latent_size=latent if latent and latent != kw["hidden_size"] else 0)
+    kw["head_dim"] = kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"]
+    _need(cfg, "intermediate_size", w)
     return kw
 
 
@@ -1490,6 +1573,34 @@ MODELS["mimo-v2-flash"] = ModelSpec.from_hf_config(
      "moe_layer_freq": [0] + [1] * 47, "moe_intermediate_size": 2048, "n_routed_experts": 256,
      "num_experts_per_tok": 8, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
      "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, name="mimo-v2-flash")
+# Kimi-Linear-48B-A3B and Kimi-K3 (moonshotai's config.json: the fields the reader takes): Kimi Delta
+# Attention with latent-attention layers between (1-numbered), a MoE after the first dense layer;
+# K3's routed experts in MXFP4 groups of 32 in a latent MoE of 3,584, its KDA output gate full-rank
+_KIMI_LINEAR = {"model_type": "kimi_linear", "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                "v_head_dim": 128, "first_k_dense_replace": 1, "moe_layer_freq": 1, "vocab_size": 163840,
+                "tie_word_embeddings": False, "max_position_embeddings": 1048576, "torch_dtype": "bfloat16"}
+MODELS["kimi-linear-48b-a3b"] = ModelSpec.from_hf_config(
+    {**_KIMI_LINEAR, "num_hidden_layers": 27, "hidden_size": 2304, "num_attention_heads": 32,
+     "num_key_value_heads": 32, "intermediate_size": 9216, "q_lora_rank": None, "num_experts": 256,
+     "num_experts_per_token": 8, "num_shared_experts": 1, "moe_intermediate_size": 1024,
+     "linear_attn_config": {"kda_layers": [i for i in range(1, 27) if i % 4], "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+                            "num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4}},
+    name="kimi-linear-48b-a3b")
+MODELS["kimi-k3"] = ModelSpec.from_hf_config(
+    {"model_type": "kimi_k3", "text_config": {
+        **_KIMI_LINEAR, "num_hidden_layers": 93, "hidden_size": 7168, "num_attention_heads": 96,
+        "num_key_value_heads": 96, "intermediate_size": 33792, "q_lora_rank": 1536, "num_experts": 896,
+        "num_experts_per_token": 16, "num_shared_experts": 2, "moe_intermediate_size": 3072,
+        "routed_expert_hidden_size": 3584, "mla_use_output_gate": True,
+        "linear_attn_config": {"kda_layers": [i for i in range(1, 92) if i % 4],
+                               "full_attn_layers": list(range(4, 93, 4)) + [93], "num_heads": 96, "head_dim": 128,
+                               "short_conv_kernel_size": 4, "use_full_rank_gate": True},
+        "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+                                "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float",
+                                                                          "group_size": 32}}},
+                                "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*",
+                                           "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*"]}}},
+    name="kimi-k3")
 # GLM-5.2 (and 5.3, whose config.json is the same): GLM-5 with 21 of its 78 layers keeping an indexer
 # of their own (indexer_types), 1,048,576 positions
 MODELS["glm-5.2"] = replace(MODELS["glm-5"], name="glm-5.2", num_index_layers=21, max_position_embeddings=1048576)
