@@ -164,8 +164,9 @@ class ModelSpec:
     # Whether attention rotates q and k (RoPE; vLLM keeps a cos/sin cache). Nemotron-H's has no
     # positional encoding: its Mamba-2 blocks carry order.
     rotary: bool = True
-    # Full-attention layers whose q projection also makes a sigmoid output gate per head (Qwen3.5,
-    # Qwen3-Next): its width doubles
+    # Full-attention layers with a sigmoid output gate per head: in the q projection, whose width
+    # doubles (Qwen3.5, Qwen3-Next); in a latent-attention layer a GEMM of its own from the hidden
+    # state (Kimi-K3: o_gate)
     attn_output_gate: bool = False
     # A vision encoder and projector loaded with the model (Llama-4's checkpoints are multimodal):
     # its weights, in the activation dtype, split by TP; no text step reads them
@@ -631,7 +632,7 @@ class ModelSpec:
         lin = sum(layers * n * k * DTYPE_BYTES[dtype] for _name, n, k, layers, dtype in self.step_gemms(tp))
         norms = (self.num_sublayers + 1) * self.hidden_size
         if self.is_mla:
-            norms += self.num_layers * (self.kv_lora_rank + self.q_lora_rank)
+            norms += self.num_attention_layers * (self.kv_lora_rank + self.q_lora_rank)
         vocab = -(-self.vocab_size // tp) * self.hidden_size
         dense = vocab * (1 if self.tie_word_embeddings else 2)
         return int(lin + (norms + dense) * self.dense_dtype_bytes)
@@ -798,10 +799,12 @@ def _quantization(cfg: dict) -> tuple[str | None, str]:
             or all(w.get("num_bits") == 4 and w.get("type") == "float" and w.get("group_size") == 32 for w in weights)):
         # MXFP4 in groups of 32 (Kimi-K3's routed experts): the attention, shared experts and dense
         # MLPs must be in its ignore list, kept in 16 bits
-        skipped = json.dumps(q.get("ignore") or []).lower()
-        if "self_attn" not in skipped:
-            raise ValueError(f"config.json quantization_config.ignore={q.get('ignore')!r}: an MXFP4 "
-                             "compressed-tensors checkpoint is known with its attention kept in 16 bits only")
+        listed = q.get("ignore") or q.get("exclude_modules") or []
+        skipped = json.dumps(listed).lower()
+        if not all(part in skipped for part in ("self_attn", "shared_experts", "mlp")):
+            raise ValueError(f"config.json quantization_config.ignore={listed!r}: an MXFP4 compressed-tensors "
+                             "checkpoint is known with its attention, shared experts and dense MLPs kept in "
+                             "16 bits only (routed experts in MXFP4)")
         return None, "mxfp4"
     if (method == "modelopt" and str(q.get("quant_algo", "")).upper() == "NVFP4") or (
             method == "compressed-tensors" and weights
@@ -1157,6 +1160,8 @@ def _kimi_linear_fields(cfg: dict, kw: dict, w: str) -> dict:
               qk_nope_head_dim=_need(cfg, "qk_nope_head_dim", w), v_head_dim=_need(cfg, "v_head_dim", w),
               q_lora_rank=cfg.get("q_lora_rank") or 0, num_kv_heads=heads,
               attn_output_gate=bool(cfg.get("mla_use_output_gate")),
+              # (mla_use_nope: vLLM's Kimi MLA rotates nothing and keeps no cos/sin cache)
+              rotary=not cfg.get("mla_use_nope", False),
               num_experts=_need(cfg, "num_experts", w),
               num_experts_per_tok=_need(cfg, "num_experts_per_token", w), moe_intermediate_size=mi,
               shared_intermediate_size=(cfg.get("num_shared_experts") or 0) * mi,
@@ -1577,7 +1582,7 @@ MODELS["mimo-v2-flash"] = ModelSpec.from_hf_config(
 # Attention with latent-attention layers between (1-numbered), a MoE after the first dense layer;
 # K3's routed experts in MXFP4 groups of 32 in a latent MoE of 3,584, its KDA output gate full-rank
 _KIMI_LINEAR = {"model_type": "kimi_linear", "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-                "v_head_dim": 128, "first_k_dense_replace": 1, "moe_layer_freq": 1, "vocab_size": 163840,
+                "v_head_dim": 128, "mla_use_nope": True, "first_k_dense_replace": 1, "moe_layer_freq": 1, "vocab_size": 163840,
                 "tie_word_embeddings": False, "max_position_embeddings": 1048576, "torch_dtype": "bfloat16"}
 MODELS["kimi-linear-48b-a3b"] = ModelSpec.from_hf_config(
     {**_KIMI_LINEAR, "num_hidden_layers": 27, "hidden_size": 2304, "num_attention_heads": 32,

@@ -38,6 +38,10 @@ def test_kimi_linear_weights_equal_transformers(q_lora_rank):
     assert ours.num_params == _transformers_count(fields)
     assert (ours.num_linear_layers, ours.linear_kind, ours.linear_gate_rank) == (4, "kda", 16)
     assert (ours.num_full_attention_layers, ours.kv_lora_rank, ours.num_moe_layers) == (1, 16, 4)
+    # mla_use_nope: no rotary embedding, so no cos/sin cache in the loaded model
+    nope = ModelSpec.from_hf_config({**fields, "mla_use_nope": True})
+    assert ours.rotary and not nope.rotary
+    assert ours.loaded_bytes_per_gpu(1) - nope.loaded_bytes_per_gpu(1) == ours.max_position_embeddings * 4 * 2
 
 
 def test_kimi_linear_48b_is_the_published_size():
@@ -97,11 +101,12 @@ def test_mxfp4_compressed_tensors_and_bad_layouts_are_named():
     base = dict(TINY)
     q = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
          "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "group_size": 32}}},
-         "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*"]}
+         "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]}
     m = ModelSpec.from_hf_config({**base, "quantization_config": q})
     assert (m.weight_dtype, m.expert_dtype) == ("bfloat16", "mxfp4")
-    with pytest.raises(ValueError, match="quantization_config.ignore"):
-        ModelSpec.from_hf_config({**base, "quantization_config": {**q, "ignore": []}})
+    for kept in ([], q["ignore"][:1], q["ignore"][:2]):  # an MXFP4 attention, shared expert or dense MLP
+        with pytest.raises(ValueError, match="quantization_config.ignore"):
+            ModelSpec.from_hf_config({**base, "quantization_config": {**q, "ignore": kept}})
     lac = dict(TINY["linear_attn_config"], full_attn_layers=[4, 5])
     with pytest.raises(ValueError, match="linear_attn_config: kda_layers"):
         ModelSpec.from_hf_config({**base, "linear_attn_config": lac})
@@ -112,14 +117,19 @@ def test_mxfp4_compressed_tensors_and_bad_layouts_are_named():
 
 
 def test_kda_layers_are_timed_and_scale_with_the_batch():
-    """A decode step reads every request's KDA state: on B300 at TP 8, each more request adds at
-    least its 69 layers' fp32 states read and written at the GPU's bandwidth."""
-    cm = KernelCostModel("kimi-k3", "b300", tp=8)
+    """A decode step's attention reads every request's KDA state: on B300 at TP 8, each more request
+    adds its 69 layers' fp32 states and conv windows, read and written, at the GPU's bandwidth (the
+    roofline: no table holds KDA's kernels, so every lookup is a counted fallback)."""
     from engine.core.features import BatchFeatures
-    t = [cm.step_time(BatchFeatures(num_reqs=n, num_decode_reqs=n, decode_context_tokens=n * 2048)) for n in (8, 64)]
-    state = get_model("kimi-k3").linear_state_bytes_per_request_per_gpu(8)
-    assert t[1] - t[0] >= 56 * 2 * state / 7.75e12
-    assert cm.coverage.get("linear_attention_generation") is None   # the roofline, not a delta-rule table
+    cm = KernelCostModel("kimi-k3", "b300", tp=8)
+    m = get_model("kimi-k3")
+    att = [cm.breakdown(BatchFeatures(num_reqs=n, num_decode_reqs=n, decode_context_tokens=n * 2048))["attention"]
+           for n in (8, 64)]
+    state = m.linear_state_bytes_per_request_per_gpu(8)
+    latent = 24 * 576 * 2 * 2048  # the MLA layers' latents of 2,048 tokens a request
+    assert att[1] - att[0] == pytest.approx(56 * (2 * state + latent) / 7.75e12, rel=0.02)
+    assert "linear_attention_generation" in cm.coverage and cm.coverage["linear_attention_generation"] is None
+    assert cm.fallbacks.get("linear_attention", 0) > 0
 
 
 def test_kimi_k3_serves_on_eight_b300s():
