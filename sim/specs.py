@@ -735,7 +735,8 @@ INDEXER_GEMMS = ("index_q", "index_k", "index_weights")
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_vl", "qwen3_vl_text", "mimo")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2",
                    "deepseek_v32", "glm_moe_dsa", "gpt_oss", "minimax_m2", "llama4", "llama4_text",
-                   "qwen3_vl_moe", "qwen3_vl_moe_text", "step3p7", "minimax_m3", "minimax_m3_vl", "deepseek_v4")
+                   "qwen3_vl_moe", "qwen3_vl_moe_text", "step3p7", "minimax_m3", "minimax_m3_vl", "deepseek_v4",
+                   "glm4_moe")
 # Nemotron-H (Nemotron-H, Nemotron-3): blocks of Mamba-2 ("M"), attention ("*"), a squared-ReLU MLP
 # ("-") or a MoE ("E") each, as hybrid_override_pattern lists them
 NEMOTRON_H_MODEL_TYPES = ("nemotron_h",)
@@ -1015,6 +1016,12 @@ def _hf_config_fields(cfg: dict) -> dict:
                   shared_intermediate_size=(cfg.get("n_shared_experts", 1) or 0) * (cfg.get("share_expert_dim") or 0),
                   num_moe_layers=L - _need(cfg, "first_k_dense_replace", w),
                   sliding_window=_need(cfg, "sliding_window", w), num_sliding_layers=num_sliding)
+    elif mt == "glm4_moe":  # GLM-4.5/4.6/4.7: grouped-query attention, DeepSeek's MoE layout
+        mi = _need(cfg, "moe_intermediate_size", w)
+        kw.update(num_experts=_need(cfg, "n_routed_experts", w), moe_intermediate_size=mi,
+                  shared_intermediate_size=(cfg.get("n_shared_experts") or 0) * mi,
+                  num_moe_layers=L - (cfg.get("first_k_dense_replace") or 0))
+        _need(cfg, "intermediate_size", w)
     elif mt == "gpt_oss":
         types = cfg.get("layer_types") or []
         kw.update(num_experts=_need(cfg, "num_local_experts", w), moe_intermediate_size=_need(cfg, "intermediate_size", w),
@@ -1394,6 +1401,8 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("llama-2-70b", 80, 8192, 64, 8, 128, 28672, 32000, False, 4096),
     ModelSpec("codellama-34b", 48, 8192, 64, 8, 128, 22016, 32000, False, 16384),
     ModelSpec("yi-34b", 60, 7168, 56, 8, 128, 20480, 64000, False, 4096),
+    # Mistral-Large-Instruct-2411 (and 2407), from its config.json
+    ModelSpec("mistral-large-2411", 88, 12288, 96, 8, 128, 28672, 32768, False, 131072),
     ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, True, 8192, "float32", "float32", "float32"),
     # Mixtures of experts, from their public config.json (sim.specs.hf_config_fields reads the same).
     ModelSpec("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 6144, 151936, False, 40960, qk_norm=True, num_experts=128,
@@ -1606,6 +1615,22 @@ MODELS["kimi-k3"] = ModelSpec.from_hf_config(
                                 "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*",
                                            "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*"]}}},
     name="kimi-k3")
+# GLM-4.5 (355B-A32B; 4.6 and 4.7 the same with a longer context) and GLM-4.5-Air (106B-A12B), from
+# their config.json: grouped-query attention (q, k, v biases; 4.5's q and k norms), MoE after the
+# first dense layers; their MTP layer is not loaded without speculative decoding
+_GLM4_MOE = {"model_type": "glm4_moe", "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+             "vocab_size": 151552, "n_shared_experts": 1, "num_experts_per_tok": 8, "attention_bias": True,
+             "partial_rotary_factor": 0.5, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+GLM4_MOE_CONFIGS = {
+    "glm-4.5": {**_GLM4_MOE, "num_hidden_layers": 92, "hidden_size": 5120, "intermediate_size": 12288,
+                "n_routed_experts": 160, "moe_intermediate_size": 1536, "first_k_dense_replace": 3,
+                "use_qk_norm": True, "max_position_embeddings": 131072},
+    "glm-4.5-air": {**_GLM4_MOE, "num_hidden_layers": 46, "hidden_size": 4096, "intermediate_size": 10944,
+                    "n_routed_experts": 128, "moe_intermediate_size": 1408, "first_k_dense_replace": 1,
+                    "use_qk_norm": False, "max_position_embeddings": 131072},
+}
+GLM4_MOE_CONFIGS["glm-4.6"] = {**GLM4_MOE_CONFIGS["glm-4.5"], "max_position_embeddings": 202752}
+MODELS.update({name: ModelSpec.from_hf_config(cfg, name=name) for name, cfg in GLM4_MOE_CONFIGS.items()})
 # GLM-5.2 (and 5.3, whose config.json is the same): GLM-5 with 21 of its 78 layers keeping an indexer
 # of their own (indexer_types), 1,048,576 positions
 MODELS["glm-5.2"] = replace(MODELS["glm-5"], name="glm-5.2", num_index_layers=21, max_position_embeddings=1048576)
@@ -1655,6 +1680,11 @@ _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-
                   "deepseek-r1-distill-qwen-7b": "qwen2.5-7b",
                   # Kimi-K2.6 and K2.7-Code: K2.5's architecture and sizes (the wheel's configs)
                   "kimi-k2.6": "kimi-k2.5", "kimi-k2.7-code": "kimi-k2.5",
+                  # GLM-4.7: GLM-4.6's architecture and context (its config.json); Mistral Large 2407
+                  # and Yi-1.5-34B: the shapes of Mistral Large 2411 and Yi-34B
+                  "glm-4.7": "glm-4.6", "mistral-large-instruct-2411": "mistral-large-2411",
+                  "mistral-large-instruct-2407": "mistral-large-2411", "mistral-large-2407": "mistral-large-2411",
+                  "yi-1.5-34b": "yi-34b",
                   # Nemotron-H's repository names (-BF16, -Base-BF16, -Base-8K)
                   "nvidia-nemotron-3-nano-30b-a3b": "nemotron-3-nano-30b-a3b",
                   "nvidia-nemotron-3-nano-30b-a3b-bf16": "nemotron-3-nano-30b-a3b",
@@ -1731,8 +1761,9 @@ def _model_key(name: str) -> tuple[str, bool | str]:
     fp8 = False
     if re.search(FP8_NAME, k):
         fp8, k = True, re.sub(FP8_NAME, "", k)
-    elif k.endswith("-nvfp4"):
-        fp8, k = "nvfp4", k[: -len("-nvfp4")]
+    elif re.search(r"(-nv|-)fp4(-v\d+)?$", k):
+        # -NVFP4, and NVIDIA's -FP4 names (DeepSeek-R1-0528-FP4-v2, Llama-3.3-70B-Instruct-FP4)
+        fp8, k = "nvfp4", re.sub(r"(-nv|-)fp4(-v\d+)?$", "", k)
     changed = True
     while changed:
         changed = False

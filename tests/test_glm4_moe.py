@@ -1,0 +1,72 @@
+"""GLM-4.5/4.6/4.7 (glm4_moe) against transformers' own model, Mistral Large 2 by hand, and NVIDIA's
+-FP4 checkpoint names."""
+
+import pytest
+import torch
+
+from sim.specs import GLM4_MOE_CONFIGS, ModelSpec, get_model
+
+
+def _matrices(fields: dict) -> int:
+    """Weights of transformers' Glm4MoeForCausalLM in its linear layers, experts and embeddings
+    (2-D and up), built on the meta device: what ServeTwin counts exactly (biases and norm
+    weights only approximately)."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    hf = {k: v for k, v in fields.items() if k not in ("model_type", "torch_dtype")}
+    hf.setdefault("pad_token_id", 0)
+    with torch.device("meta"):
+        model = Glm4MoeForCausalLM(Glm4MoeConfig(**hf))
+    return sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+
+
+def _our_matrices(m: ModelSpec) -> int:
+    """ServeTwin's count less the norm weights it adds (one per sublayer, and the final one)."""
+    return m.num_params - (m.num_sublayers + 1) * m.hidden_size
+
+
+def test_tiny_glm4_moe_weights_equal_transformers():
+    fields = {"model_type": "glm4_moe", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 96, "vocab_size": 512,
+              "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 24,
+              "first_k_dense_replace": 1, "attention_bias": True, "use_qk_norm": True, "tie_word_embeddings": False}
+    ours = ModelSpec.from_hf_config(fields)
+    assert _our_matrices(ours) == _matrices(fields)
+    assert (ours.num_moe_layers, ours.shared_intermediate_size, ours.qk_norm, ours.is_mla) == (3, 24, True, False)
+
+
+@pytest.mark.parametrize("name", sorted(GLM4_MOE_CONFIGS))
+def test_glm4_moe_catalog_at_full_size_equals_transformers(name):
+    assert _our_matrices(get_model(name)) == _matrices(GLM4_MOE_CONFIGS[name])
+
+
+def test_published_sizes_and_cache_by_hand():
+    # GLM-4.5: 355B with its MTP layer, 32B active without the embedding and LM head; Air 106B and 12B
+    for name, experts, total, active in (("zai-org/GLM-4.5", 160, 353e9, 32e9), ("zai-org/GLM-4.5-Air", 128, 106e9, 12e9)):
+        m = get_model(name)
+        act = m.num_params - m.expert_params * (1 - 8 / experts) - 2 * m.vocab_size * m.hidden_size
+        assert (m.num_params, act) == (pytest.approx(total, rel=0.01), pytest.approx(active, rel=0.03))
+    g = get_model("zai-org/GLM-4.7")
+    assert g.name == "glm-4.6" and g.max_position_embeddings == 202752
+    # 92 layers x 8 KV heads x (128 + 128) x 2 bytes a token; one KV head a GPU at TP 8
+    assert g.kv_bytes_per_token_per_gpu(1) == 92 * 8 * 256 * 2
+    assert g.kv_bytes_per_token_per_gpu(8) == 92 * 1 * 256 * 2
+    assert get_model("zai-org/GLM-4.5-FP8").weight_dtype == "fp8_block"   # zai-org's fp8: 128x128 blocks
+
+
+def test_mistral_large_2_by_hand():
+    m = get_model("mistralai/Mistral-Large-Instruct-2411")
+    h, L, inter, V = 12288, 88, 28672, 32768
+    layer = h * 96 * 128 + 2 * h * 8 * 128 + 96 * 128 * h + 3 * h * inter + 2 * h
+    assert m.num_params == L * layer + 2 * V * h + h
+    assert m.num_params == pytest.approx(123e9, rel=0.01)
+    assert get_model("mistralai/Mistral-Large-Instruct-2407").name == "mistral-large-2411"
+
+
+def test_nvidia_fp4_names_are_nvfp4_checkpoints():
+    r1 = get_model("nvidia/DeepSeek-R1-0528-FP4-v2")
+    assert (r1.name, r1.expert_dtype, r1.weight_dtype, r1.kv_dtype) == ("deepseek-v3", "nvfp4", "bfloat16", "fp8")
+    assert get_model("nvidia/DeepSeek-R1-FP4").expert_dtype == "nvfp4"
+    dense = get_model("nvidia/Llama-3.3-70B-Instruct-FP4")
+    assert (dense.name, dense.weight_dtype) == ("llama-3.1-70b", "nvfp4")
+    with pytest.raises(ValueError, match="unknown"):
+        get_model("someone/gpt-oss-120b-mxfp4")   # not an NVFP4 name: refused, not misread
