@@ -49,6 +49,7 @@ HF_NAMES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
             "kimi-linear-48b-a3b": "moonshotai/Kimi-Linear-48B-A3B-Instruct", "kimi-k3": "moonshotai/Kimi-K3",
             "glm-4.5": "zai-org/GLM-4.5", "glm-4.5-air": "zai-org/GLM-4.5-Air", "glm-4.6": "zai-org/GLM-4.6",
             "mistral-large-2411": "mistralai/Mistral-Large-Instruct-2411",
+            **{f"gemma-3-{s}": f"google/gemma-3-{s}-it" for s in ("1b", "4b", "12b", "27b")},
             **{f"qwen3-vl-{s}": f"Qwen/Qwen3-VL-{s.upper()}-Instruct" for s in QWEN3_VL_SIZES}}
 
 # Checkpoints published with fp8 weights for catalog models whose own checkpoint is bf16: what a

@@ -755,6 +755,9 @@ KIMI_LINEAR_MODEL_TYPES = ("kimi_linear",)
 # attention shapes (ModelSpec.sliding_num_kv_heads, sliding_head_dim)
 GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
 SLIDING_SHAPE_MODEL_TYPES = GEMMA4_MODEL_TYPES + ("mimo_v2_flash",)
+# Gemma-3: sliding-window and full layers of one shape (sliding_window_pattern: every n-th layer
+# full), q and k norms; 4B, 12B and 27B are multimodal (text_config, a SigLIP vision tower)
+GEMMA3_MODEL_TYPES = ("gemma3", "gemma3_text")
 # Keys that make a config a mixture of experts (or MLA): a dense family carrying one is refused.
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
              "kv_lora_rank")
@@ -912,7 +915,7 @@ def _hf_config_fields(cfg: dict) -> dict:
         cfg = cfg["text_config"]
     mt = str(cfg.get("model_type") or outer.get("model_type") or "").lower()
     known = (DENSE_MODEL_TYPES + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES + NEMOTRON_H_MODEL_TYPES
-             + SLIDING_SHAPE_MODEL_TYPES + KIMI_LINEAR_MODEL_TYPES)
+             + SLIDING_SHAPE_MODEL_TYPES + KIMI_LINEAR_MODEL_TYPES + GEMMA3_MODEL_TYPES)
     if not mt:
         raise ValueError(f"config.json lacks 'model_type' (known: {', '.join(known)})")
     if mt not in known:
@@ -965,6 +968,8 @@ def _hf_config_fields(cfg: dict) -> dict:
         return kw
     if mt in GEMMA4_MODEL_TYPES:
         return _gemma4_fields(cfg, outer, kw, w)
+    if mt in GEMMA3_MODEL_TYPES:
+        return _gemma3_fields(cfg, outer, kw, w)
     if mt == "mimo_v2_flash":
         return _mimo_v2_fields(cfg, kw, w)
     if mt in KIMI_LINEAR_MODEL_TYPES:
@@ -1105,6 +1110,36 @@ def _gemma4_fields(cfg: dict, outer: dict, kw: dict, w: str) -> dict:
         kw.update(num_experts=_need(cfg, "num_experts", w), num_experts_per_tok=_need(cfg, "top_k_experts", w),
                   moe_intermediate_size=_need(cfg, "moe_intermediate_size", w), shared_intermediate_size=inter,
                   num_moe_layers=L)
+    return kw
+
+
+def siglip_vision_params(vc: dict | None, text_hidden: int) -> int:
+    """Weights of Gemma-3's SigLIP vision tower and its projector: ViT layers (q, k, v, o and a
+    two-layer MLP, all with biases; two LayerNorms), the patch embedding (a conv with bias), one
+    learned position per patch of the image, the post LayerNorm, and the projector (an RMSNorm
+    over the vision width and its projection into the text model)."""
+    if not vc or not vc.get("num_hidden_layers"):
+        return 0
+    h, i, L, p = vc["hidden_size"], vc["intermediate_size"], vc["num_hidden_layers"], vc["patch_size"]
+    layer = 4 * h * h + 4 * h + 2 * h * i + i + h + 4 * h
+    patch = vc.get("num_channels", 3) * p * p * h + h
+    pos = (vc.get("image_size", 224) // p) ** 2 * h
+    return L * layer + patch + pos + 2 * h + h + h * text_hidden
+
+
+def _gemma3_fields(cfg: dict, outer: dict, kw: dict, w: str) -> dict:
+    """Gemma-3: layer_types where the config lists them, else every sliding_window_pattern-th
+    layer (default 6) full and the others sliding-window, all of one attention shape; q and k
+    norms; a gated GELU MLP; the vision tower of the multimodal checkpoints (vision_config)."""
+    L = kw["num_layers"]
+    if cfg.get("layer_types") is not None:
+        sliding = _layer_kinds(cfg, L, w)
+    else:
+        n = cfg.get("sliding_window_pattern") or 6
+        sliding = sum(1 for i in range(L) if (i + 1) % n)
+    _need(cfg, "intermediate_size", w)
+    kw.update(qk_norm=True, sliding_window=_need(cfg, "sliding_window", w), num_sliding_layers=sliding,
+              vision_params=siglip_vision_params(outer.get("vision_config"), kw["hidden_size"]))
     return kw
 
 
@@ -1587,6 +1622,26 @@ MODELS["mimo-v2-flash"] = ModelSpec.from_hf_config(
      "moe_layer_freq": [0] + [1] * 47, "moe_intermediate_size": 2048, "n_routed_experts": 256,
      "num_experts_per_tok": 8, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
      "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, name="mimo-v2-flash")
+# Gemma-3 (google/gemma-3-1b-it, -4b-it, -12b-it, -27b-it: their config.json's text_config and
+# vision_config, the fields the reader takes; five sliding-window layers to each full one)
+_GEMMA3 = {"model_type": "gemma3_text", "sliding_window": 1024, "sliding_window_pattern": 6, "vocab_size": 262208,
+           "tie_word_embeddings": True, "max_position_embeddings": 131072, "torch_dtype": "bfloat16"}
+_SIGLIP = {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "patch_size": 14,
+           "image_size": 896}
+GEMMA3_CONFIGS = {
+    "gemma-3-1b": {**_GEMMA3, "num_hidden_layers": 26, "hidden_size": 1152, "num_attention_heads": 4,
+                   "num_key_value_heads": 1, "head_dim": 256, "intermediate_size": 6912, "sliding_window": 512,
+                   "vocab_size": 262144, "max_position_embeddings": 32768},
+    "gemma-3-4b": {**_GEMMA3, "num_hidden_layers": 34, "hidden_size": 2560, "num_attention_heads": 8,
+                   "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 10240},
+    "gemma-3-12b": {**_GEMMA3, "num_hidden_layers": 48, "hidden_size": 3840, "num_attention_heads": 16,
+                    "num_key_value_heads": 8, "head_dim": 256, "intermediate_size": 15360},
+    "gemma-3-27b": {**_GEMMA3, "num_hidden_layers": 62, "hidden_size": 5376, "num_attention_heads": 32,
+                    "num_key_value_heads": 16, "head_dim": 128, "intermediate_size": 21504},
+}
+MODELS.update({name: ModelSpec.from_hf_config(
+    cfg if name == "gemma-3-1b" else {"model_type": "gemma3", "text_config": cfg, "vision_config": _SIGLIP}, name=name)
+    for name, cfg in GEMMA3_CONFIGS.items()})
 # Kimi-Linear-48B-A3B and Kimi-K3 (moonshotai's config.json: the fields the reader takes): Kimi Delta
 # Attention with latent-attention layers between (1-numbered), a MoE after the first dense layer;
 # K3's routed experts in MXFP4 groups of 32 in a latent MoE of 3,584, its KDA output gate full-rank

@@ -1,0 +1,54 @@
+"""Gemma-3 (gemma3, gemma3_text) against transformers' own models: the text decoder's weight
+matrices, the SigLIP vision tower and projector parameter for parameter, and its windows."""
+
+import pytest
+import torch
+
+from sim.specs import GEMMA3_CONFIGS, ModelSpec, get_model
+
+
+def _text_matrices(fields: dict) -> int:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    hf = {k: v for k, v in fields.items() if k not in ("model_type", "torch_dtype")}
+    with torch.device("meta"):
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**hf))
+    return sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+
+
+def _our_matrices(m: ModelSpec) -> int:
+    """ServeTwin's count less the norm weights it adds (one per sublayer, and the final one)."""
+    return m.num_params - (m.num_sublayers + 1) * m.hidden_size
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA3_CONFIGS))
+def test_text_decoders_at_full_size_equal_transformers(name):
+    m = get_model(name)
+    assert _our_matrices(m) == _text_matrices(GEMMA3_CONFIGS[name])
+    # every sixth layer full, the rest sliding (transformers' own rule for sliding_window_pattern)
+    assert m.num_sliding_layers == sum(1 for i in range(m.num_layers) if (i + 1) % 6)
+
+
+def test_vision_tower_and_projector_equal_transformers():
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    text = {k: v for k, v in GEMMA3_CONFIGS["gemma-3-27b"].items() if k not in ("model_type", "torch_dtype")}
+    vision = {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "patch_size": 14,
+              "image_size": 896, "num_attention_heads": 16, "vision_use_head": False}
+    with torch.device("meta"):
+        model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision))
+    tower = sum(p.numel() for n, p in model.named_parameters() if "language_model" not in n and "lm_head" not in n)
+    m = get_model("google/gemma-3-27b-it")
+    assert m.vision_params == tower
+    assert m.num_params + m.vision_params == pytest.approx(27.4e9, rel=0.005)   # published 27B: 27.4B in all
+
+
+def test_windows_and_cache_by_hand():
+    m = get_model("google/gemma-3-27b-it")
+    # 10 full layers x 16 KV heads x (128 + 128) x 2 bytes a token; 52 sliding layers hold 1,024 tokens
+    assert m.kv_bytes_per_token_per_gpu(1) == 10 * 16 * 256 * 2
+    assert m.sliding_kv_bytes_per_token_per_gpu(1) == 52 * 16 * 256 * 2
+    one = get_model("google/gemma-3-1b-it")
+    assert (one.sliding_window, one.vision_params, one.max_position_embeddings) == (512, 0, 32768)
+    listed = ModelSpec.from_hf_config({**GEMMA3_CONFIGS["gemma-3-4b"], "layer_types": ["full_attention"] * 34})
+    assert listed.num_sliding_layers == 0    # layer_types, where given, decide
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelSpec.from_hf_config({**GEMMA3_CONFIGS["gemma-3-4b"], "layer_types": ["chunked_attention"] * 34})
