@@ -50,6 +50,8 @@ HF_NAMES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
             "glm-4.5": "zai-org/GLM-4.5", "glm-4.5-air": "zai-org/GLM-4.5-Air", "glm-4.6": "zai-org/GLM-4.6",
             "mistral-large-2411": "mistralai/Mistral-Large-Instruct-2411",
             **{f"gemma-3-{s}": f"google/gemma-3-{s}-it" for s in ("1b", "4b", "12b", "27b")},
+            **{f"gemma-2-{s}": f"google/gemma-2-{s}-it" for s in ("2b", "9b", "27b")},
+            **{f"qwen2.5-{s}": f"Qwen/Qwen2.5-{s.upper()}-Instruct" for s in ("0.5b", "1.5b", "3b")},
             **{f"qwen3-vl-{s}": f"Qwen/Qwen3-VL-{s.upper()}-Instruct" for s in QWEN3_VL_SIZES}}
 
 # Checkpoints published with fp8 weights for catalog models whose own checkpoint is bf16: what a

@@ -757,7 +757,7 @@ GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
 SLIDING_SHAPE_MODEL_TYPES = GEMMA4_MODEL_TYPES + ("mimo_v2_flash",)
 # Gemma-3: sliding-window and full layers of one shape (sliding_window_pattern: every n-th layer
 # full), q and k norms; 4B, 12B and 27B are multimodal (text_config, a SigLIP vision tower)
-GEMMA3_MODEL_TYPES = ("gemma3", "gemma3_text")
+GEMMA3_MODEL_TYPES = ("gemma3", "gemma3_text", "gemma2")
 # Keys that make a config a mixture of experts (or MLA): a dense family carrying one is refused.
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
              "kv_lora_rank")
@@ -1128,17 +1128,19 @@ def siglip_vision_params(vc: dict | None, text_hidden: int) -> int:
 
 
 def _gemma3_fields(cfg: dict, outer: dict, kw: dict, w: str) -> dict:
-    """Gemma-3: layer_types where the config lists them, else every sliding_window_pattern-th
-    layer (default 6) full and the others sliding-window, all of one attention shape; q and k
-    norms; a gated GELU MLP; the vision tower of the multimodal checkpoints (vision_config)."""
+    """Gemma-3 and Gemma-2: layer_types where the config lists them, else every
+    sliding_window_pattern-th layer (Gemma-3's default 6; Gemma-2 alternates, 2) full and the
+    others sliding-window, all of one attention shape; Gemma-3's q and k norms; a gated GELU MLP;
+    the vision tower of Gemma-3's multimodal checkpoints (vision_config)."""
     L = kw["num_layers"]
+    gemma2 = str(cfg.get("model_type")) == "gemma2"
     if cfg.get("layer_types") is not None:
         sliding = _layer_kinds(cfg, L, w)
     else:
-        n = cfg.get("sliding_window_pattern") or 6
+        n = cfg.get("sliding_window_pattern") or (2 if gemma2 else 6)
         sliding = sum(1 for i in range(L) if (i + 1) % n)
     _need(cfg, "intermediate_size", w)
-    kw.update(qk_norm=True, sliding_window=_need(cfg, "sliding_window", w), num_sliding_layers=sliding,
+    kw.update(qk_norm=not gemma2, sliding_window=_need(cfg, "sliding_window", w), num_sliding_layers=sliding,
               vision_params=siglip_vision_params(outer.get("vision_config"), kw["hidden_size"]))
     return kw
 
@@ -1414,6 +1416,10 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("llama-3.1-405b", 126, 16384, 128, 8, 128, 53248, 128256, False, 131072),
     ModelSpec("llama-3.2-1b", 16, 2048, 32, 8, 64, 8192, 128256, True, 131072),
     ModelSpec("llama-3.2-3b", 28, 3072, 24, 8, 128, 8192, 128256, True, 131072),
+    # Qwen2.5-0.5B, 1.5B and 3B (tied embeddings), from their config.json
+    ModelSpec("qwen2.5-0.5b", 24, 896, 14, 2, 64, 4864, 151936, True, 32768),
+    ModelSpec("qwen2.5-1.5b", 28, 1536, 12, 2, 128, 8960, 151936, True, 32768),
+    ModelSpec("qwen2.5-3b", 36, 2048, 16, 2, 128, 11008, 151936, True, 32768),
     ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, False, 32768),
     ModelSpec("qwen2.5-14b", 48, 5120, 40, 8, 128, 13824, 152064, False, 32768),
     ModelSpec("qwen2.5-32b", 64, 5120, 40, 8, 128, 27648, 152064, False, 32768),
@@ -1642,6 +1648,19 @@ GEMMA3_CONFIGS = {
 MODELS.update({name: ModelSpec.from_hf_config(
     cfg if name == "gemma-3-1b" else {"model_type": "gemma3", "text_config": cfg, "vision_config": _SIGLIP}, name=name)
     for name, cfg in GEMMA3_CONFIGS.items()})
+# Gemma-2 (google/gemma-2-2b-it, -9b-it, -27b-it: their config.json): sliding-window (4,096) and
+# full layers alternating, 8,192 positions
+_GEMMA2 = {"model_type": "gemma2", "sliding_window": 4096, "vocab_size": 256000, "tie_word_embeddings": True,
+           "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}
+GEMMA2_CONFIGS = {
+    "gemma-2-2b": {**_GEMMA2, "num_hidden_layers": 26, "hidden_size": 2304, "num_attention_heads": 8,
+                   "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 9216},
+    "gemma-2-9b": {**_GEMMA2, "num_hidden_layers": 42, "hidden_size": 3584, "num_attention_heads": 16,
+                   "num_key_value_heads": 8, "head_dim": 256, "intermediate_size": 14336},
+    "gemma-2-27b": {**_GEMMA2, "num_hidden_layers": 46, "hidden_size": 4608, "num_attention_heads": 32,
+                    "num_key_value_heads": 16, "head_dim": 128, "intermediate_size": 36864},
+}
+MODELS.update({name: ModelSpec.from_hf_config(cfg, name=name) for name, cfg in GEMMA2_CONFIGS.items()})
 # Kimi-Linear-48B-A3B and Kimi-K3 (moonshotai's config.json: the fields the reader takes): Kimi Delta
 # Attention with latent-attention layers between (1-numbered), a MoE after the first dense layer;
 # K3's routed experts in MXFP4 groups of 32 in a latent MoE of 3,584, its KDA output gate full-rank
@@ -1697,12 +1716,14 @@ MODELS.update({f"qwen3-vl-{size}": replace(
 # generation_config.json's sampling defaults of the checkpoints a catalog name serves (the instruct
 # ones where base and instruct differ), as their public files read (written from them, not
 # re-read offline): Llama 2, 3.1, 3.2 and 4: top_p 0.9 (an early Llama-2 revision 0.6); Qwen2.5
-# instruct: top_p 0.8, top_k 20 (and repetition_penalty 1.05, not priced); Qwen3 (dense and MoE),
+# instruct: top_p 0.8, top_k 20 (and repetition_penalty 1.05, not priced); Gemma-3: top_k 64,
+# top_p 0.95; Qwen3 (dense and MoE),
 # Qwen3-Next and Qwen3.5: top_p 0.95 (Qwen3-Next instruct 0.8), top_k 20; Qwen3-VL instruct: top_p 0.8, top_k 20. The others set none that filters, or are not known here ("").
 GENERATION_FILTERS = {**dict.fromkeys(("llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "llama-3.2-1b",
                                        "llama-3.2-3b", "llama-2-7b", "llama-2-13b", "llama-2-70b",
                                        "llama-4-scout-17b-16e", "llama-4-maverick-17b-128e"), "top_p"),
-                      **dict.fromkeys(("qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b", "qwen3-0.6b",
+                      **dict.fromkeys(("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", *GEMMA3_CONFIGS,
+                                       "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b", "qwen3-0.6b",
                                        "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b",
                                        "qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3-coder-480b-a35b",
                                        "qwen3.5-397b-a17b", "qwen3.5-122b-a10b", "qwen3.5-35b-a3b", "qwen3.5-27b",
@@ -1740,6 +1761,18 @@ _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-
                   "glm-4.7": "glm-4.6", "mistral-large-instruct-2411": "mistral-large-2411",
                   "mistral-large-instruct-2407": "mistral-large-2411", "mistral-large-2407": "mistral-large-2411",
                   "yi-1.5-34b": "yi-34b",
+                  # fine-tunes and variants of a catalog architecture (their config.json: the same
+                  # shape): Qwen2.5-Coder, Llama-3.1's Nemotron-70B, Hermes-3 and Llama-Guard-3,
+                  # Mistral Small 3.1/3.2 (the vision tower of their multimodal checkpoints not
+                  # counted), Devstral and Magistral Small, gpt-oss-safeguard
+                  "qwen2.5-coder-7b": "qwen2.5-7b", "qwen2.5-coder-14b": "qwen2.5-14b",
+                  "qwen2.5-coder-32b": "qwen2.5-32b", "qwen2.5-coder-1.5b": "qwen2.5-1.5b",
+                  "qwen2.5-coder-3b": "qwen2.5-3b", "qwen2.5-coder-0.5b": "qwen2.5-0.5b",
+                  "llama-3.1-nemotron-70b": "llama-3.1-70b", "hermes-3-llama-3.1-8b": "llama-3.1-8b",
+                  "hermes-3-llama-3.1-70b": "llama-3.1-70b", "llama-guard-3-8b": "llama-3.1-8b",
+                  "mistral-small-3.1-24b": "mistral-small-24b", "mistral-small-3.2-24b": "mistral-small-24b",
+                  "devstral-small": "mistral-small-24b", "magistral-small": "mistral-small-24b",
+                  "gpt-oss-safeguard-20b": "gpt-oss-20b", "gpt-oss-safeguard-120b": "gpt-oss-120b",
                   # Nemotron-H's repository names (-BF16, -Base-BF16, -Base-8K)
                   "nvidia-nemotron-3-nano-30b-a3b": "nemotron-3-nano-30b-a3b",
                   "nvidia-nemotron-3-nano-30b-a3b-bf16": "nemotron-3-nano-30b-a3b",
@@ -1788,9 +1821,11 @@ _DEVICE_ALIASES = {"h100": "h100-sxm", "h100-sxm5": "h100-sxm", "h100-80gb": "h1
 _MODEL_SUFFIXES = ("-instruct", "-chat", "-hf", "-base", "-it")
 # Where a checkpoint read as a catalog architecture differs from the catalog entry in fields that do
 # not change its shape, by a pattern on its Hugging Face name (lower case): Qwen3's 2507 releases and
-# Qwen3-Coder serve 262,144-token contexts; DeepSeek-R1's distillations 131,072, with generation
+# Qwen3-Coder serve 262,144-token contexts; Mistral Small 3.1/3.2 and Devstral Small 131,072;
+# DeepSeek-R1's distillations 131,072, with generation
 # defaults of temperature 0.6 and top-p 0.95 (their generation_config.json).
 CHECKPOINT_FIELDS = ((r"^qwen3-.*-2507", {"max_position_embeddings": 262144}),
+                     (r"^(mistral-small-3\.[12]-|devstral-small)", {"max_position_embeddings": 131072}),
                      (r"^qwen3-coder-", {"max_position_embeddings": 262144}),
                      (r"^deepseek-r1-distill-", {"max_position_embeddings": 131072, "generation_filter": "top_p"}))
 

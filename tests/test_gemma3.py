@@ -52,3 +52,22 @@ def test_windows_and_cache_by_hand():
     assert listed.num_sliding_layers == 0    # layer_types, where given, decide
     with pytest.raises(ValueError, match="layer_types"):
         ModelSpec.from_hf_config({**GEMMA3_CONFIGS["gemma-3-4b"], "layer_types": ["chunked_attention"] * 34})
+
+
+def _gemma2_matrices(fields: dict) -> int:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    hf = {k: v for k, v in fields.items() if k not in ("model_type", "torch_dtype")}
+    with torch.device("meta"):
+        model = Gemma2ForCausalLM(Gemma2Config(**hf))
+    return sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+
+
+@pytest.mark.parametrize("name", ["gemma-2-2b", "gemma-2-9b", "gemma-2-27b"])
+def test_gemma2_at_full_size_equals_transformers_and_alternates_windows(name):
+    from sim.specs import GEMMA2_CONFIGS
+    m = get_model(f"google/{name}-it")
+    assert _our_matrices(m) == _gemma2_matrices(GEMMA2_CONFIGS[name])
+    # layers alternate, the first sliding (transformers' rule); no q or k norm; 4,096-token windows
+    assert (m.num_sliding_layers, m.qk_norm, m.sliding_window) == (m.num_layers // 2, False, 4096)
+    published = {"gemma-2-2b": 2.61e9, "gemma-2-9b": 9.24e9, "gemma-2-27b": 27.2e9}[name]
+    assert m.num_params == pytest.approx(published, rel=0.005)

@@ -70,3 +70,20 @@ def test_nvidia_fp4_names_are_nvfp4_checkpoints():
     assert (dense.name, dense.weight_dtype) == ("llama-3.1-70b", "nvfp4")
     with pytest.raises(ValueError, match="unknown"):
         get_model("someone/gpt-oss-120b-mxfp4")   # not an NVFP4 name: refused, not misread
+
+
+def test_fine_tunes_and_variants_read_as_their_base_shape():
+    pairs = {"Qwen/Qwen2.5-Coder-32B-Instruct": "qwen2.5-32b", "Qwen/Qwen2.5-Coder-7B-Instruct": "qwen2.5-7b",
+             "nvidia/Llama-3.1-Nemotron-70B-Instruct-HF": "llama-3.1-70b",
+             "NousResearch/Hermes-3-Llama-3.1-8B": "llama-3.1-8b", "meta-llama/Llama-Guard-3-8B": "llama-3.1-8b",
+             "mistralai/Devstral-Small-2505": "mistral-small-24b", "openai/gpt-oss-safeguard-20b": "gpt-oss-20b"}
+    for repo, name in pairs.items():
+        assert get_model(repo).name == name, repo
+    # Mistral Small 3.1 serves 131,072 positions where 2501 served 32,768
+    assert get_model("mistralai/Mistral-Small-3.1-24B-Instruct-2503").max_position_embeddings == 131072
+    assert get_model("mistralai/Mistral-Small-24B-Instruct-2501").max_position_embeddings == 32768
+    # Qwen2.5's small sizes, published 0.49B, 1.54B and 3.09B (tied embeddings)
+    for repo, size in (("Qwen/Qwen2.5-0.5B-Instruct", 0.49e9), ("Qwen/Qwen2.5-1.5B-Instruct", 1.54e9),
+                       ("Qwen/Qwen2.5-3B-Instruct", 3.09e9)):
+        m = get_model(repo)
+        assert m.tie_word_embeddings and m.num_params == pytest.approx(size, rel=0.01), repo
