@@ -731,8 +731,9 @@ class ModelSpec:
 INDEXER_GEMMS = ("index_q", "index_k", "index_weights")
 
 # HF model_type -> family. Dense families are read as Llama-like decoders.
-# (MiMo: Qwen2's decoder; its multi-token-prediction layer is not loaded without speculative decoding)
-DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_vl", "qwen3_vl_text", "mimo")
+# (MiMo: Qwen2's decoder; its multi-token-prediction layer is not loaded without speculative decoding;
+# Phi-3/Phi-4: Llama's weights, with q/k/v and gate/up each fused into one matrix)
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_vl", "qwen3_vl_text", "mimo", "phi3")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2",
                    "deepseek_v32", "glm_moe_dsa", "gpt_oss", "minimax_m2", "llama4", "llama4_text",
                    "qwen3_vl_moe", "qwen3_vl_moe_text", "step3p7", "minimax_m3", "minimax_m3_vl", "deepseek_v4",
@@ -1437,6 +1438,9 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
     # Mistral-Small-24B-2501 and Phi-4, from their config.json
     ModelSpec("mistral-small-24b", 40, 5120, 32, 8, 128, 32768, 131072, False, 32768),
     ModelSpec("phi-4", 40, 5120, 40, 10, 128, 17920, 100352, False, 16384),
+    # Phi-3.5-mini and Phi-4-mini (phi3: fused q/k/v and gate/up, the same weights), from their config.json
+    ModelSpec("phi-3.5-mini", 32, 3072, 32, 32, 96, 8192, 32064, False, 131072),
+    ModelSpec("phi-4-mini", 32, 3072, 24, 8, 128, 8192, 200064, True, 131072),
     ModelSpec("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000, False, 4096),
     ModelSpec("llama-2-13b", 40, 5120, 40, 40, 128, 13824, 32000, False, 4096),
     ModelSpec("llama-2-70b", 80, 8192, 64, 8, 128, 28672, 32000, False, 4096),

@@ -87,3 +87,14 @@ def test_fine_tunes_and_variants_read_as_their_base_shape():
                        ("Qwen/Qwen2.5-3B-Instruct", 3.09e9)):
         m = get_model(repo)
         assert m.tie_word_embeddings and m.num_params == pytest.approx(size, rel=0.01), repo
+
+
+def test_phi3_weights_equal_transformers_and_the_minis_are_their_published_size():
+    from transformers import Phi3Config, Phi3ForCausalLM
+    fields = {"model_type": "phi3", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 512, "tie_word_embeddings": False}
+    with torch.device("meta"):
+        hf = Phi3ForCausalLM(Phi3Config(**{k: v for k, v in fields.items() if k != "model_type"}, pad_token_id=0))
+    assert _our_matrices(ModelSpec.from_hf_config(fields)) == sum(p.numel() for p in hf.parameters() if p.dim() >= 2)
+    for repo, size in (("microsoft/Phi-3.5-mini-instruct", 3.82e9), ("microsoft/Phi-4-mini-instruct", 3.84e9)):
+        assert get_model(repo).num_params == pytest.approx(size, rel=0.005), repo
