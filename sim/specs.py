@@ -922,7 +922,7 @@ def _hf_config_fields(cfg: dict) -> dict:
     if mt not in known:
         raise ValueError(f"config.json model_type={mt!r}: not a model ServeTwin can time (known: "
                          f"{', '.join(known)})")
-    if mt in DENSE_MODEL_TYPES:
+    if mt in DENSE_MODEL_TYPES + GEMMA3_MODEL_TYPES:
         for k in _MOE_KEYS:
             if cfg.get(k):
                 raise ValueError(f"config.json {k}={cfg[k]!r} in a model_type={mt!r} config: "
