@@ -759,6 +759,12 @@ SLIDING_SHAPE_MODEL_TYPES = GEMMA4_MODEL_TYPES + ("mimo_v2_flash",)
 # Gemma-3: sliding-window and full layers of one shape (sliding_window_pattern: every n-th layer
 # full), q and k norms; 4B, 12B and 27B are multimodal (text_config, a SigLIP vision tower)
 GEMMA3_MODEL_TYPES = ("gemma3", "gemma3_text", "gemma2")
+# transformers' Gemma3TextConfig and Gemma2Config defaults for the fields Google's config.json files
+# leave out (the multimodal Gemma-3 text_config has no vocabulary, heads or head_dim of its own)
+GEMMA_DEFAULTS = {"gemma3": {"vocab_size": 262208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                             "tie_word_embeddings": True, "max_position_embeddings": 131072, "sliding_window": 4096},
+                  "gemma2": {"vocab_size": 256000, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                             "tie_word_embeddings": True, "max_position_embeddings": 8192, "sliding_window": 4096}}
 # Keys that make a config a mixture of experts (or MLA): a dense family carrying one is refused.
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
              "kv_lora_rank")
@@ -922,6 +928,8 @@ def _hf_config_fields(cfg: dict) -> dict:
     if mt not in known:
         raise ValueError(f"config.json model_type={mt!r}: not a model ServeTwin can time (known: "
                          f"{', '.join(known)})")
+    if mt in GEMMA3_MODEL_TYPES:  # Google's config.json leaves transformers' defaults out
+        cfg = {**GEMMA_DEFAULTS["gemma2" if mt == "gemma2" else "gemma3"], **cfg}
     if mt in DENSE_MODEL_TYPES + GEMMA3_MODEL_TYPES:
         for k in _MOE_KEYS:
             if cfg.get(k):
@@ -966,6 +974,12 @@ def _hf_config_fields(cfg: dict) -> dict:
             return kw
     if mt in DENSE_MODEL_TYPES:
         _need(cfg, "intermediate_size", w)
+        window = cfg.get("sliding_window")
+        if window and cfg.get("use_sliding_window", True) and window < kw["max_position_embeddings"]:
+            # (Mistral-7B-v0.1, Phi-3-mini-4k: vLLM windows every layer; Qwen2's configs turn it off)
+            raise ValueError(f"config.json ({w}) sliding_window={window!r}: every layer attending to a window "
+                             f"shorter than max_position_embeddings={kw['max_position_embeddings']} is not a "
+                             "layout ServeTwin can time")
         return kw
     if mt in GEMMA4_MODEL_TYPES:
         return _gemma4_fields(cfg, outer, kw, w)
@@ -1865,7 +1879,7 @@ def _model_key(name: str) -> tuple[str, bool | str]:
             if k.endswith(suf):
                 k, changed = k[: -len(suf)], True
         dated = re.sub(r"-(\d{4})$", "", k)  # date suffixes, e.g. -2507 (-Instruct-2507)
-        if dated != k and k not in _MODEL_ALIASES:
+        if dated != k and k not in _MODEL_ALIASES and k not in MODELS:
             k, changed = dated, True
     return _MODEL_ALIASES.get(k, k), fp8
 

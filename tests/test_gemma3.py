@@ -24,8 +24,10 @@ def _our_matrices(m: ModelSpec) -> int:
 def test_text_decoders_at_full_size_equal_transformers(name):
     m = get_model(name)
     assert _our_matrices(m) == _text_matrices(GEMMA3_CONFIGS[name])
-    # every sixth layer full, the rest sliding (transformers' own rule for sliding_window_pattern)
-    assert m.num_sliding_layers == sum(1 for i in range(m.num_layers) if (i + 1) % 6)
+    # every sixth layer full, the rest sliding, as transformers lays them out
+    from transformers import Gemma3TextConfig
+    hf = Gemma3TextConfig(**{k: v for k, v in GEMMA3_CONFIGS[name].items() if k not in ("model_type", "torch_dtype")})
+    assert m.num_sliding_layers == hf.layer_types.count("sliding_attention")
 
 
 def test_vision_tower_and_projector_equal_transformers():
@@ -71,3 +73,22 @@ def test_gemma2_at_full_size_equals_transformers_and_alternates_windows(name):
     assert (m.num_sliding_layers, m.qk_norm, m.sliding_window) == (m.num_layers // 2, False, 4096)
     published = {"gemma-2-2b": 2.61e9, "gemma-2-9b": 9.24e9, "gemma-2-27b": 27.2e9}[name]
     assert m.num_params == pytest.approx(published, rel=0.005)
+
+
+def test_googles_sparse_config_files_read_as_the_catalog():
+    """google/gemma-3-4b-it's config.json gives its text_config only the fields that differ from
+    transformers' defaults (no vocabulary, heads or head_dim), and no Gemma config says
+    tie_word_embeddings: read with those defaults, they are the catalog's models."""
+    four = {"model_type": "gemma3", "text_config": {
+        "model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+        "sliding_window": 1024, "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+        "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                          "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                          "patch_size": 14, "vision_use_head": False}}
+    two = {"model_type": "gemma2", "num_hidden_layers": 26, "hidden_size": 2304, "num_attention_heads": 8,
+           "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 9216, "vocab_size": 256000,
+           "sliding_window": 4096, "max_position_embeddings": 8192}
+    for cfg, name in ((four, "gemma-3-4b"), (two, "gemma-2-2b")):
+        read, cat = ModelSpec.from_hf_config(cfg), get_model(name)
+        assert (read.num_params, read.vision_params, read.tie_word_embeddings) == (
+            cat.num_params, cat.vision_params, True), name

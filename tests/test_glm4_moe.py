@@ -60,6 +60,21 @@ def test_mistral_large_2_by_hand():
     assert m.num_params == L * layer + 2 * V * h + h
     assert m.num_params == pytest.approx(123e9, rel=0.01)
     assert get_model("mistralai/Mistral-Large-Instruct-2407").name == "mistral-large-2411"
+    # a catalog name that ends in four digits is not a date to drop
+    assert get_model("Mistral-Large-2411").name == "mistral-large-2411"
+    assert get_model("neuralmagic/Mistral-Large-2411-FP8").weight_dtype == "fp8"
+
+
+def test_a_dense_config_windowing_every_layer_is_refused():
+    # Mistral-7B-v0.1 and Phi-3-mini-4k window every layer (vLLM's model-wide sliding window)
+    base = {"model_type": "mistral", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000,
+            "max_position_embeddings": 32768}
+    with pytest.raises(ValueError, match="sliding_window=4096"):
+        ModelSpec.from_hf_config({**base, "sliding_window": 4096})
+    # none, one as long as the context, or one turned off (Qwen2's use_sliding_window false) is read
+    for extra in ({"sliding_window": None}, {"sliding_window": 32768}, {"sliding_window": 4096, "use_sliding_window": False}):
+        assert ModelSpec.from_hf_config({**base, **extra}).num_sliding_layers == 0
 
 
 def test_nvidia_fp4_names_are_nvfp4_checkpoints():
