@@ -1646,6 +1646,15 @@ MODELS["mimo-v2-flash"] = ModelSpec.from_hf_config(
      "moe_layer_freq": [0] + [1] * 47, "moe_intermediate_size": 2048, "n_routed_experts": 256,
      "num_experts_per_tok": 8, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
      "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, name="mimo-v2-flash")
+# DeepSeek-V2-Lite (and DeepSeek-Coder-V2-Lite, the same shape; their config.json): MLA without a q
+# LoRA, 64 routed experts (top 6) and 2 shared after one dense layer
+MODELS["deepseek-v2-lite"] = ModelSpec.from_hf_config(
+    {"model_type": "deepseek_v2", "num_hidden_layers": 27, "hidden_size": 2048, "num_attention_heads": 16,
+     "num_key_value_heads": 16, "intermediate_size": 10944, "vocab_size": 102400, "q_lora_rank": None,
+     "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+     "n_routed_experts": 64, "num_experts_per_tok": 6, "n_shared_experts": 2, "moe_intermediate_size": 1408,
+     "first_k_dense_replace": 1, "moe_layer_freq": 1, "max_position_embeddings": 163840,
+     "tie_word_embeddings": False, "torch_dtype": "bfloat16"}, name="deepseek-v2-lite")
 # Gemma-3 (google/gemma-3-1b-it, -4b-it, -12b-it, -27b-it: their config.json's text_config and
 # vision_config, the fields the reader takes; five sliding-window layers to each full one)
 _GEMMA3 = {"model_type": "gemma3_text", "sliding_window": 1024, "sliding_window_pattern": 6, "vocab_size": 262208,
@@ -1791,6 +1800,7 @@ _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-
                   "mistral-small-3.1-24b": "mistral-small-24b", "mistral-small-3.2-24b": "mistral-small-24b",
                   "devstral-small": "mistral-small-24b", "magistral-small": "mistral-small-24b",
                   "gpt-oss-safeguard-20b": "gpt-oss-20b", "gpt-oss-safeguard-120b": "gpt-oss-120b",
+                  "deepseek-coder-v2-lite": "deepseek-v2-lite",
                   # Nemotron-H's repository names (-BF16, -Base-BF16, -Base-8K)
                   "nvidia-nemotron-3-nano-30b-a3b": "nemotron-3-nano-30b-a3b",
                   "nvidia-nemotron-3-nano-30b-a3b-bf16": "nemotron-3-nano-30b-a3b",

@@ -113,3 +113,21 @@ def test_phi3_weights_equal_transformers_and_the_minis_are_their_published_size(
     assert _our_matrices(ModelSpec.from_hf_config(fields)) == sum(p.numel() for p in hf.parameters() if p.dim() >= 2)
     for repo, size in (("microsoft/Phi-3.5-mini-instruct", 3.82e9), ("microsoft/Phi-4-mini-instruct", 3.84e9)):
         assert get_model(repo).num_params == pytest.approx(size, rel=0.005), repo
+
+
+def test_deepseek_v2_lite_equals_transformers_and_its_published_size():
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+    m = get_model("deepseek-ai/DeepSeek-V2-Lite-Chat")
+    fields = dict(num_hidden_layers=27, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
+                  intermediate_size=10944, vocab_size=102400, q_lora_rank=None, kv_lora_rank=512,
+                  qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=64,
+                  num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408, first_k_dense_replace=1,
+                  tie_word_embeddings=False, pad_token_id=0)
+    with torch.device("meta"):
+        hf = DeepseekV2ForCausalLM(DeepseekV2Config(**fields))
+    assert m.num_params == sum(p.numel() for p in hf.parameters())   # every parameter, norms included
+    # published: 15.7B, 2.4B activated (6 of 64 experts; the input embedding is a gather)
+    active = m.num_params - m.expert_params * (1 - 6 / 64) - 102400 * 2048
+    assert (m.num_params, active) == (pytest.approx(15.7e9, rel=0.005), pytest.approx(2.4e9, rel=0.03))
+    assert get_model("deepseek-ai/DeepSeek-Coder-V2-Lite-Instruct").name == "deepseek-v2-lite"
+    assert m.kv_bytes_per_token_per_gpu(4) == 27 * (512 + 64) * 2   # the latent on every rank
