@@ -53,6 +53,7 @@ HF_NAMES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
             **{f"gemma-2-{s}": f"google/gemma-2-{s}-it" for s in ("2b", "9b", "27b")},
             "phi-3.5-mini": "microsoft/Phi-3.5-mini-instruct", "phi-4-mini": "microsoft/Phi-4-mini-instruct",
             "deepseek-v2-lite": "deepseek-ai/DeepSeek-V2-Lite-Chat",
+            **{f"qwen2.5-vl-{s}": f"Qwen/Qwen2.5-VL-{s.upper()}-Instruct" for s in ("3b", "7b", "32b", "72b")},
             **{f"qwen2.5-{s}": f"Qwen/Qwen2.5-{s.upper()}-Instruct" for s in ("0.5b", "1.5b", "3b")},
             **{f"qwen3-vl-{s}": f"Qwen/Qwen3-VL-{s.upper()}-Instruct" for s in QWEN3_VL_SIZES}}
 

@@ -733,7 +733,8 @@ INDEXER_GEMMS = ("index_q", "index_k", "index_weights")
 # HF model_type -> family. Dense families are read as Llama-like decoders.
 # (MiMo: Qwen2's decoder; its multi-token-prediction layer is not loaded without speculative decoding;
 # Phi-3/Phi-4: Llama's weights, with q/k/v and gate/up each fused into one matrix)
-DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_vl", "qwen3_vl_text", "mimo", "phi3")
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_vl", "qwen3_vl_text", "mimo", "phi3",
+                     "qwen2_5_vl", "qwen2_5_vl_text")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2",
                    "deepseek_v32", "glm_moe_dsa", "gpt_oss", "minimax_m2", "llama4", "llama4_text",
                    "qwen3_vl_moe", "qwen3_vl_moe_text", "step3p7", "minimax_m3", "minimax_m3_vl", "deepseek_v4",
@@ -881,6 +882,20 @@ def qwen_vision_params(vc: dict | None) -> int:
     return L * block + patch + pos + merger + deepstack
 
 
+def qwen25_vision_params(vc: dict | None) -> int:
+    """Weights of Qwen2.5-VL's vision encoder: ViT blocks (fused qkv and output projection with
+    biases, a SwiGLU MLP with biases, two RMSNorms), the patch embedding (a 3-D conv without bias
+    over temporal_patch_size x patch_size^2 pixels of in_chans), and the merger (an RMSNorm, then
+    a two-layer MLP with biases from spatial_merge_size^2 patches to one token of out_hidden_size)."""
+    if not vc or not vc.get("depth"):
+        return 0
+    h, i, L = vc["hidden_size"], vc["intermediate_size"], vc["depth"]
+    block = 3 * h * h + 3 * h + h * h + h + 3 * h * i + 2 * i + h + 2 * h
+    patch = vc.get("in_chans", vc.get("in_channels", 3)) * vc.get("temporal_patch_size", 2) * vc["patch_size"] ** 2 * h
+    m = h * vc.get("spatial_merge_size", 2) ** 2
+    return L * block + patch + h + m * m + m + m * vc["out_hidden_size"] + vc["out_hidden_size"]
+
+
 def _hybrid_layers(cfg: dict, L: int, where: str) -> int:
     """How many of L layers are linear attention: layer_types where the config lists them, else
     all but every full_attention_interval-th layer."""
@@ -957,6 +972,8 @@ def _hf_config_fields(cfg: dict) -> dict:
               expert_dtype=edtype)
     if mt in QWEN3_VL_MODEL_TYPES:
         kw["vision_params"] = qwen_vision_params(outer.get("vision_config"))
+    if mt in ("qwen2_5_vl", "qwen2_5_vl_text"):
+        kw["vision_params"] = qwen25_vision_params(outer.get("vision_config"))
     if mt in HYBRID_MODEL_TYPES:
         kw.update(num_linear_layers=_hybrid_layers(cfg, L, w),
                   linear_num_k_heads=_need(cfg, "linear_num_key_heads", w),
@@ -1740,6 +1757,14 @@ MODELS.update({f"qwen3-vl-{size}": replace(
     vision_params=qwen_vision_params({**(_QWEN3_VL_SMALL_VISION if size in ("2b", "4b") else _QWEN3_VL_VISION),
                                       "out_hidden_size": MODELS[text].hidden_size}))
     for size, text in QWEN3_VL_SIZES.items()})
+# Qwen2.5-VL (3B, 7B, 32B, 72B): Qwen2.5's text decoders of the same size (their config.json) with
+# 128,000 positions, and the vision encoder (loaded, not timed)
+_QWEN25_VISION = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "patch_size": 14, "in_chans": 3,
+                  "spatial_merge_size": 2, "temporal_patch_size": 2}
+MODELS.update({f"qwen2.5-vl-{s}": replace(
+    MODELS[f"qwen2.5-{s}"], name=f"qwen2.5-vl-{s}", max_position_embeddings=128000,
+    vision_params=qwen25_vision_params({**_QWEN25_VISION, "out_hidden_size": MODELS[f"qwen2.5-{s}"].hidden_size}))
+    for s in ("3b", "7b", "32b", "72b")})
 # generation_config.json's sampling defaults of the checkpoints a catalog name serves (the instruct
 # ones where base and instruct differ), as their public files read (written from them, not
 # re-read offline): Llama 2, 3.1, 3.2 and 4: top_p 0.9 (an early Llama-2 revision 0.6); Qwen2.5

@@ -131,3 +131,21 @@ def test_deepseek_v2_lite_equals_transformers_and_its_published_size():
     assert (m.num_params, active) == (pytest.approx(15.7e9, rel=0.005), pytest.approx(2.4e9, rel=0.03))
     assert get_model("deepseek-ai/DeepSeek-Coder-V2-Lite-Instruct").name == "deepseek-v2-lite"
     assert m.kv_bytes_per_token_per_gpu(4) == 27 * (512 + 64) * 2   # the latent on every rank
+
+
+def test_qwen25_vl_vision_encoder_equals_transformers_and_the_hub_layout_reads_as_the_catalog():
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    vision = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "in_chans": 3,
+              "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+              "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu"}
+    # Qwen2.5-VL-7B-Instruct's config.json: the text model's fields at the top level
+    hub = {"model_type": "qwen2_5_vl", "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
+           "num_hidden_layers": 28, "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 128000,
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vision_config": vision}
+    with torch.device("meta"):
+        hf = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**{k: v for k, v in hub.items() if k != "model_type"}))
+    tower = sum(p.numel() for n, p in hf.named_parameters() if ".visual." in f".{n}")
+    read, cat = ModelSpec.from_hf_config(hub), get_model("Qwen/Qwen2.5-VL-7B-Instruct")
+    assert read.vision_params == cat.vision_params == tower
+    assert (read.num_params, read.max_position_embeddings) == (cat.num_params, 128000)
+    assert cat.num_params + cat.vision_params == pytest.approx(8.29e9, rel=0.005)   # published 8.29B
