@@ -771,6 +771,12 @@ _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_interm
              "kv_lora_rank")
 
 
+def _served_dtype(torch_dtype: str) -> str:
+    """The 16-bit dtype vLLM serves a checkpoint in (`--dtype auto`): its own, or bfloat16 for a
+    float32 one (google/gemma-2-2b ships float32; vLLM does not serve a generative model in it)."""
+    return "bfloat16" if canonical_dtype(str(torch_dtype)) == "float32" else torch_dtype
+
+
 def _need(cfg: dict, key: str, where: str):
     if cfg.get(key) is None:
         raise ValueError(f"config.json ({where}) lacks {key!r}")
@@ -957,7 +963,7 @@ def _hf_config_fields(cfg: dict) -> dict:
     h = _need(cfg, "hidden_size", w)
     heads = _need(cfg, "num_attention_heads", w)
     wdtype, edtype = _quantization(outer if outer.get("quantization_config") else cfg)
-    torch_dtype = cfg.get("torch_dtype") or outer.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    torch_dtype = _served_dtype(cfg.get("torch_dtype") or outer.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     act = "bfloat16" if canonical_dtype(torch_dtype) in FP8 else torch_dtype
     kw = dict(num_layers=L, hidden_size=h, num_heads=heads,
               num_kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -1343,7 +1349,7 @@ def _nemotron_h_fields(cfg: dict, outer: dict, w: str) -> dict:
                          "and an MLP or MoE block ('-', 'E')")
     h, heads = _need(cfg, "hidden_size", w), _need(cfg, "num_attention_heads", w)
     wdtype, edtype = _quantization(cfg)
-    torch_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    torch_dtype = _served_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     kw = dict(num_layers=count["mamba"] + count["attention"], hidden_size=h, num_heads=heads,
               num_kv_heads=cfg.get("num_key_value_heads") or heads,
               head_dim=cfg.get("head_dim") or cfg.get("attention_head_dim") or h // heads,
@@ -1871,7 +1877,7 @@ _DEVICE_ALIASES = {"h100": "h100-sxm", "h100-sxm5": "h100-sxm", "h100-80gb": "h1
                    # nvidia-smi's product names (NVIDIA dropped by _device_key)
                    "h100-80gb-hbm3": "h100-sxm", "h100-sxm5-80gb": "h100-sxm", "h200-141gb-hbm3e": "h200",
                    "a100-sxm4-80gb": "a100-80g", "a100-sxm4-40gb": "a100-40g"}
-_MODEL_SUFFIXES = ("-instruct", "-chat", "-hf", "-base", "-it")
+_MODEL_SUFFIXES = ("-instruct", "-chat", "-hf", "-base", "-it", "-pt")
 # Where a checkpoint read as a catalog architecture differs from the catalog entry in fields that do
 # not change its shape, by a pattern on its Hugging Face name (lower case): Qwen3's 2507 releases and
 # Qwen3-Coder serve 262,144-token contexts; Mistral Small 3.1/3.2 and Devstral Small 131,072;

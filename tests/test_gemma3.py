@@ -92,3 +92,11 @@ def test_googles_sparse_config_files_read_as_the_catalog():
         read, cat = ModelSpec.from_hf_config(cfg), get_model(name)
         assert (read.num_params, read.vision_params, read.tie_word_embeddings) == (
             cat.num_params, cat.vision_params, True), name
+
+
+def test_a_float32_checkpoint_is_served_in_16_bits_and_base_names_read():
+    # google/gemma-2-2b (the base checkpoint) ships float32; vLLM's --dtype auto serves it in bf16
+    from sim.specs import GEMMA2_CONFIGS
+    m = ModelSpec.from_hf_config({**GEMMA2_CONFIGS["gemma-2-2b"], "torch_dtype": "float32"})
+    assert (m.weight_dtype, m.weight_bytes) == ("bfloat16", get_model("gemma-2-2b").weight_bytes)
+    assert get_model("google/gemma-3-27b-pt").name == "gemma-3-27b"
