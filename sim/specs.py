@@ -732,9 +732,10 @@ INDEXER_GEMMS = ("index_q", "index_k", "index_weights")
 
 # HF model_type -> family. Dense families are read as Llama-like decoders.
 # (MiMo: Qwen2's decoder; its multi-token-prediction layer is not loaded without speculative decoding;
-# Phi-3/Phi-4: Llama's weights, with q/k/v and gate/up each fused into one matrix)
+# Phi-3/Phi-4: Llama's weights, with q/k/v and gate/up each fused into one matrix; Granite: Llama's
+# weights with scalar multipliers)
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_vl", "qwen3_vl_text", "mimo", "phi3",
-                     "qwen2_5_vl", "qwen2_5_vl_text")
+                     "qwen2_5_vl", "qwen2_5_vl_text", "granite")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2",
                    "deepseek_v32", "glm_moe_dsa", "gpt_oss", "minimax_m2", "llama4", "llama4_text",
                    "qwen3_vl_moe", "qwen3_vl_moe_text", "step3p7", "minimax_m3", "minimax_m3_vl", "deepseek_v4",
@@ -1483,6 +1484,10 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("llama-2-70b", 80, 8192, 64, 8, 128, 28672, 32000, False, 4096),
     ModelSpec("codellama-34b", 48, 8192, 64, 8, 128, 22016, 32000, False, 16384),
     ModelSpec("yi-34b", 60, 7168, 56, 8, 128, 20480, 64000, False, 4096),
+    # Codestral-22B-v0.1 and IBM Granite 3.3 (tied embeddings), from their config.json
+    ModelSpec("codestral-22b", 56, 6144, 48, 8, 128, 16384, 32768, False, 32768),
+    ModelSpec("granite-3.3-8b", 40, 4096, 32, 8, 128, 12800, 49159, True, 131072),
+    ModelSpec("granite-3.3-2b", 40, 2048, 32, 8, 64, 8192, 49159, True, 131072),
     # Mistral-Large-Instruct-2411 (and 2407), from its config.json
     ModelSpec("mistral-large-2411", 88, 12288, 96, 8, 128, 28672, 32768, False, 131072),
     ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, True, 8192, "float32", "float32", "float32"),
@@ -1831,7 +1836,7 @@ _MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "meta-llama-3.1-8b": "llama-
                   "mistral-small-3.1-24b": "mistral-small-24b", "mistral-small-3.2-24b": "mistral-small-24b",
                   "devstral-small": "mistral-small-24b", "magistral-small": "mistral-small-24b",
                   "gpt-oss-safeguard-20b": "gpt-oss-20b", "gpt-oss-safeguard-120b": "gpt-oss-120b",
-                  "deepseek-coder-v2-lite": "deepseek-v2-lite",
+                  "deepseek-coder-v2-lite": "deepseek-v2-lite", "codestral-22b-v0.1": "codestral-22b",
                   # Nemotron-H's repository names (-BF16, -Base-BF16, -Base-8K)
                   "nvidia-nemotron-3-nano-30b-a3b": "nemotron-3-nano-30b-a3b",
                   "nvidia-nemotron-3-nano-30b-a3b-bf16": "nemotron-3-nano-30b-a3b",

@@ -149,3 +149,15 @@ def test_qwen25_vl_vision_encoder_equals_transformers_and_the_hub_layout_reads_a
     assert read.vision_params == cat.vision_params == tower
     assert (read.num_params, read.max_position_embeddings) == (cat.num_params, 128000)
     assert cat.num_params + cat.vision_params == pytest.approx(8.29e9, rel=0.005)   # published 8.29B
+
+
+def test_granite_reads_as_llamas_weights_and_the_catalog_sizes_are_published():
+    from transformers import GraniteConfig, GraniteForCausalLM
+    fields = {"model_type": "granite", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 512, "tie_word_embeddings": True}
+    with torch.device("meta"):
+        hf = GraniteForCausalLM(GraniteConfig(**{k: v for k, v in fields.items() if k != "model_type"}, pad_token_id=0))
+    assert _our_matrices(ModelSpec.from_hf_config(fields)) == sum(p.numel() for p in hf.parameters() if p.dim() >= 2)
+    for repo, size in (("ibm-granite/granite-3.3-8b-instruct", 8.17e9), ("ibm-granite/granite-3.3-2b-instruct", 2.53e9),
+                       ("mistralai/Codestral-22B-v0.1", 22.2e9)):
+        assert get_model(repo).num_params == pytest.approx(size, rel=0.005), repo
