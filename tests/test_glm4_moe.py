@@ -1,5 +1,6 @@
-"""GLM-4.5/4.6/4.7 (glm4_moe) against transformers' own model, Mistral Large 2 by hand, and NVIDIA's
--FP4 checkpoint names."""
+"""Models added by name and config: GLM-4.5/4.6/4.7 (glm4_moe), DeepSeek-V2-Lite, Qwen2.5-VL,
+Phi-3.5/4-mini and Granite against transformers' own models; Mistral Large 2 by hand; fine-tunes
+read as their base shape; NVIDIA's -FP4 checkpoint names."""
 
 import pytest
 import torch
@@ -104,13 +105,22 @@ def test_fine_tunes_and_variants_read_as_their_base_shape():
         assert m.tie_word_embeddings and m.num_params == pytest.approx(size, rel=0.01), repo
 
 
+TINY_DENSE = {"num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 96, "vocab_size": 512}
+
+
+def _tiny_dense_matrices_equal(model_type: str, config_cls, model_cls, tie: bool) -> bool:
+    """A tiny dense config of model_type: ServeTwin's weight matrices against transformers' model."""
+    fields = {**TINY_DENSE, "tie_word_embeddings": tie}
+    with torch.device("meta"):
+        hf = model_cls(config_cls(**fields, pad_token_id=0))
+    ours = ModelSpec.from_hf_config({"model_type": model_type, **fields})
+    return _our_matrices(ours) == sum(p.numel() for p in hf.parameters() if p.dim() >= 2)
+
+
 def test_phi3_weights_equal_transformers_and_the_minis_are_their_published_size():
     from transformers import Phi3Config, Phi3ForCausalLM
-    fields = {"model_type": "phi3", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 512, "tie_word_embeddings": False}
-    with torch.device("meta"):
-        hf = Phi3ForCausalLM(Phi3Config(**{k: v for k, v in fields.items() if k != "model_type"}, pad_token_id=0))
-    assert _our_matrices(ModelSpec.from_hf_config(fields)) == sum(p.numel() for p in hf.parameters() if p.dim() >= 2)
+    assert _tiny_dense_matrices_equal("phi3", Phi3Config, Phi3ForCausalLM, tie=False)
     for repo, size in (("microsoft/Phi-3.5-mini-instruct", 3.82e9), ("microsoft/Phi-4-mini-instruct", 3.84e9)):
         assert get_model(repo).num_params == pytest.approx(size, rel=0.005), repo
 
@@ -153,11 +163,7 @@ def test_qwen25_vl_vision_encoder_equals_transformers_and_the_hub_layout_reads_a
 
 def test_granite_reads_as_llamas_weights_and_the_catalog_sizes_are_published():
     from transformers import GraniteConfig, GraniteForCausalLM
-    fields = {"model_type": "granite", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 512, "tie_word_embeddings": True}
-    with torch.device("meta"):
-        hf = GraniteForCausalLM(GraniteConfig(**{k: v for k, v in fields.items() if k != "model_type"}, pad_token_id=0))
-    assert _our_matrices(ModelSpec.from_hf_config(fields)) == sum(p.numel() for p in hf.parameters() if p.dim() >= 2)
+    assert _tiny_dense_matrices_equal("granite", GraniteConfig, GraniteForCausalLM, tie=True)
     for repo, size in (("ibm-granite/granite-3.3-8b-instruct", 8.17e9), ("ibm-granite/granite-3.3-2b-instruct", 2.53e9),
                        ("mistralai/Codestral-22B-v0.1", 22.2e9)):
         assert get_model(repo).num_params == pytest.approx(size, rel=0.005), repo
