@@ -1674,6 +1674,19 @@ MODELS["mimo-v2-flash"] = ModelSpec.from_hf_config(
      "moe_layer_freq": [0] + [1] * 47, "moe_intermediate_size": 2048, "n_routed_experts": 256,
      "num_experts_per_tok": 8, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
      "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, name="mimo-v2-flash")
+# Qwen1.5-MoE-A2.7B and Qwen2-57B-A14B (qwen2_moe, their config.json): routed experts and one shared
+# expert in every layer (its sigmoid gate, a column per layer, is not counted)
+MODELS.update({name: ModelSpec.from_hf_config({"model_type": "qwen2_moe", "vocab_size": 151936,
+                                               "tie_word_embeddings": False, "torch_dtype": "bfloat16", **cfg}, name=name)
+               for name, cfg in {
+    "qwen1.5-moe-a2.7b": {"num_hidden_layers": 24, "hidden_size": 2048, "num_attention_heads": 16,
+                          "num_key_value_heads": 16, "intermediate_size": 5632, "moe_intermediate_size": 1408,
+                          "num_experts": 60, "num_experts_per_tok": 4, "shared_expert_intermediate_size": 5632,
+                          "max_position_embeddings": 8192},
+    "qwen2-57b-a14b": {"num_hidden_layers": 28, "hidden_size": 3584, "num_attention_heads": 28,
+                       "num_key_value_heads": 4, "intermediate_size": 18944, "moe_intermediate_size": 2560,
+                       "num_experts": 64, "num_experts_per_tok": 8, "shared_expert_intermediate_size": 20480,
+                       "max_position_embeddings": 32768}}.items()})
 # DeepSeek-V2-Lite (and DeepSeek-Coder-V2-Lite, the same shape; their config.json): MLA without a q
 # LoRA, 64 routed experts (top 6) and 2 shared after one dense layer
 MODELS["deepseek-v2-lite"] = ModelSpec.from_hf_config(

@@ -167,3 +167,21 @@ def test_granite_reads_as_llamas_weights_and_the_catalog_sizes_are_published():
     for repo, size in (("ibm-granite/granite-3.3-8b-instruct", 8.17e9), ("ibm-granite/granite-3.3-2b-instruct", 2.53e9),
                        ("mistralai/Codestral-22B-v0.1", 22.2e9)):
         assert get_model(repo).num_params == pytest.approx(size, rel=0.005), repo
+
+
+def test_qwen2_moe_catalog_equals_transformers_less_the_shared_expert_gates():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    for repo, total, active in (("Qwen/Qwen1.5-MoE-A2.7B-Chat", 14.3e9, 2.7e9), ("Qwen/Qwen2-57B-A14B-Instruct", 57.4e9, 14.2e9)):
+        m = get_model(repo)
+        fields = dict(num_hidden_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_heads,
+                      num_key_value_heads=m.num_kv_heads, intermediate_size=m.intermediate_size,
+                      moe_intermediate_size=m.moe_intermediate_size, num_experts=m.num_experts,
+                      num_experts_per_tok=m.num_experts_per_tok,
+                      shared_expert_intermediate_size=m.shared_intermediate_size, vocab_size=m.vocab_size,
+                      tie_word_embeddings=False, pad_token_id=0)
+        with torch.device("meta"):
+            hf = Qwen2MoeForCausalLM(Qwen2MoeConfig(**fields))
+        # transformers' shared_expert_gate: one column of hidden_size a layer, which ServeTwin leaves out
+        assert sum(p.numel() for p in hf.parameters() if p.dim() >= 2) - _our_matrices(m) == m.num_layers * m.hidden_size
+        act = m.num_params - m.expert_params * (1 - m.num_experts_per_tok / m.num_experts)
+        assert (m.num_params, act) == (pytest.approx(total, rel=0.005), pytest.approx(active, rel=0.01)), repo
