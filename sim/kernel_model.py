@@ -42,9 +42,9 @@ KV_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8"}
 GEMM_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8", "fp8_block": "fp8_block", "nvfp4": "nvfp4"}
 # GEMMs of a few columns or rows, often outside the tables' N or K axis (the router; a linear-attention
 # layer's decay and step sizes, and KDA's rank-head_dim gate up projections; the sparse-attention
-# indexer's key and head weights): their roofline is not counted as a fallback of the layer, it is a
-# few percent of it at most
-UNCOUNTED_GEMMS = ("router", "in_proj_ba", "kda_f_b", "kda_g_b", "index_k", "index_weights")
+# indexer's key, head weights and key-pool gate): their roofline is not counted as a fallback of the
+# layer, it is a few percent of it at most
+UNCOUNTED_GEMMS = ("router", "in_proj_ba", "kda_f_b", "kda_g_b", "index_k", "index_weights", "index_gate")
 
 
 @lru_cache(maxsize=8)
@@ -1233,6 +1233,7 @@ class KernelCostModel(CostModel):
         each of its sequence's keys (keys = pairs); a prefill chunk's queries share them (keys: its
         context once)."""
         m, d = self.model, self.device
+        pairs, keys = pairs / m.index_pool, keys / m.index_pool  # (a key pool: one pooled key per index_pool)
         flops = 2.0 * pairs * m.index_n_heads * m.index_head_dim
         by = keys * m.index_key_bytes + pairs * 8 + rows * m.index_topk * 4
         return max(flops / d.peak_flops(m.index_key_dtype), by / d.mem_bandwidth) + 5e-6

@@ -105,6 +105,10 @@ class ModelSpec:
     # attend to everything. index_key_dtype: the indexer's cached key, "fp8" with a 4-byte scale
     # (DeepSeek's) or a 16-bit one.
     index_key_dtype: str = "fp8"
+    # The indexer's key pool (GLM-5.3-Flash's index_kpool; 1: none): it scores one pooled key, a
+    # gated sum of index_pool tokens' keys (its gate a projection of the hidden state), per
+    # index_pool tokens, caches those, and its top-k picks index_topk / index_pool pools of tokens
+    index_pool: int = 1
     # DeepSeek-V4's compressed attention (compressed_mqa): one KV head of head_dim that is both key
     # and value (multi-query over a shared latent), q through q_lora_rank, the output through
     # o_groups block-diagonal groups of o_lora_rank; every layer attends to its last sliding_window
@@ -218,6 +222,8 @@ class ModelSpec:
         if self.moe_latent_size and not (self.is_moe and 0 < self.moe_latent_size < self.hidden_size):
             raise ValueError(f"moe_latent_size={self.moe_latent_size!r}: a MoE model's latent width, below "
                              f"hidden_size={self.hidden_size}")
+        if self.index_pool < 1 or (self.index_pool > 1 and not (self.is_mla and self.index_topk)):
+            raise ValueError(f"index_pool={self.index_pool!r}: a latent-attention indexer's key pool, >= 1")
         if not 0 <= self.num_index_layers <= self.num_layers:
             raise ValueError(f"num_index_layers={self.num_index_layers!r}: must be in 0..num_layers={self.num_layers}")
         if not 0 <= self.num_linear_layers < self.num_layers - self.num_sliding_layers:
@@ -388,6 +394,8 @@ class ModelSpec:
                 out["index_q"] = (self.index_n_heads * self.index_head_dim, self.q_lora_rank or h)
                 out["index_k"] = (self.index_head_dim, h)
                 out["index_weights"] = (self.index_n_heads, h)
+                if self.index_pool > 1:  # the key pool's gate scores
+                    out["index_gate"] = (self.index_head_dim, h)
             return out
         out = self.gqa_gemm_shapes(tp)
         if self.index_topk:  # a block-sparse indexer's query and key projections (replicated)
@@ -576,6 +584,11 @@ class ModelSpec:
         moe = self.num_moe_layers * (w * h * self.shared_intermediate_size + h * self.num_experts
                                      + 2 * h * self.moe_latent_size)
         mix = self.attention_params + self.num_linear_layers * self.linear_attention_params_per_layer
+        r = self.residual_streams
+        if r > 1 and not self.compressed_mqa:  # (GLM-5.3-Flash's mHC: each sublayer's mixing weights, base, scales)
+            mix += self.num_sublayers * ((2 + r) * r * (r * h + 1) + 3)
+        if self.index_pool > 1:  # the key pool's position biases
+            mix += self.index_layers * self.index_pool * self.index_head_dim
         return mix + dense + moe + self.expert_params + self.num_sublayers * h  # + an RMSNorm per mixer and MLP
 
     @property
@@ -668,8 +681,8 @@ class ModelSpec:
             if self.index_topk:
                 if self.kv_dtype_bytes == 1:  # vLLM's fp8_ds_mla: fp8 latent, 4 fp32 scales, bf16 rope
                     latent = self.kv_lora_rank + 16 + 2 * self.qk_rope_head_dim
-                # the indexer's fp8 key and its scale, in the layers with an indexer
-                return layers * latent + self.index_layers * int(self.index_key_bytes)
+                # the indexer's fp8 key and its scale, in the layers with an indexer (one per pool)
+                return layers * latent + self.index_layers * math.ceil(self.index_key_bytes / self.index_pool)
             return layers * latent
         # (a block-sparse indexer's key: one head, on every rank)
         return layers * self._kv_bytes_per_token_layer(tp) + self.index_layers * int(self.index_key_bytes)
@@ -728,7 +741,7 @@ class ModelSpec:
 
 
 # The sparse-attention indexer's GEMMs (ModelSpec.attention_gemm_shapes): in index_layers layers only
-INDEXER_GEMMS = ("index_q", "index_k", "index_weights")
+INDEXER_GEMMS = ("index_q", "index_k", "index_weights", "index_gate")
 
 # HF model_type -> family. Dense families are read as Llama-like decoders.
 # (MiMo: Qwen2's decoder; its multi-token-prediction layer is not loaded without speculative decoding;
@@ -754,6 +767,9 @@ HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5"
 # Kimi-Linear (and Kimi-K3's text_config): Kimi Delta Attention layers and latent attention (MLA)
 # layers as linear_attn_config lists them, a MoE after the first dense layers
 KIMI_LINEAR_MODEL_TYPES = ("kimi_linear",)
+# GLM-5.3-Flash (glm5_next, its text_config glm5_next_text): Kimi Delta Attention layers and
+# sparse latent-attention layers (layer_types), hyper-connections, a MoE after dense layers
+GLM5_NEXT_MODEL_TYPES = ("glm5_next", "glm5_next_text")
 # Gemma-4 (dense or MoE: enable_moe_block) and MiMo-V2-Flash: sliding-window and full layers of two
 # attention shapes (ModelSpec.sliding_num_kv_heads, sliding_head_dim)
 GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
@@ -944,7 +960,7 @@ def _hf_config_fields(cfg: dict) -> dict:
         cfg = cfg["text_config"]
     mt = str(cfg.get("model_type") or outer.get("model_type") or "").lower()
     known = (DENSE_MODEL_TYPES + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES + NEMOTRON_H_MODEL_TYPES
-             + SLIDING_SHAPE_MODEL_TYPES + KIMI_LINEAR_MODEL_TYPES + GEMMA3_MODEL_TYPES)
+             + SLIDING_SHAPE_MODEL_TYPES + KIMI_LINEAR_MODEL_TYPES + GEMMA3_MODEL_TYPES + GLM5_NEXT_MODEL_TYPES)
     if not mt:
         raise ValueError(f"config.json lacks 'model_type' (known: {', '.join(known)})")
     if mt not in known:
@@ -1013,6 +1029,8 @@ def _hf_config_fields(cfg: dict) -> dict:
         return _mimo_v2_fields(cfg, kw, w)
     if mt in KIMI_LINEAR_MODEL_TYPES:
         return _kimi_linear_fields(cfg, kw, w)
+    if mt in GLM5_NEXT_MODEL_TYPES:
+        return _glm5_next_fields(cfg, outer, kw, w)
     k = _need(cfg, "num_experts_per_tok" if mt != "gpt_oss" or "num_experts_per_tok" in cfg else "experts_per_token", w)
     if mt == "mixtral":
         kw.update(num_experts=_need(cfg, "num_local_experts", w), moe_intermediate_size=_need(cfg, "intermediate_size", w),
@@ -1251,6 +1269,58 @@ def _kimi_linear_fields(cfg: dict, kw: dict, w: str) -> dict:
               num_moe_layers=L - (cfg.get("first_k_dense_replace") or 0),
               moe_latent_size=latent if latent and latent != kw["hidden_size"] else 0)
     kw["head_dim"] = kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"]
+    _need(cfg, "intermediate_size", w)
+    return kw
+
+
+def _glm5_next_fields(cfg: dict, outer: dict, kw: dict, w: str) -> dict:
+    """GLM-5.3-Flash: layer_types' linear_attention layers are Kimi Delta Attention
+    (linear_attn_config's num_heads of head_dim, or linear_num_heads / linear_head_dim; its output
+    gate low-rank, fp32 states), its deepseek_sparse_attention layers latent attention without RoPE
+    behind a sparse-attention indexer whose keys are pooled by index_kpool (indexer_types: an
+    indexer of its own, "full", or the last one's top-k, "shared"); hc_mult hyper-connection
+    streams (mhc); a MoE after the mlp_layer_types' dense layers. Its fp8 checkpoint keeps
+    attention in 16 bits (modules_to_not_convert; the latent layers' q, kv-down and output
+    projections, fp8 in it, are read as 16-bit too); its vision tower is not counted, nor its MTP
+    layer (not loaded without speculative decoding)."""
+    L, heads = kw["num_layers"], kw["num_heads"]
+    types = _need(cfg, "layer_types", w)
+    unknown = sorted(set(types) - {"linear_attention", "deepseek_sparse_attention"})
+    if unknown or len(types) != L:
+        raise ValueError(f"config.json ({w}) layer_types={unknown or len(types)}: one of linear_attention, "
+                         f"deepseek_sparse_attention per layer for num_hidden_layers={L}")
+    itypes = cfg.get("indexer_types") or ["full"] * L
+    if len(itypes) != L or not set(itypes) <= {"full", "shared"}:
+        raise ValueError(f"config.json ({w}) indexer_types: 'full' or 'shared' per layer for num_hidden_layers={L}")
+    sparse = [i for i, t in enumerate(types) if t == "deepseek_sparse_attention"]
+    if not sparse or itypes[sparse[0]] != "full":
+        raise ValueError(f"config.json ({w}) indexer_types: the first sparse-attention layer needs an indexer "
+                         "of its own ('full')")
+    lac = cfg.get("linear_attn_config") or {}
+    hd = lac.get("head_dim") or _need(cfg, "linear_head_dim", w)
+    lh = lac.get("num_heads") or _need(cfg, "linear_num_heads", w)
+    mlp = cfg.get("mlp_layer_types") or ["dense"] * (cfg.get("first_k_dense_replace") or 0)
+    dense = mlp.count("dense") if cfg.get("mlp_layer_types") else len(mlp)
+    mi = _need(cfg, "moe_intermediate_size", w)
+    q = outer.get("quantization_config") or cfg.get("quantization_config") or {}
+    kept = json.dumps(q.get("modules_to_not_convert") or q.get("ignore") or []).lower()
+    kw.update(num_linear_layers=L - len(sparse), linear_kind="kda", linear_num_k_heads=lh, linear_num_v_heads=lh,
+              linear_k_head_dim=hd, linear_v_head_dim=hd,
+              linear_conv_kernel=lac.get("short_conv_kernel_size") or cfg.get("linear_conv_kernel_dim") or 4,
+              linear_state_dtype="float32", linear_gate_rank=0 if lac.get("use_full_rank_gate") else hd,
+              kv_lora_rank=_need(cfg, "kv_lora_rank", w), qk_rope_head_dim=cfg.get("qk_rope_head_dim") or 0,
+              qk_nope_head_dim=_need(cfg, "qk_nope_head_dim", w), v_head_dim=_need(cfg, "v_head_dim", w),
+              q_lora_rank=cfg.get("q_lora_rank") or 0, num_kv_heads=heads, rotary=bool(cfg.get("qk_rope_head_dim")),
+              index_topk=_need(cfg, "index_topk", w), index_n_heads=_need(cfg, "index_n_heads", w),
+              index_head_dim=_need(cfg, "index_head_dim", w), index_pool=cfg.get("index_kpool") or 1,
+              num_index_layers=sum(itypes[i] == "full" for i in sparse),
+              residual_streams=(cfg.get("hc_mult") or 1) if cfg.get("mhc", True) else 1,
+              num_experts=_need(cfg, "n_routed_experts", w), num_experts_per_tok=_need(cfg, "num_experts_per_tok", w),
+              moe_intermediate_size=mi, shared_intermediate_size=(cfg.get("n_shared_experts") or 0) * mi,
+              num_moe_layers=L - dense)
+    kw["head_dim"] = kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"]
+    if "self_attn" in kept or "q_proj" in kept:
+        kw["attn_weight_dtype"] = kw["act_dtype"]
     _need(cfg, "intermediate_size", w)
     return kw
 
@@ -1773,6 +1843,22 @@ GLM4_MOE_CONFIGS = {
 }
 GLM4_MOE_CONFIGS["glm-4.6"] = {**GLM4_MOE_CONFIGS["glm-4.5"], "max_position_embeddings": 202752}
 MODELS.update({name: ModelSpec.from_hf_config(cfg, name=name) for name, cfg in GLM4_MOE_CONFIGS.items()})
+# GLM-5.3-Flash (zai-org's config.json, an fp8 checkpoint keeping attention in 16 bits: the fields the
+# reader takes): Kimi Delta Attention in three of every four layers, sparse latent attention in the
+# fourth (its indexer's keys pooled by 4), 4 hyper-connection streams, 288 experts after 3 dense layers
+GLM53_FLASH = {
+    "model_type": "glm5_next_text", "num_hidden_layers": 45, "hidden_size": 4096, "num_attention_heads": 64,
+    "num_key_value_heads": 64, "intermediate_size": 12288, "vocab_size": 154880, "tie_word_embeddings": False,
+    "max_position_embeddings": 1048576, "torch_dtype": "bfloat16", "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_rope_head_dim": 0, "qk_nope_head_dim": 256, "v_head_dim": 256, "mla_use_nope": True,
+    "index_topk": 2048, "index_n_heads": 32, "index_head_dim": 128, "index_kpool": 4, "hc_mult": 4, "mhc": True,
+    "n_routed_experts": 288, "num_experts_per_tok": 8, "n_shared_experts": 1, "moe_intermediate_size": 2048,
+    "layer_types": ["deepseek_sparse_attention" if i % 4 == 3 else "linear_attention" for i in range(45)],
+    "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 42, "indexer_types": ["full"] * 45,
+    "linear_attn_config": {"num_heads": 64, "head_dim": 128, "short_conv_kernel_size": 4},
+    "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                            "modules_to_not_convert": ["model.layers.0.self_attn.q_proj"]}}
+MODELS["glm-5.3-flash"] = ModelSpec.from_hf_config(GLM53_FLASH, name="glm-5.3-flash")
 # GLM-5.2 (and 5.3, whose config.json is the same): GLM-5 with 21 of its 78 layers keeping an indexer
 # of their own (indexer_types), 1,048,576 positions
 MODELS["glm-5.2"] = replace(MODELS["glm-5"], name="glm-5.2", num_index_layers=21, max_position_embeddings=1048576)

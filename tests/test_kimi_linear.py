@@ -143,3 +143,38 @@ def test_kimi_k3_serves_on_eight_b300s():
     m = get_model("kimi-k3")
     assert s["ttft_s"]["count"] == 16
     assert s["tpot_s"]["p50"] > m.dense_weight_bytes_per_gpu(8) / 7.75e12
+
+
+def test_glm53_flash_equals_transformers_at_full_size():
+    """GLM-5.3-Flash (glm5_next_text): every parameter of transformers' Glm5NextTextModel and the LM
+    head, less the indexer's key LayerNorm (weight and bias of index_head_dim, not counted)."""
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+    from sim.specs import GLM53_FLASH
+    hf = {k: v for k, v in GLM53_FLASH.items() if k not in ("model_type", "torch_dtype", "quantization_config")}
+    with torch.device("meta"):
+        model = Glm5NextTextModel(Glm5NextTextConfig(**hf))
+    theirs = sum(p.numel() for p in model.parameters()) + 154880 * 4096   # and the LM head
+    m = get_model("zai-org/GLM-5.3-Flash")
+    assert theirs - m.num_params == m.index_layers * 2 * 128
+    assert (m.num_linear_layers, m.index_layers, m.index_pool, m.residual_streams) == (34, 11, 4, 4)
+    assert (m.weight_dtype, m.attn_weight_dtype, m.expert_dtype or m.weight_dtype) == ("fp8_block", "bfloat16", "fp8_block")
+    # cache per token: 11 latent layers of 512 in bf16 (no RoPE part), and each one's pooled
+    # indexer key, 128 fp8 and a 4-byte scale per 4 tokens (33 bytes)
+    assert m.kv_bytes_per_token_per_gpu(4) == 11 * 512 * 2 + 11 * 33
+
+
+def test_a_key_pool_divides_the_indexers_scoring_and_cache():
+    """With a pool of 4 the indexer scores and reads what the same layout without one would for a
+    quarter of the pairs and keys (its top-k indices are the same), and the step is shorter."""
+    import dataclasses
+    from engine.core.features import BatchFeatures
+    pooled = get_model("glm-5.3-flash")
+    plain = dataclasses.replace(pooled, index_pool=1)
+    f = BatchFeatures(num_reqs=32, num_decode_reqs=32, decode_context_tokens=32 * 65536)
+    a, b = (KernelCostModel(m, "h200", tp=4) for m in (pooled, plain))
+    pairs = 32 * 65536
+    assert a._indexer_roof(pairs, 32, pairs) == pytest.approx(b._indexer_roof(pairs / 4, 32, pairs / 4), rel=1e-12)
+    assert b._indexer_roof(pairs, 32, pairs) > 3 * a._indexer_roof(pairs, 32, pairs)
+    assert a.step_time(f) < b.step_time(f)
+    assert plain.kv_bytes_per_token_per_gpu(1) - pooled.kv_bytes_per_token_per_gpu(1) == 11 * (132 - 33)

@@ -59,7 +59,7 @@ def test_a_row_becomes_its_case_and_unsupported_rows_are_skipped():
     assert ep["model"] == "minimax-m2" and ep["expert_parallel"] is True
     assert sc.scenario_data(ep)["deployment"]["expert_parallel"] is True
     assert "expert_parallel" not in sc.scenario_data(sc.usable(row()))["deployment"]
-    assert sc.usable(row(model_path="google/gemma-3-27b-it")) is None      # not in the catalog
+    assert sc.usable(row(model_path="tiiuae/falcon-40b")) is None      # not in the catalog
     assert sc.usable(row(mode="disagg")) is None
     # an NVFP4 row runs NVIDIA's -NVFP4 checkpoint on a GPU with FP4 tensor cores, not on Hopper
     fp4 = sc.usable(row(gemm_quant_mode="nvfp4"))
