@@ -607,8 +607,8 @@ def _mla_module_key(m: ModelSpec, tp: int, tables: dict | None) -> str | None:
     TP group, as "section/key": `mla_module` kv_dtype/weight_dtype/heads for DeepSeek-V3's shape,
     `dsa_module` shape/kv_dtype/weight_dtype/heads for a sparse-attention shape it holds; None for
     another shape, an attention weight format or head count the tables lack, or no such tables."""
-    if not m.is_mla or m.attn_output_gate:  # (the tables' layer has no output gate: Kimi-K3's has)
-        return None
+    if not m.is_mla or m.attn_output_gate or m.index_pool > 1:
+        return None  # (the tables' layer has no output gate, Kimi-K3's has; nor a key pool, GLM-5.3-Flash's)
     w = MLA_MODULE_DTYPES.get(m.attn_dtype)
     base = f"{KV_NAMES.get(m.kv_dtype, 'bf16')}/{w}/{m.num_heads // tp}"
     if m.index_topk:
@@ -1213,10 +1213,11 @@ class KernelCostModel(CostModel):
                    for name, (n, k) in m.attention_gemm_shapes(self.tp).items() if name in INDEXER_GEMMS)
 
     def _proj_share(self, name: str) -> float:
-        """The share of the layers that run an attention projection: the sparse-attention indexer's
-        (INDEXER_GEMMS) only in the layers with an indexer of their own, every other one in all."""
+        """The share of the latent-attention layers that run an attention projection: the
+        sparse-attention indexer's (INDEXER_GEMMS) only in those with an indexer of their own, every
+        other one in all."""
         m = self.model
-        return m.index_layers / m.num_layers if name in INDEXER_GEMMS else 1.0
+        return m.index_layers / m.num_full_attention_layers if name in INDEXER_GEMMS else 1.0
 
     def _moe_roof(self, T):
         """One MoE layer's routed experts for T tokens, by the roofline (see _build)."""

@@ -222,8 +222,10 @@ class ModelSpec:
         if self.moe_latent_size and not (self.is_moe and 0 < self.moe_latent_size < self.hidden_size):
             raise ValueError(f"moe_latent_size={self.moe_latent_size!r}: a MoE model's latent width, below "
                              f"hidden_size={self.hidden_size}")
-        if self.index_pool < 1 or (self.index_pool > 1 and not (self.is_mla and self.index_topk)):
-            raise ValueError(f"index_pool={self.index_pool!r}: a latent-attention indexer's key pool, >= 1")
+        if self.index_pool < 1 or (self.index_pool > 1 and not (
+                self.is_mla and self.index_topk and self.index_topk % self.index_pool == 0)):
+            raise ValueError(f"index_pool={self.index_pool!r}: a latent-attention indexer's key pool, >= 1, "
+                             f"dividing index_topk={self.index_topk}")
         if not 0 <= self.num_index_layers <= self.num_layers:
             raise ValueError(f"num_index_layers={self.num_index_layers!r}: must be in 0..num_layers={self.num_layers}")
         if not 0 <= self.num_linear_layers < self.num_layers - self.num_sliding_layers:
@@ -682,7 +684,7 @@ class ModelSpec:
                 if self.kv_dtype_bytes == 1:  # vLLM's fp8_ds_mla: fp8 latent, 4 fp32 scales, bf16 rope
                     latent = self.kv_lora_rank + 16 + 2 * self.qk_rope_head_dim
                 # the indexer's fp8 key and its scale, in the layers with an indexer (one per pool)
-                return layers * latent + self.index_layers * math.ceil(self.index_key_bytes / self.index_pool)
+                return layers * latent + math.ceil(self.index_layers * self.index_key_bytes / self.index_pool)
             return layers * latent
         # (a block-sparse indexer's key: one head, on every rank)
         return layers * self._kv_bytes_per_token_layer(tp) + self.index_layers * int(self.index_key_bytes)
@@ -1284,23 +1286,33 @@ def _glm5_next_fields(cfg: dict, outer: dict, kw: dict, w: str) -> dict:
     projections, fp8 in it, are read as 16-bit too); its vision tower is not counted, nor its MTP
     layer (not loaded without speculative decoding)."""
     L, heads = kw["num_layers"], kw["num_heads"]
-    types = _need(cfg, "layer_types", w)
-    unknown = sorted(set(types) - {"linear_attention", "deepseek_sparse_attention"})
+    # (transformers' defaults where a field is missing: three KDA layers to each sparse one, the
+    # first 3 layers dense, a pool of 16, 4 streams; it names the sparse layers indexed_attention)
+    sparse_names = {"deepseek_sparse_attention", "indexed_attention", "full_attention"}
+    types = cfg.get("layer_types") or ["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(L)]
+    unknown = sorted(set(types) - sparse_names - {"linear_attention"})
     if unknown or len(types) != L:
         raise ValueError(f"config.json ({w}) layer_types={unknown or len(types)}: one of linear_attention, "
-                         f"deepseek_sparse_attention per layer for num_hidden_layers={L}")
+                         f"deepseek_sparse_attention (indexed_attention) per layer for num_hidden_layers={L}")
+    if cfg.get("indexer_types") is None:
+        for key in ("index_topk_pattern", "index_topk_freq"):
+            if cfg.get(key) is not None:
+                raise ValueError(f"config.json ({w}) {key}={cfg[key]!r}: give indexer_types ('full' or 'shared' "
+                                 "per layer) instead")
     itypes = cfg.get("indexer_types") or ["full"] * L
     if len(itypes) != L or not set(itypes) <= {"full", "shared"}:
         raise ValueError(f"config.json ({w}) indexer_types: 'full' or 'shared' per layer for num_hidden_layers={L}")
-    sparse = [i for i, t in enumerate(types) if t == "deepseek_sparse_attention"]
+    sparse = [i for i, t in enumerate(types) if t in sparse_names]
     if not sparse or itypes[sparse[0]] != "full":
         raise ValueError(f"config.json ({w}) indexer_types: the first sparse-attention layer needs an indexer "
                          "of its own ('full')")
     lac = cfg.get("linear_attn_config") or {}
     hd = lac.get("head_dim") or _need(cfg, "linear_head_dim", w)
     lh = lac.get("num_heads") or _need(cfg, "linear_num_heads", w)
-    mlp = cfg.get("mlp_layer_types") or ["dense"] * (cfg.get("first_k_dense_replace") or 0)
-    dense = mlp.count("dense") if cfg.get("mlp_layer_types") else len(mlp)
+    mlp = cfg.get("mlp_layer_types") or ["dense"] * min(3, L) + ["sparse"] * (L - min(3, L))
+    if len(mlp) != L or not set(mlp) <= {"dense", "sparse"}:
+        raise ValueError(f"config.json ({w}) mlp_layer_types: 'dense' or 'sparse' per layer for num_hidden_layers={L}")
+    dense = mlp.count("dense")
     mi = _need(cfg, "moe_intermediate_size", w)
     q = outer.get("quantization_config") or cfg.get("quantization_config") or {}
     kept = json.dumps(q.get("modules_to_not_convert") or q.get("ignore") or []).lower()
@@ -1312,9 +1324,9 @@ def _glm5_next_fields(cfg: dict, outer: dict, kw: dict, w: str) -> dict:
               qk_nope_head_dim=_need(cfg, "qk_nope_head_dim", w), v_head_dim=_need(cfg, "v_head_dim", w),
               q_lora_rank=cfg.get("q_lora_rank") or 0, num_kv_heads=heads, rotary=bool(cfg.get("qk_rope_head_dim")),
               index_topk=_need(cfg, "index_topk", w), index_n_heads=_need(cfg, "index_n_heads", w),
-              index_head_dim=_need(cfg, "index_head_dim", w), index_pool=cfg.get("index_kpool") or 1,
+              index_head_dim=_need(cfg, "index_head_dim", w), index_pool=cfg.get("index_kpool", 16) or 1,
               num_index_layers=sum(itypes[i] == "full" for i in sparse),
-              residual_streams=(cfg.get("hc_mult") or 1) if cfg.get("mhc", True) else 1,
+              residual_streams=cfg.get("hc_mult", 4) if cfg.get("mhc", True) else 1,
               num_experts=_need(cfg, "n_routed_experts", w), num_experts_per_tok=_need(cfg, "num_experts_per_tok", w),
               moe_intermediate_size=mi, shared_intermediate_size=(cfg.get("n_shared_experts") or 0) * mi,
               num_moe_layers=L - dense)

@@ -178,3 +178,33 @@ def test_a_key_pool_divides_the_indexers_scoring_and_cache():
     assert b._indexer_roof(pairs, 32, pairs) > 3 * a._indexer_roof(pairs, 32, pairs)
     assert a.step_time(f) < b.step_time(f)
     assert plain.kv_bytes_per_token_per_gpu(1) - pooled.kv_bytes_per_token_per_gpu(1) == 11 * (132 - 33)
+
+
+def test_glm53_flash_read_as_transformers_writes_it_and_with_its_defaults():
+    """transformers names the sparse layers indexed_attention when it saves a config; a config
+    without the pool, streams or dense-layer fields takes transformers' defaults (16, 4, 3)."""
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+    from sim.specs import GLM53_FLASH
+    hf = {k: v for k, v in GLM53_FLASH.items() if k not in ("model_type", "torch_dtype", "quantization_config")}
+    saved = {**Glm5NextTextConfig(**hf).to_dict(), "model_type": "glm5_next_text"}
+    assert "indexed_attention" in saved["layer_types"]
+    assert ModelSpec.from_hf_config(saved).num_params == get_model("glm-5.3-flash").num_params
+    bare = {k: v for k, v in GLM53_FLASH.items() if k not in ("index_kpool", "hc_mult", "mlp_layer_types",
+                                                               "layer_types", "quantization_config")}
+    m = ModelSpec.from_hf_config(bare)
+    assert (m.index_pool, m.residual_streams, m.num_moe_layers, m.num_linear_layers) == (16, 4, 42, 34)
+    with pytest.raises(ValueError, match="index_topk_pattern"):
+        ModelSpec.from_hf_config({**bare, "indexer_types": None, "index_topk_pattern": "FS" * 22 + "F"})
+
+
+def test_glm53_flash_decode_attention_counts_each_layer_kind_once():
+    """A decode step's attention: the 34 KDA layers' state traffic, and in the 11 latent layers
+    the attention over at most index_topk keys and the pooled indexer, each read from the model's
+    own grids and rooflines."""
+    from engine.core.features import BatchFeatures
+    cm = KernelCostModel("glm-5.3-flash", "h200", tp=4)
+    n, ctx = 32, 8192
+    att = cm.breakdown(BatchFeatures(num_reqs=n, num_decode_reqs=n, decode_context_tokens=n * ctx))["attention"]
+    kda = 34 * cm.g_gdn_gen(n)[0] * 1e-6          # (grids in microseconds)
+    latent = 11 * (cm.g_gen(n, min(ctx, 2048))[0] * 1e-6 + cm._indexer_roof(n * ctx, n, n * ctx))
+    assert att == pytest.approx(kda + latent, rel=0.02)
