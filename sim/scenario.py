@@ -379,7 +379,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     def window_charge(t: int) -> dict:
         """SchedulerConfig's sliding-window charge at TP t: sliding-window layers keep each running
         request's window in the pool (vLLM's hybrid KV cache manager); {} without such layers."""
-        sliding, full = model.sliding_kv_bytes_per_token_per_gpu(t), model.kv_bytes_per_token_per_gpu(t)
+        sliding, full = model.sliding_kv_pool_bytes_per_token_per_gpu(t), model.kv_bytes_per_token_per_gpu(t)
         return {"sliding_window": model.sliding_window, "sliding_kv_bytes": sliding, "kv_bytes": full} \
             if sliding and full else {}
 

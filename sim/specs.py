@@ -697,11 +697,33 @@ class ModelSpec:
 
     def sliding_kv_bytes_per_request_per_gpu(self, tp: int = 1, block_size: int = 16) -> int:
         """KV of the sliding-window layers for one running request: the window (and the block it
-        starts in) of each such layer."""
-        per_token = self.sliding_kv_bytes_per_token_per_gpu(tp)
+        starts in) of each such layer, as the pool holds them (sliding_pool_layers)."""
+        per_token = self.sliding_kv_pool_bytes_per_token_per_gpu(tp)
         if not per_token:
             return 0
         return per_token * (-(-self.sliding_window // block_size) * block_size + block_size)
+
+    @property
+    def sliding_pool_layers(self) -> int:
+        """The sliding-window layers as vLLM's hybrid KV cache manager charges the pool for them.
+        Layers of one page size (sliding and full layers of one shape) go into groups of the
+        smaller kind's count (the larger's where the two are within 25%), and a kind's last group is
+        padded to a whole one: Gemma-3-27B's 52 sliding layers beside its 10 full ones are held as
+        60. Layers of another shape than the full ones, or beside latent or linear layers: as
+        counted (vLLM groups those otherwise)."""
+        S, F = self.num_sliding_layers, self.num_full_attention_layers
+        if (not S or not F or self.has_sliding_shape or self.is_mla or self.compressed_mqa
+                or self.num_linear_layers):
+            return S
+        g = min(S, F) if max(S, F) >= 1.25 * min(S, F) else max(S, F)
+        return -(-S // g) * g
+
+    def sliding_kv_pool_bytes_per_token_per_gpu(self, tp: int = 1) -> int:
+        """sliding_kv_bytes_per_token_per_gpu as the pool holds it (sliding_pool_layers): what a
+        request's window charges the KV pool; its attention reads the real layers only."""
+        real = self.sliding_kv_bytes_per_token_per_gpu(tp)
+        S = self.num_sliding_layers
+        return real * self.sliding_pool_layers // S if real and S else real
 
     def sliding_kv_bytes_per_token_per_gpu(self, tp: int = 1) -> int:
         """One token's K and V in every sliding-window layer, on one GPU (0 without such layers;

@@ -100,3 +100,24 @@ def test_a_float32_checkpoint_is_served_in_16_bits_and_base_names_read():
     m = ModelSpec.from_hf_config({**GEMMA2_CONFIGS["gemma-2-2b"], "torch_dtype": "float32"})
     assert (m.weight_dtype, m.weight_bytes) == ("bfloat16", get_model("gemma-2-2b").weight_bytes)
     assert get_model("google/gemma-3-27b-pt").name == "gemma-3-27b"
+
+
+def test_the_pool_holds_windows_in_whole_groups_of_layers_as_vllm_groups_them():
+    """vLLM's hybrid KV cache manager groups same-page-size layers by the smaller kind's count and
+    pads each kind to whole groups: Gemma-3-27B's 52 sliding layers beside 10 full ones are held
+    as 6 groups of 10, its attention still reads 52; gpt-oss (18 and 18) and Gemma-4 (two page
+    sizes) are held as counted."""
+    import warnings
+    from sim.scenario import parse_scenario
+    m = get_model("gemma-3-27b")
+    layer = 16 * 256 * 2                    # 16 KV heads x (128 + 128) x 2 bytes
+    assert (m.sliding_pool_layers, m.sliding_kv_bytes_per_token_per_gpu(1)) == (60, 52 * layer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sc = parse_scenario({"name": "g", "deployment": {"model": "gemma-3-27b", "device": "h100", "tp": 1},
+                             "workload": {"benchmark": {"concurrency": 4, "isl": 512, "osl": 16, "num_prompts": 8}}})
+    cfg = sc.scheduler_config
+    assert (cfg.sliding_window, cfg.sliding_kv_bytes, cfg.kv_bytes) == (1024, 60 * layer, 10 * layer)
+    assert get_model("gpt-oss-120b").sliding_pool_layers == 18
+    g4 = get_model("gemma-4-31b")
+    assert g4.sliding_pool_layers == g4.num_sliding_layers == 50
