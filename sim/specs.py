@@ -706,14 +706,13 @@ class ModelSpec:
     @property
     def sliding_pool_layers(self) -> int:
         """The sliding-window layers as vLLM's hybrid KV cache manager charges the pool for them.
-        Layers of one page size (sliding and full layers of one shape) go into groups of the
-        smaller kind's count (the larger's where the two are within 25%), and a kind's last group is
-        padded to a whole one: Gemma-3-27B's 52 sliding layers beside its 10 full ones are held as
-        60. Layers of another shape than the full ones, or beside latent or linear layers: as
-        counted (vLLM groups those otherwise)."""
+        It gives both kinds one page size (a kind with smaller pages gets longer blocks), puts the
+        layers into groups of the smaller kind's count (the larger's where the two are within 25%),
+        and pads a kind's last group to a whole one: Gemma-3-27B's 52 sliding layers beside its 10
+        full ones are held as 60, MiMo-V2-Flash's 39 beside 9 as 45. Beside latent or linear layers:
+        as counted (vLLM groups those otherwise)."""
         S, F = self.num_sliding_layers, self.num_full_attention_layers
-        if (not S or not F or self.has_sliding_shape or self.is_mla or self.compressed_mqa
-                or self.num_linear_layers):
+        if not S or not F or self.is_mla or self.compressed_mqa or self.num_linear_layers:
             return S
         g = min(S, F) if max(S, F) >= 1.25 * min(S, F) else max(S, F)
         return -(-S // g) * g

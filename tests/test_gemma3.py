@@ -105,8 +105,9 @@ def test_a_float32_checkpoint_is_served_in_16_bits_and_base_names_read():
 def test_the_pool_holds_windows_in_whole_groups_of_layers_as_vllm_groups_them():
     """vLLM's hybrid KV cache manager groups same-page-size layers by the smaller kind's count and
     pads each kind to whole groups: Gemma-3-27B's 52 sliding layers beside 10 full ones are held
-    as 6 groups of 10, its attention still reads 52; gpt-oss (18 and 18) and Gemma-4 (two page
-    sizes) are held as counted."""
+    as 6 groups of 10, its attention still reads 52; MiMo-V2-Flash's 39 beside 9 (two page sizes,
+    made one by longer full-layer blocks) as 5 groups of 9; gpt-oss (18 and 18) and Gemma-4-31B
+    (50 beside 10) as counted."""
     import warnings
     from sim.scenario import parse_scenario
     m = get_model("gemma-3-27b")
@@ -121,3 +122,4 @@ def test_the_pool_holds_windows_in_whole_groups_of_layers_as_vllm_groups_them():
     assert get_model("gpt-oss-120b").sliding_pool_layers == 18
     g4 = get_model("gemma-4-31b")
     assert g4.sliding_pool_layers == g4.num_sliding_layers == 50
+    assert get_model("mimo-v2-flash").sliding_pool_layers == 45
