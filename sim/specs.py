@@ -544,18 +544,17 @@ class ModelSpec:
     @property
     def attention_params(self) -> int:
         """The weights of every attention layer (full and sliding-window, each of its own shape;
-        DeepSeek-V4's with its compressors, their position biases, and the hyper-connections' mixing
-        weights of every sublayer and of the head)."""
+        DeepSeek-V4's with its compressors and their position biases; an indexer's key pool with
+        its position biases)."""
         if self.compressed_mqa:
-            h, d, di = self.hidden_size, self.head_dim, self.index_head_dim
+            d, di = self.head_dim, self.index_head_dim
             proj = sum(n * k * layers for _name, n, k, layers, _dt in self.compressed_attention_gemms(1))
-            bias = (self.num_csa_layers * self.csa_ratio * 2 * (d + di) + self.num_hca_layers * self.hca_ratio * d)
-            r = self.residual_streams
-            hc = (self.num_sublayers * (2 + r) * r + r) * r * h if r > 1 else 0
-            return proj + bias + hc
+            return proj + (self.num_csa_layers * self.csa_ratio * 2 * (d + di) + self.num_hca_layers * self.hca_ratio * d)
         index = sum(n * k for name, (n, k) in self.attention_gemm_shapes(1).items() if name in INDEXER_GEMMS)
         own = self.attention_params_per_layer - (index * self.index_layers // self.num_layers if self.is_mla else 0)
         out = self.num_attention_layers * own + self.index_layers * index
+        if self.index_pool > 1:  # the key pool's position biases
+            out += self.index_layers * self.index_pool * self.index_head_dim
         if self.num_sliding_layers and not self.is_mla:
             out += self.num_sliding_layers * (sum(n * k for n, k in self.gqa_gemm_shapes(1, True).values()) - own)
         return out
@@ -585,13 +584,22 @@ class ModelSpec:
         dense = (self.mlp_layers - self.num_moe_layers) * w * h * self.intermediate_size
         moe = self.num_moe_layers * (w * h * self.shared_intermediate_size + h * self.num_experts
                                      + 2 * h * self.moe_latent_size)
-        mix = self.attention_params + self.num_linear_layers * self.linear_attention_params_per_layer
-        r = self.residual_streams
-        if r > 1 and not self.compressed_mqa:  # (GLM-5.3-Flash's mHC: each sublayer's mixing weights, base, scales)
-            mix += self.num_sublayers * ((2 + r) * r * (r * h + 1) + 3)
-        if self.index_pool > 1:  # the key pool's position biases
-            mix += self.index_layers * self.index_pool * self.index_head_dim
+        mix = (self.attention_params + self.num_linear_layers * self.linear_attention_params_per_layer
+               + self.hyper_connection_params)
         return mix + dense + moe + self.expert_params + self.num_sublayers * h  # + an RMSNorm per mixer and MLP
+
+    @property
+    def hyper_connection_params(self) -> int:
+        """The hyper-connections' weights (residual_streams r > 1; 0 without): each sublayer's
+        (2 + r) x r mixing maps of the r streams' hidden states; DeepSeek-V4's head mixes the
+        streams with r maps of its own, GLM-5.3-Flash's with a mean, and GLM's checkpoints add
+        each sublayer's (2 + r) x r biases and 3 scales."""
+        r, h = self.residual_streams, self.hidden_size
+        if r <= 1:
+            return 0
+        if self.compressed_mqa:
+            return (self.num_sublayers * (2 + r) * r + r) * r * h
+        return self.num_sublayers * ((2 + r) * r * (r * h + 1) + 3)
 
     @property
     def params_per_layer(self) -> int:
@@ -1071,11 +1079,7 @@ def _hf_config_fields(cfg: dict) -> dict:
         mi = _need(cfg, "moe_intermediate_size", w)
         kw.update(num_experts=_need(cfg, "n_routed_experts", w), moe_intermediate_size=mi,
                   shared_intermediate_size=(cfg.get("n_shared_experts") or 0) * mi, num_moe_layers=moe,
-                  kv_lora_rank=_need(cfg, "kv_lora_rank", w), qk_rope_head_dim=_need(cfg, "qk_rope_head_dim", w),
-                  qk_nope_head_dim=_need(cfg, "qk_nope_head_dim", w), v_head_dim=_need(cfg, "v_head_dim", w),
-                  q_lora_rank=cfg.get("q_lora_rank") or 0)
-        kw["head_dim"] = kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"]
-        kw["num_kv_heads"] = heads
+                  **_mla_fields(cfg, w, heads))
         if mt in ("deepseek_v32", "glm_moe_dsa"):  # sparse attention: the indexer
             types = cfg.get("indexer_types") or ["full"] * L
             kinds = sorted(set(types) - {"full", "shared"})
@@ -1251,6 +1255,26 @@ def _mimo_v2_fields(cfg: dict, kw: dict, w: str) -> dict:
     return kw
 
 
+def _mla_fields(cfg: dict, w: str, heads: int, rope_default: int | None = None) -> dict:
+    """ModelSpec fields of latent attention (MLA) from a config: the latent, its RoPE and NoPE
+    widths (qk_rope_head_dim required unless rope_default is given), the value width, the q LoRA,
+    every head a KV head."""
+    rope = _need(cfg, "qk_rope_head_dim", w) if rope_default is None else (cfg.get("qk_rope_head_dim") or rope_default)
+    kw = dict(kv_lora_rank=_need(cfg, "kv_lora_rank", w), qk_rope_head_dim=rope,
+              qk_nope_head_dim=_need(cfg, "qk_nope_head_dim", w), v_head_dim=_need(cfg, "v_head_dim", w),
+              q_lora_rank=cfg.get("q_lora_rank") or 0, num_kv_heads=heads)
+    kw["head_dim"] = kw["qk_nope_head_dim"] + rope
+    return kw
+
+
+def _kda_fields(layers: int, heads: int, head_dim: int, conv_kernel: int, full_rank_gate: bool) -> dict:
+    """ModelSpec fields of Kimi Delta Attention layers: heads of head_dim for keys and values alike,
+    fp32 states as vLLM keeps them, the output gate full-rank or down to head_dim and up."""
+    return dict(num_linear_layers=layers, linear_kind="kda", linear_num_k_heads=heads, linear_num_v_heads=heads,
+                linear_k_head_dim=head_dim, linear_v_head_dim=head_dim, linear_conv_kernel=conv_kernel,
+                linear_state_dtype="float32", linear_gate_rank=0 if full_rank_gate else head_dim)
+
+
 def _kimi_linear_fields(cfg: dict, kw: dict, w: str) -> dict:
     """Kimi-Linear and Kimi-K3 (its text_config): linear_attn_config's kda_layers are Kimi Delta
     Attention (num_heads of head_dim for keys and values alike, a short conv of
@@ -1276,13 +1300,9 @@ def _kimi_linear_fields(cfg: dict, kw: dict, w: str) -> dict:
     lh = _need(lac, "num_heads", w + " linear_attn_config")
     mi = _need(cfg, "moe_intermediate_size", w)
     latent = cfg.get("routed_expert_hidden_size") or 0
-    kw.update(num_linear_layers=len(kda), linear_kind="kda", linear_num_k_heads=lh, linear_num_v_heads=lh,
-              linear_k_head_dim=hd, linear_v_head_dim=hd,
-              linear_conv_kernel=_need(lac, "short_conv_kernel_size", w + " linear_attn_config"),
-              linear_state_dtype="float32", linear_gate_rank=0 if lac.get("use_full_rank_gate") else hd,
-              kv_lora_rank=_need(cfg, "kv_lora_rank", w), qk_rope_head_dim=_need(cfg, "qk_rope_head_dim", w),
-              qk_nope_head_dim=_need(cfg, "qk_nope_head_dim", w), v_head_dim=_need(cfg, "v_head_dim", w),
-              q_lora_rank=cfg.get("q_lora_rank") or 0, num_kv_heads=heads,
+    kw.update(**_kda_fields(len(kda), lh, hd, _need(lac, "short_conv_kernel_size", w + " linear_attn_config"),
+                            bool(lac.get("use_full_rank_gate"))),
+              **_mla_fields(cfg, w, heads),
               attn_output_gate=bool(cfg.get("mla_use_output_gate")),
               # (mla_use_nope: vLLM's Kimi MLA rotates nothing and keeps no cos/sin cache)
               rotary=not cfg.get("mla_use_nope", False),
@@ -1291,7 +1311,6 @@ def _kimi_linear_fields(cfg: dict, kw: dict, w: str) -> dict:
               shared_intermediate_size=(cfg.get("num_shared_experts") or 0) * mi,
               num_moe_layers=L - (cfg.get("first_k_dense_replace") or 0),
               moe_latent_size=latent if latent and latent != kw["hidden_size"] else 0)
-    kw["head_dim"] = kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"]
     _need(cfg, "intermediate_size", w)
     return kw
 
@@ -1337,13 +1356,10 @@ def _glm5_next_fields(cfg: dict, outer: dict, kw: dict, w: str) -> dict:
     mi = _need(cfg, "moe_intermediate_size", w)
     q = outer.get("quantization_config") or cfg.get("quantization_config") or {}
     kept = json.dumps(q.get("modules_to_not_convert") or q.get("ignore") or []).lower()
-    kw.update(num_linear_layers=L - len(sparse), linear_kind="kda", linear_num_k_heads=lh, linear_num_v_heads=lh,
-              linear_k_head_dim=hd, linear_v_head_dim=hd,
-              linear_conv_kernel=lac.get("short_conv_kernel_size") or cfg.get("linear_conv_kernel_dim") or 4,
-              linear_state_dtype="float32", linear_gate_rank=0 if lac.get("use_full_rank_gate") else hd,
-              kv_lora_rank=_need(cfg, "kv_lora_rank", w), qk_rope_head_dim=cfg.get("qk_rope_head_dim") or 0,
-              qk_nope_head_dim=_need(cfg, "qk_nope_head_dim", w), v_head_dim=_need(cfg, "v_head_dim", w),
-              q_lora_rank=cfg.get("q_lora_rank") or 0, num_kv_heads=heads, rotary=bool(cfg.get("qk_rope_head_dim")),
+    kw.update(**_kda_fields(L - len(sparse), lh, hd,
+                            lac.get("short_conv_kernel_size") or cfg.get("linear_conv_kernel_dim") or 4,
+                            bool(lac.get("use_full_rank_gate"))),
+              **_mla_fields(cfg, w, heads, rope_default=0), rotary=bool(cfg.get("qk_rope_head_dim")),
               index_topk=_need(cfg, "index_topk", w), index_n_heads=_need(cfg, "index_n_heads", w),
               index_head_dim=_need(cfg, "index_head_dim", w), index_pool=cfg.get("index_kpool", 16) or 1,
               num_index_layers=sum(itypes[i] == "full" for i in sparse),
@@ -1351,7 +1367,6 @@ def _glm5_next_fields(cfg: dict, outer: dict, kw: dict, w: str) -> dict:
               num_experts=_need(cfg, "n_routed_experts", w), num_experts_per_tok=_need(cfg, "num_experts_per_tok", w),
               moe_intermediate_size=mi, shared_intermediate_size=(cfg.get("n_shared_experts") or 0) * mi,
               num_moe_layers=L - dense)
-    kw["head_dim"] = kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"]
     if "self_attn" in kept or "q_proj" in kept:
         kw["attn_weight_dtype"] = kw["act_dtype"]
     _need(cfg, "intermediate_size", w)
