@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -113,25 +113,97 @@ def client_concurrency(r: dict) -> int:
     return int(float(r["batch_size"])) * max(1, int(float(r.get("attention_dp_size") or 1)))
 
 
+def _num(r: dict, key: str, default: float | None = None) -> float | None:
+    """A numeric column (the CSV leaves a column blank where the row has none)."""
+    v = str(r.get(key) or "").strip()
+    try:
+        x = float(v)
+    except ValueError:
+        return default
+    return default if x != x else x  # NaN: blank
+
+
+def engine_shape(tp_size: int, dp: int, moe: bool) -> dict:
+    """One engine of the sample's parallelism columns as vLLM's flags run it: {tp, data_parallel
+    (MoE: ranks stepping together), replicas (dense: dp engines behind vLLM's balancer)}. Where
+    tp_size is a multiple of dp it is read as InferenceMAX's recipes run it: tp_size GPUs in all,
+    dp ranks of tp_size / dp each (its `tp: 4, dp-attn: true` is vLLM's -dp 4 -tp 1 on 4 GPUs), not
+    dp x tp_size GPUs as moe_tp x moe_ep would say (tp 4 x dp 4 with moe_ep 16): so read,
+    MiniMax-M2.5's DP rows have the errors of its non-DP rows (docs/reports). Otherwise (tp_size 1
+    with dp 8, as TensorRT-LLM's rows write it) dp ranks of tp_size GPUs each, dp x tp_size in all,
+    which is moe_tp x moe_ep there."""
+    if dp <= 1:
+        return {"tp": tp_size}
+    t = tp_size // dp if tp_size % dp == 0 else tp_size
+    return {"tp": t, "data_parallel": dp} if moe else {"tp": t, "replicas": dp}
+
+
+def disagg_case(r: dict, case: dict) -> dict | None:
+    """A disaggregated row's pools (deployment.pd), or None where its shape is not recorded.
+
+    Each pool is `{prefill,decode}_num_workers` engines of the pool's parallelism columns
+    (engine_shape, per pool); experts in parallel where the pool's moe_ep_size > 1. The client's
+    concurrency is decode_batch_size x decode_num_workers x decode_attention_dp_size: AIConfigurator's
+    generator benchmarks a disaggregated config at decode workers x their max batch size (its
+    rule_plugin's `estimated_concurrency`), and every allowed row that records both the workers and
+    its client concurrency (`silicon_concurrency=` in its source: 267 rows) has exactly that. Rows
+    that record no worker counts (InferenceMAX's CSV exports) run at their recorded concurrency as one
+    prefill and one decode engine (`pd_workers_recorded` False: an assumption, reported apart)."""
+    moe = get_model(case["model"]).is_moe
+    pools, recorded = {}, _num(r, "decode_num_workers") is not None and _num(r, "prefill_num_workers") is not None
+    for pool in ("prefill", "decode"):
+        tp_size = _num(r, f"{pool}_tp_size")
+        if tp_size is None or (_num(r, f"{pool}_pp_size", 1) or 1) != 1:
+            return None
+        shape = engine_shape(int(tp_size), int(_num(r, f"{pool}_attention_dp_size", 1) or 1), moe)
+        workers = int(_num(r, f"{pool}_num_workers", 1) or 1) * shape.get("replicas", 1)
+        pools.update({f"{pool}_replicas": workers, f"{pool}_tp": shape["tp"]})
+        if shape.get("data_parallel"):
+            pools[f"{pool}_data_parallel"] = shape["data_parallel"]
+        if moe and (_num(r, f"{pool}_moe_ep_size", 1) or 1) > 1:
+            pools[f"{pool}_expert_parallel"] = True
+        bs = _num(r, f"{pool}_batch_size")
+        if bs is not None:  # max_num_seqs per engine rank (AIConfigurator's max_batch_size)
+            pools[f"{pool}_batch_size"] = int(bs)
+    if recorded:
+        conc = int(_num(r, "decode_batch_size", 0)) * int(_num(r, "decode_num_workers")) \
+            * int(_num(r, "decode_attention_dp_size", 1) or 1)
+    else:
+        m = re.search(r"silicon_concurrency=(\d+)", r.get("silicon_data_source", ""))
+        conc = int(m.group(1)) if m else 0
+    if conc < 1:
+        return None
+    # The KV moves from each prefill GPU to its decode peer over one 400 Gb/s NIC per GPU
+    # (INTER_NODE), in parallel over the narrower engine's GPUs.
+    width = min(pools[f"{p}_tp"] * pools.get(f"{p}_data_parallel", 1) for p in ("prefill", "decode"))
+    pools["link_bandwidth_gb_s"] = INTER_NODE["bandwidth_gb_s"] * width
+    return {**case, "tp": pools["decode_tp"], "concurrency": conc, "pd": pools,
+            "pd_workers_recorded": recorded}
+
+
 def usable(r: dict) -> dict | None:
-    """The simulator's case for a row, or None (disaggregated, pipeline parallel, fp4/int4 other
-    than a checkpoint's native experts, an unknown model or GPU)."""
-    if r["mode"] != "agg" or model_name(r["model_path"]) is None or r["system"] not in DEVICES:
+    """The simulator's case for a row, or None (pipeline parallel, fp4/int4 other than a
+    checkpoint's native experts, an unknown model or GPU, a disaggregated row without its pools'
+    shape)."""
+    if r["mode"] not in ("agg", "disagg") or model_name(r["model_path"]) is None or r["system"] not in DEVICES:
         return None
     q = r["gemm_quant_mode"].strip()
     native = NATIVE.get(model_name(r["model_path"])) == q
     nvfp4 = q == "nvfp4" and not native and get_device(DEVICES[r["system"]]).fp4_flops is not None
     if q not in QUANT and not native and not nvfp4:
         return None
-    if float(r["pp_size"] or 1) != 1:
+    ttft, tpot = _num(r, "silicon_ttft_ms"), _num(r, "silicon_tpot_ms")
+    if not (ttft and tpot and ttft > 0 and tpot > 0):
         return None
-    try:
-        conc, tp = client_concurrency(r), int(float(r["tp_size"]))
-        ttft, tpot = float(r["silicon_ttft_ms"]), float(r["silicon_tpot_ms"])
-    except ValueError:
-        return None
-    if not (ttft > 0 and tpot > 0):
-        return None
+    if r["mode"] == "agg":
+        if (_num(r, "pp_size", 1) or 1) != 1:
+            return None
+        try:
+            conc, tp = client_concurrency(r), int(float(r["tp_size"]))
+        except ValueError:
+            return None
+    else:
+        conc, tp = 0, 0  # disagg_case fills them in
     case = {"backend": r["backend"], "system": r["system"], "model": model_name(r["model_path"]),
             "weight_dtype": None if native else "nvfp4" if nvfp4 else
             "fp8_block" if QUANT[q] == "fp8" and model_name(r["model_path"]) in FP8_AS_BLOCK else QUANT[q], "tp": tp, "concurrency": conc, "isl": int(r["isl"]),
@@ -141,21 +213,12 @@ def usable(r: dict) -> dict | None:
         case["measured"] = when.group(1)
     if r["backend"] == "vllm" and re.fullmatch(r"\d+\.\d+(\.\d+)?", str(r.get("backend_version", "")).strip()):
         case["vllm_version"] = str(r["backend_version"]).strip()  # its memory profiling sizes the pool
+    if r["mode"] == "disagg":
+        return disagg_case(r, case)
     if float(r.get("moe_ep_size") or 1) > 1:  # vLLM's --enable-expert-parallel
         case["expert_parallel"] = True
-    dp = int(float(r.get("attention_dp_size") or 1))
-    if dp > 1:
-        # Data-parallel attention. Where tp_size is a multiple of dp, read as InferenceMAX's
-        # recipes run it: tp_size GPUs in all, dp ranks of tp_size / dp each (its `tp: 4, dp-attn:
-        # true` is vLLM's -dp 4 -tp 1 on 4 GPUs), not dp x tp_size GPUs as moe_tp x moe_ep would
-        # say (tp 4 x dp 4 with moe_ep 16): so read, MiniMax-M2.5's DP rows have the errors of its
-        # non-DP rows (docs/reports). Otherwise (tp_size 1 with dp 8, as TensorRT-LLM's rows write
-        # it) dp ranks of tp_size GPUs each, dp x tp_size in all, which is moe_tp x moe_ep there.
-        case["tp"] = tp // dp if tp % dp == 0 else tp
-        if get_model(case["model"]).is_moe:
-            case["data_parallel"] = dp
-        else:  # a dense model's data parallelism is dp engines behind vLLM's own balancer
-            case["replicas"] = dp
+    # Data-parallel attention (a dense model's data parallelism: dp engines behind vLLM's balancer)
+    case.update(engine_shape(tp, int(_num(r, "attention_dp_size", 1) or 1), get_model(case["model"]).is_moe))
     return case
 
 
@@ -279,10 +342,31 @@ def aic_collection_server(case: dict) -> dict:
             "max_num_seqs": case["concurrency"], "enable_prefix_caching": False}
 
 
+# A disaggregated config in the same benchmark mode (the same rule files): a prefill worker runs
+# max_batch_size sequences (the row's prefill_batch_size, 1 where unset) with a budget of ISL + 1500,
+# a decode worker max_batch_size sequences (decode_batch_size) per rank; no prefix caching.
+def aic_collection_pd_server(case: dict) -> tuple[dict, dict]:
+    """(pool keys, scheduler settings) of a disaggregated row of AIConfigurator's collection."""
+    pd = case["pd"]
+    pools = {"prefill_max_num_seqs": pd.get("prefill_batch_size", 1),
+             "prefill_max_num_batched_tokens": case["isl"] + 1500}
+    if pd.get("decode_batch_size"):
+        pools["decode_max_num_seqs"] = pd["decode_batch_size"]
+    return pools, {"enable_prefix_caching": False}
+
+
 def server(case: dict) -> tuple[dict, dict, dict]:
     """(deployment extras, scheduler settings, kernel cost-model keys) of the row's server: the last
     as a scenario's cost_model takes them (`overheads`; `moe_activations` where the recipe selects
-    a MoE kernel)."""
+    a MoE kernel). A disaggregated row's pool keys come with the deployment extras (`pd`): its
+    decode engines run the row's decode_batch_size sequences per rank where it is recorded."""
+    if case.get("pd"):
+        if case["source"] == "gap-analysis":
+            pools, sched = aic_collection_pd_server(case)
+            return {"pd": pools}, sched, {}
+        dep, sched, cm = server({k: v for k, v in case.items() if k != "pd"})
+        pools = {"decode_max_num_seqs": case["pd"]["decode_batch_size"]} if case["pd"].get("decode_batch_size") else {}
+        return {**dep, "pd": pools}, sched, cm
     if case["source"] == "gap-analysis" and case["backend"] in ("vllm", "trtllm"):
         return {}, aic_collection_server(case), {}
     if case["source"] != "inferencemax" or case["backend"] != "vllm":
@@ -329,6 +413,7 @@ def scenario_data(case: dict, prompts_per_slot: int | None = None, cost_model: d
     elif range_ratio:
         bench["range_ratio"] = range_ratio
     dep, sched, kern = server(case) if recipe else ({}, {}, {})
+    pd_server = dep.pop("pd", {})
     data = {"name": "silicon-check", "seed": 0,
             "deployment": {"model": case["model"] + ("-nvfp4" if case["weight_dtype"] == "nvfp4" else ""),
                            "device": DEVICES[case["system"]], "tp": case["tp"],
@@ -341,7 +426,12 @@ def scenario_data(case: dict, prompts_per_slot: int | None = None, cost_model: d
                               if case.get("replicas") else {}),
                            **({"vllm_version": case["vllm_version"]} if case.get("vllm_version") else {})},
             "workload": {"benchmark": bench, "sampling": proto["sampling"]}}
-    if case["tp"] * case.get("data_parallel", 1) > get_device(DEVICES[case["system"]]).gpus_per_node:  # one engine
+    widest = case["tp"] * case.get("data_parallel", 1)  # one engine's GPUs
+    if case.get("pd"):  # disaggregated pools: the row's engines, their server's limits
+        pd = {k: v for k, v in case["pd"].items() if not k.endswith("_batch_size")}
+        data["deployment"]["pd"] = {**pd, **pd_server}
+        widest = max(pd[f"{p}_tp"] * pd.get(f"{p}_data_parallel", 1) for p in ("prefill", "decode"))
+    if widest > get_device(DEVICES[case["system"]]).gpus_per_node:
         data["deployment"]["interconnect"] = dict(INTER_NODE)
     if sched:
         data["scheduler"] = sched
@@ -459,6 +549,8 @@ def main(argv=None) -> None:
     ap.add_argument("--backend", action="append", help="only these backends (repeatable)")
     ap.add_argument("--system", action="append", help="only these systems (repeatable)")
     ap.add_argument("--model", action="append", help="only these models, by catalog name (repeatable)")
+    ap.add_argument("--mode", action="append", choices=("agg", "disagg"),
+                    help="only aggregated or disaggregated (prefill/decode pools) rows (repeatable)")
     ap.add_argument("--max-osl", type=int, default=0, help="skip rows with a longer OSL (speed)")
     ap.add_argument("--prompts-per-slot", type=int, default=None,
                     help="requests per concurrency slot, instead of the protocol's (InferenceMAX 10, "
@@ -481,7 +573,12 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if not a.csv or not Path(a.csv).exists():
         sys.exit("silicon_check: no silicon_sample.csv (install the aisimulate wheel or give --csv)")
-    cases = [c for c in map(usable, allowed_rows(a.csv)) if c is not None]
+    allowed = allowed_rows(a.csv)
+    cases = [c for c in map(usable, allowed) if c is not None]
+    for c in cases:
+        c["mode"] = "disagg" if c.get("pd") else "agg"
+    if a.mode:
+        cases = [c for c in cases if c["mode"] in a.mode]
     if a.backend:
         cases = [c for c in cases if c["backend"] in a.backend]
     if a.system:
@@ -509,7 +606,9 @@ def main(argv=None) -> None:
              "preemptions": sim["preemptions"]}
         r["err_ttft"] = (sim["ttft_ms"] - c["ttft_ms"]) / c["ttft_ms"]
         r["err_tpot"] = (sim["tpot_ms"] - c["tpot_ms"]) / c["tpot_ms"]
-        if a.aisimulate:
+        if a.aisimulate and c.get("pd"):
+            r["ais_error"] = "disaggregated row: not run through AISimulate here (aggregated configs only)"
+        elif a.aisimulate:
             try:
                 peer = aisimulate(a.aisimulate, c, data)
             except (RuntimeError, KeyError) as e:  # a model or system it does not have: say so
@@ -522,6 +621,10 @@ def main(argv=None) -> None:
     report = {
         "source": a.csv, "held_out": f"backend={HELD_OUT_BACKEND} on {sorted(HELD_OUT_SYSTEMS)} (dropped unread)",
         "rows": len(rows), "skipped": len(skipped), "wall_s": round(time.perf_counter() - t0, 1),
+        # rows of the file this script cannot express at all (an unknown model or GPU, pipeline
+        # parallelism, a quantisation the GPU lacks, pools of unrecorded shape), by backend/system
+        "not_expressible": dict(sorted(Counter(f"{r['backend']} {r['system']} {r['mode']}" for r in allowed
+                                               if usable(r) is None).items())),
         "error_definition": "(sim - silicon) / silicon of the mean TTFT / TPOT; bias = median signed error",
         "overall": summarize_errors(rows, ()),
         # the setting of the held-out check: concurrency 4-144, ISL 1k-8k, OSL 100-8k
@@ -538,6 +641,10 @@ def main(argv=None) -> None:
                                              ("backend", "system", "model", "data_parallel")),
         "by_concurrency": summarize_errors(rows, ("backend", "concurrency")),
         "by_source": summarize_errors(rows, ("backend", "system", "source")),
+        "by_mode": summarize_errors(rows, ("backend", "system", "mode")),
+        # disaggregated rows, by whether they record their pools' worker counts (else one of each)
+        "disagg_by_workers_recorded": summarize_errors([r for r in rows if r["mode"] == "disagg"],
+                                                       ("backend", "system", "pd_workers_recorded")),
     }
     if skipped:
         report["skipped_examples"] = skipped[:5]

@@ -99,8 +99,9 @@ def capacity_bound(sc, tpot_limit: float | None) -> float:
         return _pool_bound(sc.cost_model, sc.scheduler_config, p_u, out, tpot_limit)
     pcfg, pcost = sc.pd["prefill"]
     dcfg, dcost = sc.pd["decode"]
-    pre = sc.pd["prefill_replicas"] * _pool_bound(pcost, pcfg, p_u, out, None, prefill_only=True)
-    dec = sc.pd["decode_replicas"] * _pool_bound(dcost, dcfg, p_u, out, tpot_limit, decode_only=True)
+    ranks = {pool: sc.pd[f"{pool}_replicas"] * sc.pd.get(f"{pool}_data_parallel", 1) for pool in ("prefill", "decode")}
+    pre = ranks["prefill"] * _pool_bound(pcost, pcfg, p_u, out, None, prefill_only=True)
+    dec = ranks["decode"] * _pool_bound(dcost, dcfg, p_u, out, tpot_limit, decode_only=True)
     return min(pre, dec)
 
 

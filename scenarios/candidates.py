@@ -137,16 +137,17 @@ def gpus_per_unit(cand: dict) -> int:
     pd = cand.get("pd")
     if not pd:
         return int(cand["tp"]) * int(cand.get("data_parallel", 1))
-    return (pd.get("prefill_replicas", 1) * pd.get("prefill_tp", cand["tp"])
-            + pd.get("decode_replicas", 1) * pd.get("decode_tp", cand["tp"]))
+    return sum(pd.get(f"{pool}_replicas", 1) * pd.get(f"{pool}_tp", cand["tp"]) * pd.get(f"{pool}_data_parallel", 1)
+               for pool in ("prefill", "decode"))
 
 
 def label(cand: dict) -> str:
     pd = cand.get("pd")
     dp = cand.get("data_parallel", 1)
     shape = (f"tp{cand['tp']}" + (f" dp{dp}" if dp > 1 else "") if not pd else
-             f"P{pd.get('prefill_replicas', 1)}xtp{pd.get('prefill_tp', cand['tp'])}"
-             f"+D{pd.get('decode_replicas', 1)}xtp{pd.get('decode_tp', cand['tp'])}")
+             "+".join(f"{pool[0].upper()}{pd.get(f'{pool}_replicas', 1)}xtp{pd.get(f'{pool}_tp', cand['tp'])}"
+                      + (f"dp{pd[f'{pool}_data_parallel']}" if pd.get(f"{pool}_data_parallel", 1) > 1 else "")
+                      for pool in ("prefill", "decode")))
     return (f"{cand['device']} {shape} B{cand['max_num_batched_tokens']} S{cand['max_num_seqs']} "
             f"{cand['policy']}" + (f" {cand['router']}" if cand["router"] != "round_robin" else ""))
 

@@ -40,7 +40,7 @@ from engine.core.features import BatchFeatures
 from engine.core.records import STEP_COLUMNS, RequestRecord
 from sim.cost_model import CostModel
 from sim.metrics import request_table, summarize, stats
-from sim.replica import Replica, SimRequest
+from sim.replica import DataParallelGroup, Replica, SimRequest
 from sim.simulation import SimResult, Simulation
 
 
@@ -55,11 +55,19 @@ class KVArrivedCost(CostModel):
         # The pool's timing composition (CPU work, async scheduling) is the base's own.
         self.async_scheduling = base.async_scheduling
 
-    def step_time(self, f) -> float:
+    @staticmethod
+    def _as_decodes(f) -> BatchFeatures:
         n = f.num_decode_reqs + f.num_prefill_reqs
         ctx = f.decode_context_tokens + f.prefill_context_tokens + f.num_prefill_tokens
-        return self.base.step_time(BatchFeatures(num_reqs=f.num_reqs, num_decode_reqs=n,
-                                                 decode_context_tokens=ctx))
+        return BatchFeatures(num_reqs=f.num_reqs, num_decode_reqs=n, decode_context_tokens=ctx)
+
+    def step_time(self, f) -> float:
+        return self.base.step_time(self._as_decodes(f))
+
+    def group_step_time(self, features, ranks=None) -> float:
+        """A decode engine's data-parallel ranks: each rank's arrived prompts as decodes, and the
+        MoE layers over the ranks' decode tokens (the base's group step)."""
+        return self.base.group_step_time([self._as_decodes(f) for f in features], ranks)
 
 
 class _PrefillView:
@@ -102,15 +110,21 @@ class DisaggSimulation(Simulation):
         pcfg, pcost = pd["prefill"]
         dcfg, dcost = pd["decode"]
         self.view = _PrefillView(workload)
+        pdp, ddp = pd.get("prefill_data_parallel", 1), pd.get("decode_data_parallel", 1)
         super().__init__(self.view, pcfg, pcost, num_replicas=pd["prefill_replicas"], router=router,
                          seed=seed, use_steady=False, keep_token_times=keep_token_times,
-                         keep_steps=keep_steps, progress=progress, slo=slo, max_time_s=max_time_s)
+                         keep_steps=keep_steps, progress=progress, slo=slo, max_time_s=max_time_s,
+                         data_parallel=pdp)
         self.workload = workload
-        self.num_prefill = pd["prefill_replicas"]
+        self.num_prefill = pd["prefill_replicas"] * pdp  # ranks: each its own scheduler and pool
         self.decode_config = replace(
             dcfg, max_num_batched_tokens=max(dcfg.max_num_batched_tokens, dcfg.max_model_len + dcfg.max_num_seqs))
-        self.decoders = [Replica(self, self.num_prefill + i, self.decode_config, KVArrivedCost(dcost))
-                         for i in range(pd["decode_replicas"])]
+        arrived = KVArrivedCost(dcost)
+        self.decoders = [Replica(self, self.num_prefill + i, self.decode_config, arrived, start=ddp == 1)
+                         for i in range(pd["decode_replicas"] * ddp)]
+        # A decode engine of ddp data-parallel ranks steps them together (DataParallelGroup).
+        self.decode_groups = [DataParallelGroup(self, self.decoders[i:i + ddp], arrived)
+                              for i in range(0, len(self.decoders), ddp)] if ddp > 1 else []
         self.bytes_per_token = pd["kv_bytes_per_token"]
         self.bandwidth = pd["link_bandwidth_gb_s"] * 1e9
         self.latency = pd["link_latency_s"]

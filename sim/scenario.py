@@ -8,7 +8,9 @@
                  sizes the pool; default sim.specs.DEFAULT_VLLM_VERSION),
                  interconnect: {bandwidth_gb_s, latency_s},  # required for tp beyond one node
                  pd: {prefill_replicas, decode_replicas, prefill_tp, decode_tp,
-                      link_bandwidth_gb_s, link_latency_s}}     # disaggregated pools (sim/disagg.py)
+                      link_bandwidth_gb_s, link_latency_s,      # disaggregated pools (sim/disagg.py)
+                      {prefill,decode}_expert_parallel, {prefill,decode}_data_parallel (MoE),
+                      {prefill,decode}_max_num_seqs, {prefill,decode}_max_num_batched_tokens}}
     scheduler:  {max_num_batched_tokens, max_num_seqs, max_model_len, block_size,
                  enable_chunked_prefill, long_prefill_token_threshold, enable_prefix_caching,
                  policy, reserve_full_prompt, unhashed_blocks_first, watermark,
@@ -90,8 +92,11 @@ class Scenario:
         w = self.workload.describe()
         if self.pd is not None:
             p = self.pd
+            shape = {pool: f"tp={p[f'{pool}_tp']}" + (f", dp={p[f'{pool}_data_parallel']}"
+                                                       if p.get(f"{pool}_data_parallel", 1) > 1 else "")
+                     + (", ep" if p.get(f"{pool}_expert_parallel") else "") for pool in ("prefill", "decode")}
             return (f"{d.get('model')} on {d.get('device')}: {p['prefill_replicas']} prefill replica(s) "
-                    f"(tp={p['prefill_tp']}) + {p['decode_replicas']} decode replica(s) (tp={p['decode_tp']}), "
+                    f"({shape['prefill']}) + {p['decode_replicas']} decode replica(s) ({shape['decode']}), "
                     f"KV link {p['link_bandwidth_gb_s']:g} GB/s; budget {c.max_num_batched_tokens} tokens / "
                     f"{c.max_num_seqs} seqs; {len(self.workload)} requests ({w.get('source', '?')})")
         dp = f", dp={self.data_parallel}" if self.data_parallel > 1 else ""
@@ -231,8 +236,10 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
         raise ScenarioError(str(e)) from None
     blocks = dep.integer("num_gpu_blocks", None, ge=2)
     pd_m = dep.sub("pd")
-    widest = max([tp * dp] + [pd_m.d.get(k) for k in ("prefill_tp", "decode_tp")
-                         if pd_m is not None and isinstance(pd_m.d.get(k), int)])
+    widest = max([tp * dp] + [pd_m.d.get(f"{k}_tp", tp) * pd_m.d.get(f"{k}_data_parallel", 1)
+                              for k in ("prefill", "decode") if pd_m is not None
+                              and isinstance(pd_m.d.get(f"{k}_tp", tp), int)
+                              and isinstance(pd_m.d.get(f"{k}_data_parallel", 1), int)])
     ic = dep.sub("interconnect")
     if ic is not None:  # a TP group beyond one node: its all-reduce runs over this link
         device = replace(device, interconnect_bandwidth=ic.number("bandwidth_gb_s", gt=0) * 1e9,
@@ -247,12 +254,29 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
             "for its all-reduce")
     pd = None
     if pd_m is not None:
+        if dp > 1:
+            raise ScenarioError(f"deployment.data_parallel={dp}: with deployment.pd, give each pool its own "
+                                "(pd.prefill_data_parallel, pd.decode_data_parallel)")
         pd = {"prefill_replicas": pd_m.integer("prefill_replicas", 1, ge=1),
               "decode_replicas": pd_m.integer("decode_replicas", 1, ge=1),
               "prefill_tp": pd_m.integer("prefill_tp", tp, ge=1),
               "decode_tp": pd_m.integer("decode_tp", tp, ge=1),
               "link_bandwidth_gb_s": pd_m.number("link_bandwidth_gb_s", 50.0, gt=0),
               "link_latency_s": pd_m.number("link_latency_s", 1e-4, ge=0)}
+        # Each pool's engine as vLLM's flags shape it (a pool replica is one engine of data_parallel
+        # ranks of tp GPUs each, as deployment.data_parallel is for an aggregated replica), and its
+        # own scheduler limits where the pools' servers differ (default: the scheduler section's).
+        for pool in ("prefill", "decode"):
+            pd[f"{pool}_expert_parallel"] = pd_m.boolean(f"{pool}_expert_parallel", ep)
+            pd[f"{pool}_data_parallel"] = pd_m.integer(f"{pool}_data_parallel", 1, ge=1)
+            pd[f"{pool}_max_num_seqs"] = pd_m.integer(f"{pool}_max_num_seqs", None, ge=1)
+            pd[f"{pool}_max_num_batched_tokens"] = pd_m.integer(f"{pool}_max_num_batched_tokens", None, ge=1)
+            if not model.is_moe:
+                for key, off in (("expert_parallel", False), ("data_parallel", 1)):
+                    if pd[f"{pool}_{key}"] != off:
+                        raise ScenarioError(f"deployment.pd.{pool}_{key}={pd[f'{pool}_{key}']!r}: {model.name} "
+                                            "has no experts (data-parallel attention and expert parallelism "
+                                            "are for mixtures of experts)")
         pd_m.done()
         if replicas != 1:
             raise ScenarioError(f"deployment.replicas={replicas}: with deployment.pd, size the pools with "
@@ -284,13 +308,13 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     sampling = (_M(wl_raw, "workload").text("sampling", "model_default", choices=SAMPLING_MODES)
                 if isinstance(wl_raw, dict) else "model_default")
 
-    def cost_for(t: int) -> tuple[CostModel, dict]:
-        built, meta = _cost_for(t)
+    def cost_for(t: int, ep: bool = ep, dp: int = dp) -> tuple[CostModel, dict]:
+        built, meta = _cost_for(t, ep, dp)
         if isinstance(built, KernelCostModel):  # a profile's stored spec may predate generation_filter
             built.set_sampling(sampling, vllm_version, model.generation_filter)
         return built, meta
 
-    def _cost_for(t: int) -> tuple[CostModel, dict]:
+    def _cost_for(t: int, ep: bool, dp: int) -> tuple[CostModel, dict]:
         # Shipped profiles are named device-[tpN-]model[-fp8|-fp8block][-kvfp8] (sim/profiles/README.md).
         default_profile = (f"{device.name}-" + (f"tp{t}-" if t > 1 else "") + model.name
                            + {"fp8": "-fp8", "fp8_block": "-fp8block"}.get(model.weight_dtype, "")
@@ -345,7 +369,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     budget = sc.integer("max_num_batched_tokens", default_budget, ge=1)
     max_seqs = sc.integer("max_num_seqs", default_seqs, ge=1)
 
-    def blocks_for(t: int, meta: dict) -> int:
+    def blocks_for(t: int, meta: dict, dp: int = dp, budget: int = budget, max_seqs: int = max_seqs) -> int:
         if blocks is not None:
             return blocks
         measured = meta.get("num_gpu_blocks") and meta.get("block_size", block_size) == block_size
@@ -363,7 +387,10 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
             raise ScenarioError(str(e)) from None
 
     explicit_blocks = blocks
-    blocks = blocks_for(tp, profile_meta)
+    # With pools, the scheduler section's own pool (and the default max_model_len) is that of one
+    # decode engine; each pool's is sized below.
+    base_t, base_dp = (pd["decode_tp"], pd["decode_data_parallel"]) if pd is not None else (tp, dp)
+    blocks = blocks_for(base_t, profile_meta if (base_t, base_dp) == (tp, dp) else {}, base_dp)
     state_note: list[str] = []
     if model.is_hybrid and explicit_blocks is None:
         # A linear-attention hybrid runs no more requests than the pool holds states for (each
@@ -398,7 +425,8 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
                                 f"at tp={t}, but the pool has {pool_blocks - 1}: lower the budget or raise tp")
         return left * block_size
 
-    default_len = min(model.max_position_embeddings, room(tp, blocks, f"deployment.tp={tp}"))
+    default_len = min(model.max_position_embeddings,
+                      room(base_t, blocks, f"deployment.tp={tp}" if pd is None else f"deployment.pd.decode_tp={base_t}"))
     policy = sc.text("policy", "fcfs", choices=tuple(POLICIES))
     try:
         cfg = SchedulerConfig(
@@ -424,8 +452,8 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     timing = timing_settings(sc)
     sc.done()
 
-    def timing_for(t: int) -> tuple[CostModel, dict]:
-        base, meta = (base_cost, profile_meta) if t == tp else cost_for(t)
+    def timing_for(t: int, pool_ep: bool = ep, pool_dp: int = dp) -> tuple[CostModel, dict]:
+        base, meta = (base_cost, profile_meta) if (t, pool_ep, pool_dp) == (tp, ep, dp) else cost_for(t, pool_ep, pool_dp)
         try:
             return timing_model(base, timing), meta
         except ValueError as e:
@@ -460,17 +488,17 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     if pd is not None:
         blocks = explicit_blocks
         for pool in ("prefill", "decode"):
-            pool_cost, meta = timing_for(pd[f"{pool}_tp"])
-            pool_blocks = blocks_for(pd[f"{pool}_tp"], meta)
-            t = pd[f"{pool}_tp"]
-            pool_cfg = replace(cfg, num_gpu_blocks=pool_blocks, **window_charge(t),
+            t, pdp = pd[f"{pool}_tp"], pd[f"{pool}_data_parallel"]
+            pool_cost, meta = timing_for(t, pd[f"{pool}_expert_parallel"], pdp)
+            limits = {"max_num_seqs": pd[f"{pool}_max_num_seqs"] or cfg.max_num_seqs,
+                      "max_num_batched_tokens": pd[f"{pool}_max_num_batched_tokens"] or cfg.max_num_batched_tokens}
+            pool_blocks = blocks_for(t, meta, pdp, limits["max_num_batched_tokens"], limits["max_num_seqs"])
+            pool_cfg = replace(cfg, num_gpu_blocks=pool_blocks, **window_charge(t), **limits,
                                max_model_len=min(cfg.max_model_len, room(t, pool_blocks, f"deployment.pd.{pool}_tp={t}")))
             pd[pool] = (pool_cfg, pool_cost)
         pd["kv_bytes_per_token"] = model.kv_bytes_per_token
         blocks = pd["decode"][0].num_gpu_blocks
 
-    if dp > 1 and pd is not None:
-        raise ScenarioError(f"deployment.data_parallel={dp}: not with deployment.pd (disaggregated pools)")
     return Scenario(name=name, seed=seed, path=path, scheduler_config=cfg, cost_model=cost,
                     workload=workload, replicas=replicas, data_parallel=dp, router=router, slo=slo,
                     record_token_times=record_times, plots=plots, steady_decode=steady,

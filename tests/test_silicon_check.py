@@ -60,7 +60,7 @@ def test_a_row_becomes_its_case_and_unsupported_rows_are_skipped():
     assert sc.scenario_data(ep)["deployment"]["expert_parallel"] is True
     assert "expert_parallel" not in sc.scenario_data(sc.usable(row()))["deployment"]
     assert sc.usable(row(model_path="tiiuae/falcon-40b")) is None      # not in the catalog
-    assert sc.usable(row(mode="disagg")) is None
+    assert sc.usable(row(mode="disagg")) is None  # pools of unrecorded shape
     # an NVFP4 row runs NVIDIA's -NVFP4 checkpoint on a GPU with FP4 tensor cores, not on Hopper
     fp4 = sc.usable(row(gemm_quant_mode="nvfp4"))
     assert fp4["weight_dtype"] == "nvfp4"
@@ -277,3 +277,67 @@ def test_minimax_h200_rows_of_the_ep_flag_bug_serve_with_expert_parallelism():
     assert dep("0.18.0", "2026-03-27").get("expert_parallel") is True
     assert "expert_parallel" not in dep("0.16.0", "2026-03-02")        # before the flag's script
     assert "expert_parallel" not in dep("0.20.1", "2026-05-20")        # its script fixed
+
+
+def pools(**kw) -> dict:
+    """A disaggregated row: the aggregated columns blank, each pool's own."""
+    base = {"mode": "disagg", "tp_size": "", "pp_size": "", "attention_dp_size": "", "batch_size": "",
+            "model_path": "deepseek-ai/DeepSeek-V3", "system": "h200_sxm", "backend": "trtllm",
+            "prefill_batch_size": "1", "prefill_num_workers": "2", "prefill_tp_size": "8", "prefill_pp_size": "1",
+            "prefill_attention_dp_size": "1", "prefill_moe_tp_size": "1", "prefill_moe_ep_size": "8",
+            "decode_batch_size": "32", "decode_num_workers": "3", "decode_tp_size": "1", "decode_pp_size": "1",
+            "decode_attention_dp_size": "8", "decode_moe_tp_size": "1", "decode_moe_ep_size": "8",
+            "silicon_data_source": "db-dump/2026-04-27; config_id=1; silicon_concurrency=768"}
+    return row(**{**base, **kw})
+
+
+def test_a_disaggregated_row_runs_as_its_pools():
+    case = sc.usable(pools())
+    # the client: decode_batch_size x decode workers x decode DP ranks (32 x 3 x 8), which the
+    # source's silicon_concurrency records
+    assert case["concurrency"] == 768
+    pd = case["pd"]
+    assert (pd["prefill_replicas"], pd["prefill_tp"], pd.get("prefill_data_parallel")) == (2, 8, None)
+    assert (pd["decode_replicas"], pd["decode_tp"], pd["decode_data_parallel"]) == (3, 1, 8)
+    assert pd["prefill_expert_parallel"] and pd["decode_expert_parallel"] and case["pd_workers_recorded"]
+    data = sc.scenario_data(case)
+    dep = data["deployment"]
+    # decode engines run decode_batch_size sequences per rank; the KV moves over the narrower
+    # engine's NICs (8 GPUs x 50 GB/s)
+    assert dep["pd"]["decode_max_num_seqs"] == 32 and dep["pd"]["link_bandwidth_gb_s"] == 400.0
+    assert not any(k.endswith("_batch_size") for k in dep["pd"])
+    assert data["workload"]["benchmark"]["concurrency"] == 768
+    parsed = parse_scenario(data)
+    assert parsed.pd["decode"][0].max_num_seqs == 32
+    assert parsed.pd["decode"][1].describe()["data_parallel"] == 8
+    assert parsed.pd["prefill"][1].describe()["tp"] == 8
+    # a dense model's pool DP is that many more engines
+    q = sc.usable(pools(model_path="Qwen/Qwen3-32B", gemm_quant_mode="fp8_block", decode_moe_ep_size="1",
+                        prefill_moe_ep_size="1", decode_tp_size="2", decode_attention_dp_size="2"))
+    assert (q["pd"]["decode_replicas"], q["pd"]["decode_tp"]) == (6, 1) and "decode_data_parallel" not in q["pd"]
+    # without worker counts (InferenceMAX's CSV exports): the recorded concurrency, one engine per pool
+    bare = sc.usable(pools(prefill_num_workers="", decode_num_workers="", decode_batch_size="",
+                           silicon_data_source="source_file=2026-04-06.csv; silicon_concurrency=60"))
+    assert bare["concurrency"] == 60 and not bare["pd_workers_recorded"]
+    assert (bare["pd"]["prefill_replicas"], bare["pd"]["decode_replicas"]) == (1, 1)
+    assert sc.usable(pools(prefill_pp_size="2")) is None  # pipeline parallel: not modelled
+
+
+def test_a_disaggregated_gap_analysis_row_runs_aiconfigurators_pool_servers():
+    # AIConfigurator's benchmark rules: a prefill worker of prefill_batch_size sequences and a budget
+    # of ISL + 1500, decode workers of decode_batch_size; the client at decode workers x batch
+    src = "source_file=/x/aic-auto-gap-analysis/data/h100_sxm/sglang/0.5.6/qwen3_32b.csv; measured=2026-01-23"
+    case = sc.usable(pools(backend="sglang", system="h100_sxm", model_path="Qwen/Qwen3-32B",
+                           gemm_quant_mode="fp8_block", isl="4000", osl="1000", prefill_num_workers="5",
+                           prefill_tp_size="1", prefill_moe_ep_size="1", decode_batch_size="48",
+                           decode_num_workers="11", decode_tp_size="1", decode_attention_dp_size="1",
+                           decode_moe_ep_size="1", silicon_data_source=src))
+    assert case["source"] == "gap-analysis" and case["concurrency"] == 48 * 11
+    data = sc.scenario_data(case, protocol="auto")
+    pd = data["deployment"]["pd"]
+    assert (pd["prefill_replicas"], pd["decode_replicas"]) == (5, 11)
+    assert (pd["prefill_max_num_seqs"], pd["prefill_max_num_batched_tokens"], pd["decode_max_num_seqs"]) == (1, 5500, 48)
+    assert data["scheduler"] == {"enable_prefix_caching": False}
+    assert data["workload"]["benchmark"]["warmup"] == 2 * 528  # aiperf's warm-up per slot
+    parsed = parse_scenario(data)
+    assert parsed.pd["prefill"][0].max_num_seqs == 1 and parsed.pd["decode"][0].max_num_seqs == 48
