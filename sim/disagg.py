@@ -1,9 +1,18 @@
 """Disaggregated prefill/decode pools on one SimPy clock, composed from Simulation and Replica.
 
-    arrival -> router -> prefill replica: the prompt with max_tokens 1 (prefill + first token)
+    arrival -> router -> prefill replica: the prompt with max_tokens 1 (prefill + one token)
             -> transfer queue (FIFO) -> the decode replica with room and fewest requests
             -> KV transfer: prompt tokens x KV bytes per token / link bandwidth + link latency
-            -> decode replica: the remaining output_len - 1 tokens
+            -> decode replica: every output token the client sees (`first_token: decode`, the
+               default), or the remaining output_len - 1 after the prefill's (`first_token: prefill`)
+
+Which engine streams the first token: in vLLM's disaggregated serving (its P/D proxy examples and
+NVIDIA Dynamo's workers for vLLM, SGLang and TensorRT-LLM) the prefill request runs with
+max_tokens 1 and its token is not sent; the decode engine streams every token, computing the
+first in its first step for the request (vLLM recomputes the prompt's last token over the arrived
+KV). So the client's TTFT holds the prefill, the wait for decode room, the transfer and that
+step, and TPOT the decode steps alone. `first_token: prefill` is a server that streams the
+prefill engine's token at once (the hand-off gap then falls between the first two tokens).
 
 Every replica, prefill or decode, is a plain `Replica` with its own shared-scheduler instance.
 
@@ -129,6 +138,7 @@ class DisaggSimulation(Simulation):
         self.bandwidth = pd["link_bandwidth_gb_s"] * 1e9
         self.latency = pd["link_latency_s"]
         self.pd = {k: v for k, v in pd.items() if k not in ("prefill", "decode")}
+        self.first_from_decode = pd.get("first_token", "decode") == "decode"
         self.queue: deque[_Handoff] = deque()
         self.in_flight = [0] * len(self.decoders)
         self.promised: list[list[_Handoff]] = [[] for _ in self.decoders]
@@ -147,7 +157,8 @@ class DisaggSimulation(Simulation):
             return
         out_len = self.view.output_len.pop(sreq.spec.request_id)
         rec = sreq.record
-        if error is not None or rec.finish_reason not in ("stop", "length") or out_len <= 1:
+        if (error is not None or rec.finish_reason not in ("stop", "length")
+                or (out_len <= 1 and not self.first_from_decode)):
             super().on_finish(replica, sreq, error)
             return
         replica.outstanding -= 1
@@ -193,7 +204,7 @@ class DisaggSimulation(Simulation):
         self.in_flight[i] -= 1
         spec = h.sreq.spec
         now = self.env.now
-        dspec = replace(spec, arrival_s=now, output_len=h.output_len - 1)
+        dspec = replace(spec, arrival_s=now, output_len=h.output_len - (0 if self.first_from_decode else 1))
         drec = RequestRecord(spec.request_id, now, spec.prompt_len)
         d = self.decoders[i]
         drec.replica = d.index
@@ -217,7 +228,13 @@ class DisaggSimulation(Simulation):
         rec, drec = h.sreq.record, dsreq.record
         rec.finish_reason, rec.finish_s = drec.finish_reason, drec.finish_s
         rec.num_preemptions += drec.num_preemptions
-        if drec.first_token_s is not None:
+        if drec.first_token_s is not None and self.first_from_decode:
+            # the prefill's token was never sent: the client's tokens are the decode engine's
+            rec.first_token_s, rec.last_token_s = drec.first_token_s, drec.last_token_s
+            rec.num_output_tokens = drec.num_output_tokens
+            if rec.token_times_s is not None:
+                rec.token_times_s[:] = drec.token_times_s or []
+        elif drec.first_token_s is not None:
             self.handoff_gaps.append(drec.first_token_s - rec.first_token_s)
             rec.last_token_s = drec.last_token_s
             rec.num_output_tokens += drec.num_output_tokens

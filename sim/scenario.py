@@ -9,6 +9,7 @@
                  interconnect: {bandwidth_gb_s, latency_s},  # required for tp beyond one node
                  pd: {prefill_replicas, decode_replicas, prefill_tp, decode_tp,
                       link_bandwidth_gb_s, link_latency_s,      # disaggregated pools (sim/disagg.py)
+                      first_token: decode|prefill,
                       {prefill,decode}_expert_parallel, {prefill,decode}_data_parallel (MoE),
                       {prefill,decode}_max_num_seqs, {prefill,decode}_max_num_batched_tokens}}
     scheduler:  {max_num_batched_tokens, max_num_seqs, max_model_len, block_size,
@@ -262,7 +263,9 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
               "prefill_tp": pd_m.integer("prefill_tp", tp, ge=1),
               "decode_tp": pd_m.integer("decode_tp", tp, ge=1),
               "link_bandwidth_gb_s": pd_m.number("link_bandwidth_gb_s", 50.0, gt=0),
-              "link_latency_s": pd_m.number("link_latency_s", 1e-4, ge=0)}
+              "link_latency_s": pd_m.number("link_latency_s", 1e-4, ge=0),
+              # which engine streams the client's first token (sim/disagg.py)
+              "first_token": pd_m.text("first_token", "decode", choices=("decode", "prefill"))}
         # Each pool's engine as vLLM's flags shape it (a pool replica is one engine of data_parallel
         # ranks of tp GPUs each, as deployment.data_parallel is for an aggregated replica), and its
         # own scheduler limits where the pools' servers differ (default: the scheduler section's).

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.core.features import BatchFeatures
 from sim.scenario import ScenarioError, parse_scenario, run_scenario
 
 KV_PER_TOKEN = 128 * 1024  # Llama-3.1-8B bf16
@@ -32,8 +33,15 @@ def test_kv_transfer_time_is_bytes_over_bandwidth_plus_latency(prompt, bw):
     rec = res.records[0]
     assert rec.finish_reason == "length" and rec.num_output_tokens == 4
     assert len(rec.token_times_s) == 4
-    # The second token needs the KV on the decode replica first, then one decode step.
-    assert rec.token_times_s[1] - rec.token_times_s[0] > expected
+    # The client's first token needs the KV on the decode replica first, then one decode step
+    # (vLLM's decode engine streams every token); with `first_token: prefill` the prefill's token
+    # is sent and the transfer falls between the first two.
+    prefill_token = run_scenario(parse_scenario(pd_scenario(prompt, 4, bw=bw, latency=2e-4, first_token="prefill")))
+    p = prefill_token.records[0]
+    assert rec.token_times_s[0] - p.token_times_s[0] > expected
+    assert p.token_times_s[1] - p.token_times_s[0] > expected
+    gap = rec.token_times_s[1] - rec.token_times_s[0]  # one decode step, no transfer
+    assert gap == pytest.approx(p.token_times_s[2] - p.token_times_s[1], rel=1e-3) and gap < p.token_times_s[1] - p.token_times_s[0]
 
 
 def test_transfer_grows_linearly_with_prompt_and_inversely_with_bandwidth():
@@ -67,14 +75,24 @@ def test_decode_pool_short_of_kv_blocks_waits_and_finishes_everything():
     assert res.summary["pd"]["wait_for_room_s"]["max"] > 0
 
 
-def test_ttft_comes_from_the_prefill_pool_and_tpot_includes_the_transfer():
+def test_ttft_holds_prefill_transfer_and_the_decode_step_and_tpot_the_decode_steps():
+    # One request alone: the client's first token is the decode engine's (vLLM's P/D, Dynamo), after
+    # the prefill step, the transfer and one decode step over the arrived KV; its TPOT is the decode
+    # pool's steps, which the aggregated engine's decode steps equal (same cost model, no prefill).
     agg = dict(pd_scenario(2000, 50))
     agg["deployment"] = {"model": "llama-3.1-8b", "device": "h100-sxm", "tp": 1}
     a = run_scenario(parse_scenario(agg)).records[0]
-    d = run_scenario(parse_scenario(pd_scenario(2000, 50, bw=1.0))).records[0]
-    assert d.first_token_s - d.arrival_s == pytest.approx(a.first_token_s - a.arrival_s)  # same prefill step
+    sc = parse_scenario(pd_scenario(2000, 50, bw=1.0))
+    d = run_scenario(sc).records[0]
     transfer = 2000 * KV_PER_TOKEN / 1e9 + 1e-4
-    assert (d.last_token_s - d.first_token_s) - (a.last_token_s - a.first_token_s) > 0.9 * transfer
+    step = sc.pd["decode"][1].step_time(BatchFeatures(num_reqs=1, num_decode_reqs=1, decode_context_tokens=2000))
+    assert d.first_token_s - d.arrival_s == pytest.approx(a.first_token_s - a.arrival_s + transfer + step, rel=1e-6)
+    assert d.num_output_tokens == 50
+    assert d.last_token_s - d.first_token_s == pytest.approx(a.last_token_s - a.first_token_s, rel=0.02)
+    # a server that streams the prefill's token: TTFT is the prefill's, the transfer in TPOT
+    p = run_scenario(parse_scenario(pd_scenario(2000, 50, bw=1.0, first_token="prefill"))).records[0]
+    assert p.first_token_s - p.arrival_s == pytest.approx(a.first_token_s - a.arrival_s)  # same prefill step
+    assert (p.last_token_s - p.first_token_s) - (a.last_token_s - a.first_token_s) > 0.9 * transfer
 
 
 def test_pd_refuses_cancellation_and_bad_tp():
