@@ -2,7 +2,8 @@
 
     nice -n 19 .venv/bin/python bench/silicon_check.py [--csv PATH] [--max-rows N] [--out FILE]
 
-For each allowed row (a dense model we know, aggregated serving, TP only) it simulates the
+For each allowed row (a model of the catalog on a GPU with kernel tables; aggregated serving, or
+disaggregated prefill/decode pools shaped as the row records them: `disagg_case`) it simulates the
 benchmark the row reports: a closed loop at the row's concurrency (workload.benchmark) with the
 client of the row's source (--protocol auto, the default: InferenceMAX's benchmark_serving.py
 with --random-range-ratio 0.8 and 10 x CONC prompts for its rows, fixed lengths after warm-up for
@@ -11,7 +12,8 @@ GPU and TP, with the scenario defaults (kernel-table cost model, async schedulin
 clients), and compares mean TTFT
 and TPOT. Prints JSON:
 median |error| and signed bias (median of (sim - silicon) / silicon), overall and by backend,
-system, model, TP and concurrency.
+system, model, TP, concurrency and mode, and how many rows of the file it cannot express
+(`not_expressible`: e.g. GB200/GB300, which have no kernel tables here).
 
 With `--aisimulate PATH` (NVIDIA's AISimulate, in its own venv: see bench/sim_speed.py), every row
 also runs through AISimulate's `predict` with the very requests ServeTwin's scenario draws (a
