@@ -57,7 +57,8 @@ HELD_OUT_SYSTEMS = {"h100_sxm", "h200_sxm"}
 MODELS = {"meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b", "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
           "meta-llama/Llama-3.1-70B": "llama-3.1-70b", "meta-llama/Llama-3.1-70B-Instruct": "llama-3.1-70b",
           "Qwen/Qwen3-32B": "qwen3-32b"}
-DEVICES = {"h100_sxm": "h100-sxm", "h200_sxm": "h200", "b200_sxm": "b200", "b300_sxm": "b300"}
+DEVICES = {"h100_sxm": "h100-sxm", "h200_sxm": "h200", "b200_sxm": "b200", "b300_sxm": "b300", "gb200": "gb200",
+           "gb300": "gb300"}
 QUANT = {"": "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block"}
 # Rows that ran a model's own checkpoint in its own format, by the label the sample gives it: OpenAI's
 # gpt-oss checkpoints hold only MXFP4 experts (the sample labels every 4-bit row nvfp4), Kimi-K2.5's
@@ -637,9 +638,11 @@ def main(argv=None) -> None:
              and 100 <= r["osl"] <= 8192], ("backend", "system")),
         "by_backend_system": summarize_errors(rows, ("backend", "system")),
         "by_model": summarize_errors(rows, ("backend", "system", "model", "weight_dtype")),
-        "by_tp": summarize_errors(rows, ("backend", "system", "tp")),
+        # aggregated rows only: a disaggregated row's engines are in `pd` (by_mode)
+        "by_tp": summarize_errors([r for r in rows if r["mode"] == "agg"], ("backend", "system", "tp")),
         # data-parallel attention ranks (1: none)
-        "by_data_parallel": summarize_errors([{**r, "data_parallel": r.get("data_parallel", 1)} for r in rows],
+        "by_data_parallel": summarize_errors([{**r, "data_parallel": r.get("data_parallel", 1)} for r in rows
+                                              if r["mode"] == "agg"],
                                              ("backend", "system", "model", "data_parallel")),
         "by_concurrency": summarize_errors(rows, ("backend", "concurrency")),
         "by_source": summarize_errors(rows, ("backend", "system", "source")),

@@ -44,6 +44,9 @@ SYSTEMS = {
     "h200_sxm": ("0.31.0", "0.25.0", "0.31.0", "vllm_flash_attn_fa3"),
     "b200_sxm": ("0.27.1", "0.25.0", "0.24.0", None),  # per table, below
     "b300_sxm": ("0.27.1", "0.25.0", "0.24.0", None),  # B300 SXM6 measured as B200: the same choices
+    # GB200 and GB300 (the Grace-Blackwell NVL72 racks' GPUs), measured on their own: B200's choices
+    "gb200": ("0.27.1", "0.25.0", "0.24.0", None),
+    "gb300": ("0.27.1", "0.25.0", "0.24.0", None),
 }
 # The GPUs the aisimulate wheel has no vLLM tables for, from AIConfigurator 0.12.0's wheel
 # (package aiconfigurator_core): Ampere A100 SXM (vLLM 0.14.0: FlashAttention 2 as
@@ -64,7 +67,7 @@ KV_DTYPES = {"bf16": "bfloat16", "fp8": "fp8"}
 # A GEMM dtype read from another version than the system's: B200's block-scaled fp8 in 0.27.1 has a
 # floor of 0.16-0.27 ms on every shape (a 1 x 4096 x 3072 GEMM: 0.270 ms, where 0.25.0 measured
 # 0.011 ms and 0.27.1's own per-channel fp8 0.020 ms), which no kernel of that size takes on the GPU.
-GEMM_VERSION = {("b200_sxm", "fp8_block"): "0.25.0", ("b300_sxm", "fp8_block"): "0.25.0"}
+GEMM_VERSION = {(s, "fp8_block"): "0.25.0" for s in ("b200_sxm", "b300_sxm", "gb200", "gb300")}
 
 
 def sig(x: float, digits: int = 4):
@@ -176,6 +179,7 @@ def convert(site: Path, out: Path, systems: dict | None = None, package: str = "
 # The wheel's only fused-MoE tables for A100 (vLLM 0.14.0: vLLM's Triton kernel, bf16, skewed routings
 # only) and L40S (0.24.0: Triton for bf16 and fp8 blocks, Marlin for int4 and MXFP4).
 MOE_SYSTEMS = {"h100_sxm": "0.25.0", "h200_sxm": "0.25.0", "b200_sxm": "0.25.0", "b300_sxm": "0.25.0",
+               "gb200": "0.25.0", "gb300": "0.25.0",
                "a100_sxm": "0.14.0", "l40s": "0.24.0"}
 # A file without balanced routing names a GPU whose tables have both routings for the same kernel
 # (vLLM's Triton fused MoE) and shapes: the kernel model takes the uniform-routing reading from its
@@ -387,7 +391,8 @@ def convert_allreduce_eager(site: Path, out: Path, systems: list[str] | None = N
 # dim 256: those attention tables are added from the system's attention release.
 # system: (the system folder read, the vLLM release) of the tables B300 takes from B200
 HOPPER_BLACKWELL_025 = {"h100_sxm": ("h100_sxm", "0.25.0"), "h200_sxm": ("h200_sxm", "0.25.0"),
-                        "b200_sxm": ("b200_sxm", "0.25.0"), "b300_sxm": ("b200_sxm", "0.25.0")}
+                        "b200_sxm": ("b200_sxm", "0.25.0"), "b300_sxm": ("b200_sxm", "0.25.0"),
+                        "gb200": ("gb200", "0.25.0"), "gb300": ("gb300", "0.25.0")}
 LINEAR_ATTENTION = HOPPER_BLACKWELL_025
 GDN_KERNELS = {"context": ["causal_conv1d_fn", "chunk_gated_delta_rule_flashinfer"],
                "generation": ["causal_conv1d_update", "fused_recurrent_gated_delta_rule_packed_decode"]}
@@ -453,7 +458,7 @@ def convert_mla_module(site: Path, out: Path, systems: dict | None = None,
     root = site / package / "systems" / "data"
     for system, (src, version) in (systems or MLA_MODULE).items():
         path, doc = read_kernel_file(out, system)
-        gen_kernels = MLA_KERNELS["generation_blackwell" if src.startswith("b") else "generation_hopper"]
+        gen_kernels = MLA_KERNELS["generation_hopper" if src.startswith("h") else "generation_blackwell"]
         mod = {"model_shape": "deepseek-v3", "key": "kv_dtype/weight_dtype/heads",
                "kernels": {"context": MLA_KERNELS["context"], "generation": gen_kernels}}
         for phase, axis, kernels in (("context", "isl", MLA_KERNELS["context"]), ("generation", "kv_len", gen_kernels)):
@@ -480,7 +485,8 @@ def convert_mla_module(site: Path, out: Path, systems: dict | None = None,
 # projections' weight format, by batch x prompt length (no prefix), from the wheel's vLLM 0.24.0
 # `sparse_attention/dsa_context_module` tables. Prefill only, as for MLA (mla_module). B300: B200's.
 DSA_MODULE = {"h100_sxm": ("h100_sxm", "0.24.0"), "h200_sxm": ("h200_sxm", "0.24.0"),
-              "b200_sxm": ("b200_sxm", "0.24.0"), "b300_sxm": ("b200_sxm", "0.24.0")}
+              "b200_sxm": ("b200_sxm", "0.24.0"), "b300_sxm": ("b200_sxm", "0.24.0"),
+              "gb200": ("gb200", "0.24.0"), "gb300": ("gb300", "0.24.0")}
 DSA_MODELS = {"deepseek-ai/DeepSeek-V3.2": "deepseek-v3.2", "zai-org/GLM-5.2": "glm-5"}
 
 
@@ -510,7 +516,7 @@ def convert_dsa_module(site: Path, out: Path, systems: dict | None = None,
 # checkpoints) on Blackwell, which has FP4 tensor cores: the dense GEMM (FlashInfer's CuTe DSL
 # kernel, vLLM 0.27.1 as the other B200 GEMMs) added as gemm.nvfp4. Its fused-MoE tables come with
 # --moe (MOE_KERNELS' nvfp4).
-NVFP4_GEMM = {"b200_sxm": "0.27.1", "b300_sxm": "0.27.1"}
+NVFP4_GEMM = {"b200_sxm": "0.27.1", "b300_sxm": "0.27.1", "gb200": "0.27.1", "gb300": "0.27.1"}
 NVFP4_KERNELS = ["FlashInferCuteDslNvFp4LinearKernel"]
 
 
@@ -549,9 +555,16 @@ def main() -> None:
     ap.add_argument("--allreduce-eager", action="store_true",
                     help="add the all-reduce outside CUDA graphs to the files in --out (with --aiconfigurator: "
                          "AIC_SYSTEMS from its wheel)")
+    ap.add_argument("--system", action="append",
+                    help="convert only these systems (repeatable; default: every system of the pass)")
     args = ap.parse_args()
     if args.site is None:
         ap.error("--site: the site-packages folder that holds the wheel")
+    if args.system:  # every pass reads its systems from these tables: keep only the named ones
+        for table in (SYSTEMS, AIC_SYSTEMS, MOE_SYSTEMS, MOE_TRITON, LINEAR_ATTENTION, MLA_MODULE, DSA_MODULE,
+                      NVFP4_GEMM):
+            for name in [k for k in table if k not in args.system]:
+                del table[name]
     if args.allreduce_eager:
         if args.aiconfigurator:
             convert_allreduce_eager(args.site, args.out, list(AIC_SYSTEMS), "aiconfigurator_core")

@@ -95,8 +95,8 @@ def capacity_bound(sc, tpot_limit: float | None) -> float:
     """Upper bound (req/s) on what one unit of the parsed scenario `sc` serves (see the module
     doc); a P/D unit: the smaller of its prefill pool's and its decode pool's bounds."""
     p_u, out = workload_means(sc)
-    if sc.pd is None:
-        return _pool_bound(sc.cost_model, sc.scheduler_config, p_u, out, tpot_limit)
+    if sc.pd is None:  # a unit of data_parallel ranks, each its own scheduler and pool
+        return sc.data_parallel * _pool_bound(sc.cost_model, sc.scheduler_config, p_u, out, tpot_limit)
     pcfg, pcost = sc.pd["prefill"]
     dcfg, dcost = sc.pd["decode"]
     ranks = {pool: sc.pd[f"{pool}_replicas"] * sc.pd.get(f"{pool}_data_parallel", 1) for pool in ("prefill", "decode")}

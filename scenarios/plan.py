@@ -270,21 +270,25 @@ def prune_reason(data: dict, cand: dict, longest: int, base_dir=None) -> str | N
     util = dep.get("gpu_memory_utilization", 0.9)
     bs = sch.get("block_size", 16)
     pd = cand.get("pd") or {}
-    tps = sorted({pd.get("prefill_tp", cand["tp"]), pd.get("decode_tp", cand["tp"])} if pd else {cand["tp"]})
-    for tp in tps:
+    budget = cand.get("max_num_batched_tokens") or sch.get("max_num_batched_tokens")
+    seqs = cand.get("max_num_seqs") or sch.get("max_num_seqs")
+    # every engine shape of the candidate: (tp, data-parallel ranks, budget, max_num_seqs), one per
+    # pool with disaggregated pools (each with its own ranks and limits where the pool gives them)
+    shapes = sorted({(pd.get(f"{p}_tp", cand["tp"]), pd.get(f"{p}_data_parallel", 1),
+                      pd.get(f"{p}_max_num_batched_tokens") or budget, pd.get(f"{p}_max_num_seqs") or seqs)
+                     for p in ("prefill", "decode")} if pd else
+                    {(cand["tp"], cand.get("data_parallel", 1), budget, seqs)}, key=str)
+    for tp, dp, shape_budget, shape_seqs in shapes:
         if model.num_heads % tp:
             return f"tp={tp} does not divide the {model.num_heads} attention heads of {model.name}"
         if model.num_linear_layers and (model.linear_num_k_heads % tp or model.linear_num_v_heads % tp):
             return f"tp={tp} does not divide the {model.linear_num_k_heads} linear-attention key heads of {model.name}"
-        dp = cand.get("data_parallel", 1) if not pd else 1
         if tp * dp > device.gpus_per_node and not dep.get("interconnect"):
             width = f"tp={tp}" if dp == 1 else f"tp={tp} x data_parallel={dp}"
             return (f"{width} spans more than one node of {device.gpus_per_node} {device.name} GPUs; declare "
                     "deployment.interconnect to plan it")
-        m = memory_report(model, device, tp, util, bs, data_parallel=dp,
-                          max_num_batched_tokens=cand.get("max_num_batched_tokens") or sch.get("max_num_batched_tokens"),
-                          max_num_seqs=cand.get("max_num_seqs") or sch.get("max_num_seqs"),
-                          vllm_version=dep.get("vllm_version"))
+        m = memory_report(model, device, tp, util, bs, data_parallel=dp, max_num_batched_tokens=shape_budget,
+                          max_num_seqs=shape_seqs, vllm_version=dep.get("vllm_version"))
         if not m["fits"]:
             return (f"model {m['loaded_bytes_per_gpu'] / 1e9:.1f} GB per GPU at tp={tp} + reserve "
                     f"{m['reserve_bytes'] / 1e9:.1f} GB leave no KV cache in {m['usable_bytes'] / 1e9:.1f} GB "
@@ -297,8 +301,10 @@ def prune_reason(data: dict, cand: dict, longest: int, base_dir=None) -> str | N
         sc = parse_scenario(set_field(compose(data, cand), "workload.num_requests", 1), seed=0, base_dir=base_dir)
     except ScenarioError as e:
         return str(e)
-    if sc.scheduler_config.max_model_len < longest:
-        return f"max_model_len {sc.scheduler_config.max_model_len} < longest request ({longest} tokens)"
+    pools = [sc.pd[p][0] for p in ("prefill", "decode")] if sc.pd is not None else [sc.scheduler_config]
+    held = min(c.max_model_len for c in pools)
+    if held < longest:
+        return f"max_model_len {held} < longest request ({longest} tokens)"
     return None
 
 

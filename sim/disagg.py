@@ -28,7 +28,8 @@ to be computed; two choices make that step what a KV-receiving engine does:
   - the decode pool's token budget is raised to max_model_len + max_num_seqs, so an arrived
     prompt is admitted in one step, never chunked;
   - `KVArrivedCost` prices a prompt row as one decode token reading that prompt's KV (the row
-    computes the second output token from the arrived KV; no prefill FLOPs).
+    computes the client's first output token from the arrived KV, or the second with
+    `first_token: prefill`; no prefill FLOPs).
 A request preempted on a decode replica is priced the same way when it resumes (an engine would
 recompute it), so preemption-heavy decode pools are optimistic.
 
@@ -40,15 +41,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import replace
-from operator import attrgetter
 
 import numpy as np
 
-from engine.core import compiled as _compiled
 from engine.core.features import BatchFeatures
-from engine.core.records import STEP_COLUMNS, RequestRecord
+from engine.core.records import RequestRecord
 from sim.cost_model import CostModel
-from sim.metrics import request_table, summarize, stats
+from sim.metrics import stats
 from sim.replica import DataParallelGroup, Replica, SimRequest
 from sim.simulation import SimResult, Simulation
 
@@ -84,7 +83,10 @@ class _PrefillView:
 
     def __init__(self, workload) -> None:
         self.workload = workload
-        self.closed_loop_concurrency = getattr(workload, "closed_loop_concurrency", None)
+        # what the client side of the simulation reads from a workload: the loop, the warm-up
+        # requests (the measured phase starts when their responses are in), the client model
+        for key in ("closed_loop_concurrency", "num_warmup", "client", "benchmark"):
+            setattr(self, key, getattr(workload, key, None))
         self.output_len: dict[str, int] = {}
 
     def __len__(self) -> int:
@@ -163,6 +165,12 @@ class DisaggSimulation(Simulation):
             return
         replica.outstanding -= 1
         rec.finish_reason = rec.finish_s = None  # in transit: not finished yet
+        rec.num_requested_output_tokens = out_len  # what the client asked (the prefill ran with 1)
+        if self.first_from_decode:  # the prefill's token is never sent: the client has none yet
+            rec.first_token_s = rec.last_token_s = None
+            rec.num_output_tokens = 0
+            if rec.token_times_s is not None:
+                rec.token_times_s.clear()
         need = -(-(sreq.spec.prompt_len + 1) // self.decode_config.block_size)
         # a sliding-window model's window while the decode replica takes the prompt in
         need += self.decoders[0].scheduler.kv_cache_manager.window_reserve(
@@ -228,8 +236,7 @@ class DisaggSimulation(Simulation):
         rec, drec = h.sreq.record, dsreq.record
         rec.finish_reason, rec.finish_s = drec.finish_reason, drec.finish_s
         rec.num_preemptions += drec.num_preemptions
-        if drec.first_token_s is not None and self.first_from_decode:
-            # the prefill's token was never sent: the client's tokens are the decode engine's
+        if self.first_from_decode:  # the client's tokens are the decode engine's (none if it refused)
             rec.first_token_s, rec.last_token_s = drec.first_token_s, drec.last_token_s
             rec.num_output_tokens = drec.num_output_tokens
             if rec.token_times_s is not None:
@@ -244,33 +251,21 @@ class DisaggSimulation(Simulation):
         self._start_transfers()
 
     # ------------------------------------------------------------- results
+    def _all_replicas(self) -> list[Replica]:
+        return self.replicas + self.decoders
+
+    def _extra_itl(self):
+        """The hand-off gaps between the prefill's token and the decode engine's first (a server
+        that streams the prefill's token; none otherwise). Prefill replicas count no gaps: each
+        of their requests stops at its first token."""
+        return np.asarray(self.handoff_gaps), np.ones(len(self.handoff_gaps), np.int64)
+
     def collect(self, wall_s: float) -> SimResult:
-        reps = self.replicas + self.decoders
-        table = request_table(self.records)
-        steps = [s for r in reps for s in r.steps]
-        step_table = {c: np.array(list(map(attrgetter(c), steps))) for c in STEP_COLUMNS}
-        vals, weights = [np.asarray(self.handoff_gaps)], [np.ones(len(self.handoff_gaps), np.int64)]
-        for r in self.decoders:
-            v, w = r.itl_sample()
-            vals.append(v)
-            weights.append(w)
-        itl = (np.concatenate(vals), np.concatenate(weights))
-        preemptions = sum(r.scheduler.num_preemptions for r in reps)
-        cut = self.max_time_s is not None and not self._all_done.triggered
-        summary = summarize(table, itl[0], itl[1], self.slo, preemptions,
-                            end_s=float(self.env.now) if cut else None)
-        summary["simulated_s"] = float(self.env.now)
-        summary["wall_s"] = wall_s
-        summary["engine_core_build"] = _compiled.build_name()
-        summary["num_steps"] = int(sum(r.step_idx for r in reps))
-        if steps:
-            kv = step_table["kv_usage"]
-            span = step_table["end_s"] - step_table["start_s"]
-            summary["kv_usage"] = {"mean": float(np.average(kv, weights=span + 1e-15)), "max": float(kv.max())}
-        summary["pd"] = {**self.pd, "kv_transfer_s": _stats(self.transfer_s),
-                         "wait_for_room_s": _stats(self.wait_s),
-                         "never_transferred": len(self.queue) + sum(self.in_flight)}
-        return SimResult(table, step_table, summary, self.records, itl)
+        result = super().collect(wall_s)
+        result.summary["pd"] = {**self.pd, "kv_transfer_s": _stats(self.transfer_s),
+                                "wait_for_room_s": _stats(self.wait_s),
+                                "never_transferred": len(self.queue) + sum(self.in_flight)}
+        return result
 
 
 def _stats(xs: list[float]) -> dict:

@@ -237,10 +237,16 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
         raise ScenarioError(str(e)) from None
     blocks = dep.integer("num_gpu_blocks", None, ge=2)
     pd_m = dep.sub("pd")
-    widest = max([tp * dp] + [pd_m.d.get(f"{k}_tp", tp) * pd_m.d.get(f"{k}_data_parallel", 1)
-                              for k in ("prefill", "decode") if pd_m is not None
-                              and isinstance(pd_m.d.get(f"{k}_tp", tp), int)
-                              and isinstance(pd_m.d.get(f"{k}_data_parallel", 1), int)])
+    if pd_m is not None and dp > 1:
+        raise ScenarioError(f"deployment.data_parallel={dp}: with deployment.pd, give each pool its own "
+                            "(pd.prefill_data_parallel, pd.decode_data_parallel)")
+    # the widest engine (its GPUs, and the keys that make it so, for the message)
+    engines = [(tp * dp, f"deployment.tp={tp}" if dp == 1 else f"deployment.tp={tp} x data_parallel={dp}")]
+    for k in ("prefill", "decode") if pd_m is not None else ():
+        t, r = pd_m.d.get(f"{k}_tp", tp), pd_m.d.get(f"{k}_data_parallel", 1)
+        if isinstance(t, int) and isinstance(r, int):
+            engines.append((t * r, f"deployment.pd.{k}_tp={t}" + (f" x {k}_data_parallel={r}" if r > 1 else "")))
+    widest, widest_keys = max(engines, key=lambda e: e[0])
     ic = dep.sub("interconnect")
     if ic is not None:  # a TP group beyond one node: its all-reduce runs over this link
         device = replace(device, interconnect_bandwidth=ic.number("bandwidth_gb_s", gt=0) * 1e9,
@@ -249,15 +255,11 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
         ic.done()
     elif widest > device.gpus_per_node:
         raise ScenarioError(
-            (f"deployment.tp={widest}" if dp == 1 else f"deployment.tp={tp} x data_parallel={dp}")
-            + f": spans more than one node of {device.gpus_per_node} {device.name} GPUs; "
+            f"{widest_keys}: spans more than one node of {device.gpus_per_node} {device.name} GPUs; "
             "declare the link between nodes (deployment.interconnect: {bandwidth_gb_s, latency_s}) "
             "for its all-reduce")
     pd = None
     if pd_m is not None:
-        if dp > 1:
-            raise ScenarioError(f"deployment.data_parallel={dp}: with deployment.pd, give each pool its own "
-                                "(pd.prefill_data_parallel, pd.decode_data_parallel)")
         pd = {"prefill_replicas": pd_m.integer("prefill_replicas", 1, ge=1),
               "decode_replicas": pd_m.integer("decode_replicas", 1, ge=1),
               "prefill_tp": pd_m.integer("prefill_tp", tp, ge=1),
@@ -311,13 +313,13 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     sampling = (_M(wl_raw, "workload").text("sampling", "model_default", choices=SAMPLING_MODES)
                 if isinstance(wl_raw, dict) else "model_default")
 
-    def cost_for(t: int, ep: bool = ep, dp: int = dp) -> tuple[CostModel, dict]:
-        built, meta = _cost_for(t, ep, dp)
+    def cost_for(t: int, ep: bool = ep, dp: int = dp, dp_key: str = "deployment.data_parallel") -> tuple[CostModel, dict]:
+        built, meta = _cost_for(t, ep, dp, dp_key)
         if isinstance(built, KernelCostModel):  # a profile's stored spec may predate generation_filter
             built.set_sampling(sampling, vllm_version, model.generation_filter)
         return built, meta
 
-    def _cost_for(t: int, ep: bool, dp: int) -> tuple[CostModel, dict]:
+    def _cost_for(t: int, ep: bool, dp: int, dp_key: str) -> tuple[CostModel, dict]:
         # Shipped profiles are named device-[tpN-]model[-fp8|-fp8block][-kvfp8] (sim/profiles/README.md).
         default_profile = (f"{device.name}-" + (f"tp{t}-" if t > 1 else "") + model.name
                            + {"fp8": "-fp8", "fp8_block": "-fp8block"}.get(model.weight_dtype, "")
@@ -329,7 +331,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
             k = ("fitted" if (PROFILES_DIR / f"{default_profile}.json").exists()
                  else "kernels" if device.kernel_tables else "analytic")
         if dp > 1 and k != "kernels":
-            raise ScenarioError(f"deployment.data_parallel={dp}: timed by cost_model.type kernels only "
+            raise ScenarioError(f"{dp_key}={dp}: timed by cost_model.type kernels only "
                                 f"(the {k} model has no data-parallel ranks)")
         if k == "analytic":
             try:
@@ -395,17 +397,25 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     base_t, base_dp = (pd["decode_tp"], pd["decode_data_parallel"]) if pd is not None else (tp, dp)
     blocks = blocks_for(base_t, profile_meta if (base_t, base_dp) == (tp, dp) else {}, base_dp)
     state_note: list[str] = []
-    if model.is_hybrid and explicit_blocks is None:
-        # A linear-attention hybrid runs no more requests than the pool holds states for (each
-        # running request keeps one per linear layer): vLLM's pool runs out of state blocks there.
-        held = memory_breakdown(model, device, tp, util, block_size, max_num_batched_tokens=budget,
-                                max_num_seqs=max_seqs, data_parallel=dp,
+
+    def state_cap(t: int, pool_dp: int, pool_budget: int, seqs: int, key: str) -> int:
+        """max_num_seqs of an engine of TP t (and pool_dp ranks): a linear-attention hybrid runs no
+        more requests than the pool holds states for (each running request keeps one per linear
+        layer): vLLM's pool runs out of state blocks there. Noted under `key` when it binds."""
+        if not model.is_hybrid or explicit_blocks is not None:
+            return seqs
+        held = memory_breakdown(model, device, t, util, block_size, max_num_batched_tokens=pool_budget,
+                                max_num_seqs=seqs, data_parallel=pool_dp,
                                 vllm_version=vllm_version)["linear_state_requests"]
-        if held < max_seqs:
-            state_note.append(f"scheduler.max_num_seqs={max_seqs}: {model.name} at tp={tp} on {device.name} holds "
-                              f"the linear-attention state of {held} requests in the memory it leaves (half of "
-                              f"it at most); at most {held} run at once")
-            max_seqs = held
+        if held >= seqs:
+            return seqs
+        state_note.append(f"{key}={seqs}: {model.name} at tp={t} on {device.name} holds the linear-attention "
+                          f"state of {held} requests in the memory it leaves (half of it at most); at most "
+                          f"{held} run at once")
+        return held
+
+    sc_seqs = max_seqs  # as asked: each pool caps its own below
+    max_seqs = state_cap(base_t, base_dp, budget, max_seqs, "scheduler.max_num_seqs")
     def window_charge(t: int) -> dict:
         """SchedulerConfig's sliding-window charge at TP t: sliding-window layers keep each running
         request's window in the pool (vLLM's hybrid KV cache manager); {} without such layers."""
@@ -413,18 +423,20 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
         return {"sliding_window": model.sliding_window, "sliding_kv_bytes": sliding, "kv_bytes": full} \
             if sliding and full else {}
 
-    def reserve_for(t: int) -> int:
+    def reserve_for(t: int, pool_budget: int) -> int:
         """Pool blocks a prompt's window holds while a chunk of the whole budget prefills (0: none)."""
         c = window_charge(t)
-        return window_reserve_blocks(budget, block_size, c["sliding_window"], c["sliding_kv_bytes"],
+        return window_reserve_blocks(pool_budget, block_size, c["sliding_window"], c["sliding_kv_bytes"],
                                      c["kv_bytes"]) if c else 0
 
-    def room(t: int, pool_blocks: int, where: str) -> int:
+    def room(t: int, pool_blocks: int, where: str, pool_budget: int = budget,
+             budget_key: str = "scheduler.max_num_batched_tokens") -> int:
         """Tokens a request may hold in a pool of pool_blocks at TP t, after its window's reserve."""
-        left = pool_blocks - 1 - reserve_for(t)
+        held = reserve_for(t, pool_budget)
+        left = pool_blocks - 1 - held
         if left < 1:
-            raise ScenarioError(f"{where}: {model.name}'s sliding-window layers hold {reserve_for(t)} KV blocks for one "
-                                f"request's window while a chunk of scheduler.max_num_batched_tokens={budget} prefills "
+            raise ScenarioError(f"{where}: {model.name}'s sliding-window layers hold {held} KV blocks for one "
+                                f"request's window while a chunk of {budget_key}={pool_budget} prefills "
                                 f"at tp={t}, but the pool has {pool_blocks - 1}: lower the budget or raise tp")
         return left * block_size
 
@@ -455,8 +467,10 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     timing = timing_settings(sc)
     sc.done()
 
-    def timing_for(t: int, pool_ep: bool = ep, pool_dp: int = dp) -> tuple[CostModel, dict]:
-        base, meta = (base_cost, profile_meta) if (t, pool_ep, pool_dp) == (tp, ep, dp) else cost_for(t, pool_ep, pool_dp)
+    def timing_for(t: int, pool_ep: bool = ep, pool_dp: int = dp,
+                   dp_key: str = "deployment.data_parallel") -> tuple[CostModel, dict]:
+        base, meta = ((base_cost, profile_meta) if (t, pool_ep, pool_dp) == (tp, ep, dp)
+                      else cost_for(t, pool_ep, pool_dp, dp_key))
         try:
             return timing_model(base, timing), meta
         except ValueError as e:
@@ -467,7 +481,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
 
     wl = root.raw("workload")
     workload = build_workload(wl, seed=seed, base_dir=base_dir)
-    warnings = state_note + _range_warnings(profile_meta, prof_name or "(default)", cfg, workload)
+    range_notes = _range_warnings(profile_meta, prof_name or "(default)", cfg, workload)
     if pd is not None and isinstance(wl, dict) and wl.get("cancellation"):
         raise ScenarioError("workload.cancellation: not supported with deployment.pd (disaggregated pools)")
 
@@ -492,12 +506,18 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
         blocks = explicit_blocks
         for pool in ("prefill", "decode"):
             t, pdp = pd[f"{pool}_tp"], pd[f"{pool}_data_parallel"]
-            pool_cost, meta = timing_for(t, pd[f"{pool}_expert_parallel"], pdp)
-            limits = {"max_num_seqs": pd[f"{pool}_max_num_seqs"] or cfg.max_num_seqs,
+            pool_cost, meta = timing_for(t, pd[f"{pool}_expert_parallel"], pdp, f"deployment.pd.{pool}_data_parallel")
+            own = {k: pd[f"{pool}_{k}"] is not None for k in ("max_num_seqs", "max_num_batched_tokens")}
+            limits = {"max_num_seqs": pd[f"{pool}_max_num_seqs"] or sc_seqs,
                       "max_num_batched_tokens": pd[f"{pool}_max_num_batched_tokens"] or cfg.max_num_batched_tokens}
+            key = {k: f"deployment.pd.{pool}_{k}" if own[k] else f"scheduler.{k}" for k in own}
+            limits["max_num_seqs"] = state_cap(t, pdp, limits["max_num_batched_tokens"], limits["max_num_seqs"],
+                                               key["max_num_seqs"])
             pool_blocks = blocks_for(t, meta, pdp, limits["max_num_batched_tokens"], limits["max_num_seqs"])
+            pool_len = room(t, pool_blocks, f"deployment.pd.{pool}_tp={t}", limits["max_num_batched_tokens"],
+                            key["max_num_batched_tokens"])
             pool_cfg = replace(cfg, num_gpu_blocks=pool_blocks, **window_charge(t), **limits,
-                               max_model_len=min(cfg.max_model_len, room(t, pool_blocks, f"deployment.pd.{pool}_tp={t}")))
+                               max_model_len=min(cfg.max_model_len, pool_len))
             pd[pool] = (pool_cfg, pool_cost)
         pd["kv_bytes_per_token"] = model.kv_bytes_per_token
         blocks = pd["decode"][0].num_gpu_blocks
@@ -505,7 +525,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     return Scenario(name=name, seed=seed, path=path, scheduler_config=cfg, cost_model=cost,
                     workload=workload, replicas=replicas, data_parallel=dp, router=router, slo=slo,
                     record_token_times=record_times, plots=plots, steady_decode=steady,
-                    max_time_s=max_time, pd=pd, warnings=warnings,
+                    max_time_s=max_time, pd=pd, warnings=state_note + range_notes,
                     deployment={"model": model.name, "device": device.name, "tp": tp,
                                 "weight_dtype": model.weight_dtype, "kv_dtype": model.kv_dtype,
                                 "replicas": replicas, "router": router, "num_gpu_blocks": blocks,

@@ -372,22 +372,32 @@ class Simulation:
         summary["client"] = {**c.describe(), "warmup_requests": len(self.warmup_records),
                              "tokenizer_busy_fraction": busy / summary["duration_s"]}
 
+    def _all_replicas(self) -> list[Replica]:
+        """Every replica whose steps, ITL and preemptions the results count."""
+        return self.replicas
+
+    def _extra_itl(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Inter-token gaps outside any one replica's books (values, weights), or None."""
+        return None
+
     def collect(self, wall_s: float) -> SimResult:
         self._client_times()
         table = request_table(self.records)
-        steps = [s for r in self.replicas for s in r.steps]
+        reps = self._all_replicas()
+        steps = [s for r in reps for s in r.steps]
         # One C-level getter per record, transposed by zip: columns without a loop per cell.
         cols = list(zip(*map(attrgetter(*STEP_COLUMNS), steps))) if steps else [()] * len(STEP_COLUMNS)
         step_table = {c: np.array(v) for c, v in zip(STEP_COLUMNS, cols)}
-        vals, weights = [], []
-        for r in self.replicas:
+        extra = self._extra_itl()
+        vals, weights = ([extra[0]], [extra[1]]) if extra is not None else ([], [])
+        for r in reps:
             v, w = r.itl_sample()
             vals.append(v)
             weights.append(w)
         itl = (np.concatenate(vals), np.concatenate(weights))
         if self.warmup_records:
             itl = itl_from_token_times(self.records)
-        preemptions = sum(r.scheduler.num_preemptions for r in self.replicas)
+        preemptions = sum(r.scheduler.num_preemptions for r in reps)
         cut = self.max_time_s is not None and not self._all_done.triggered
         summary = summarize(table, itl[0], itl[1], self.slo, preemptions,
                             end_s=float(self.env.now) if cut else None)
@@ -397,7 +407,7 @@ class Simulation:
         summary["simulated_s"] = float(self.env.now)
         summary["wall_s"] = wall_s
         summary["engine_core_build"] = _compiled.build_name()
-        summary["num_steps"] = int(sum(r.step_idx for r in self.replicas))
+        summary["num_steps"] = int(sum(r.step_idx for r in reps))
         if steps:
             kv = step_table["kv_usage"]
             span = step_table["end_s"] - step_table["start_s"]

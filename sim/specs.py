@@ -2015,6 +2015,16 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
     # FP4 PFLOPS for 8 GPUs, HGX B200 72)
     DeviceSpec("b300", _gib(267.69), 7.75e12, 2250e12, 900e9, fp8_flops=4500e12, kernel_tables="b300_sxm",
                fp4_flops=13500e12),
+    # GB200 and GB300: the GPUs of the Grace-Blackwell NVL72 racks (the aisimulate wheel's gb200.yaml
+    # and gb300.yaml: 8 TB/s, dense bf16 2.5 PFLOPS, fp8 5, FP4 10 and 15; NVLink 5 through the
+    # rack's NVSwitches, so a TP group of up to 72 GPUs stays on NVLink). Memory: nvidia-smi's
+    # 189471 and 284208 MiB less what B200 and B300 lose to the driver (0.71 and 0.90 GiB), an
+    # estimate. Compute-bound kernels: B200's slowdown (the same die; not checked on GB200 itself).
+    # Kernel tables: measured on each (calibration/kernels/PROVENANCE.md).
+    DeviceSpec("gb200", _gib(184.32), 8.0e12, 2500e12, 900e9, fp8_flops=5000e12, kernel_tables="gb200",
+               gemm_compute_slowdown=1.25, fp4_flops=10000e12, gpus_per_node=72),
+    DeviceSpec("gb300", _gib(276.65), 8.0e12, 2500e12, 900e9, fp8_flops=5000e12, kernel_tables="gb300",
+               fp4_flops=15000e12, gpus_per_node=72),
     DeviceSpec("a100-80g", _gib(79.15), 2.039e12, 312e12, 300e9, kernel_tables="a100_sxm"),
     DeviceSpec("a100-40g", _gib(39.59), 1.555e12, 312e12, 300e9),
     DeviceSpec("l40s", _gib(44.39), 0.864e12, 362e12, 32e9, 10e-6, fp8_flops=733e12, kernel_tables="l40s"),
@@ -2024,6 +2034,7 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
 _DEVICE_ALIASES = {"h100": "h100-sxm", "h100-sxm5": "h100-sxm", "h100-80gb": "h100-sxm",
                    "h200-sxm": "h200", "h200-141gb": "h200", "b200-sxm": "b200", "b200-180gb": "b200",
                    "b300-sxm": "b300", "b300-sxm6": "b300", "b300-sxm6-ac": "b300", "b300-288gb": "b300",
+                   "gb200-nvl72": "gb200", "gb300-nvl72": "gb300",
                    "a100": "a100-80g", "a100-sxm": "a100-80g", "a100-80gb": "a100-80g",
                    "a100-40gb": "a100-40g",
                    # nvidia-smi's product names (NVIDIA dropped by _device_key)

@@ -117,5 +117,79 @@ def test_per_pool_keys_are_checked_and_named():
     with pytest.raises(ScenarioError, match=r"deployment.data_parallel=2: with deployment.pd.*decode_data_parallel"):
         parse_scenario(data)
     # a pool wider than a node needs the link between nodes, as an aggregated engine does
-    with pytest.raises(ScenarioError, match="spans more than one node"):
+    with pytest.raises(ScenarioError, match=r"deployment.pd.decode_tp=8 x decode_data_parallel=2: spans more "
+                                            r"than one node of 8 h100-sxm GPUs"):
         parse_scenario(moe({"decode_tp": 8, "decode_data_parallel": 2}))
+    analytic = moe({"prefill_data_parallel": 2})
+    analytic["cost_model"] = {"type": "analytic"}
+    with pytest.raises(ScenarioError, match=r"deployment.pd.prefill_data_parallel=2: timed by cost_model.type "
+                                            r"kernels only"):
+        parse_scenario(analytic)
+
+
+def test_pools_run_the_benchmarks_warm_up_and_client_as_one_engine_does():
+    # 8 warm-up requests, then 16 measured: only those are reported, after the warm-up's responses,
+    # and the client's request path (HTTP, tokenizing) is in their TTFT, as with aggregated replicas
+    data = moe({"prefill_tp": 2, "decode_tp": 2}, n=16)
+    data["workload"]["benchmark"]["warmup"] = 8
+    res = run_scenario(parse_scenario(data))
+    assert len(res.request_table["ttft_s"]) == 16
+    assert res.summary["client"]["warmup_requests"] == 8
+    assert res.request_table["arrival_s"].min() > 0  # sent when the warm-up was over
+    agg = dict(data, deployment={"model": "qwen3-30b-a3b", "device": "h100-sxm", "tp": 2})
+    assert run_scenario(parse_scenario(agg)).summary["client"]["warmup_requests"] == 8
+
+
+def test_a_request_the_decode_engine_refuses_reports_no_token():
+    # The decode engine holds fewer tokens than the prompt (the scheduler section allows it, the
+    # prefill engines of 2 GPUs hold it): the client gets no token, and the record says what it asked
+    data = dense({"prefill_tp": 2, "decode_tp": 1}, n=2, prompt=30000, output=8)
+    data["deployment"]["device"] = "a10g"
+    data["scheduler"]["max_model_len"] = 40000
+    sc = parse_scenario(data)
+    assert sc.pd["decode"][0].max_model_len < 30000 <= sc.pd["prefill"][0].max_model_len
+    t = run_scenario(sc).request_table
+    assert list(t["finish_reason"]) == ["rejected", "rejected"]
+    assert list(t["num_output_tokens"]) == [0, 0] and list(t["num_requested_output_tokens"]) == [8, 8]
+    assert np.isnan(t["ttft_s"]).all()
+
+
+def test_each_pool_caps_a_hybrids_sequences_at_the_states_its_own_memory_holds():
+    from sim.specs import memory_breakdown
+    data = {"deployment": {"model": "qwen3-next-80b-a3b", "device": "h100-sxm", "tp": 4,
+                           "pd": {"prefill_tp": 4, "decode_tp": 2, "decode_data_parallel": 2,
+                                  "decode_max_num_seqs": 4096}},
+            "workload": {"benchmark": {"concurrency": 4, "isl": 256, "osl": 8, "num_prompts": 8}}}
+    sc = parse_scenario(data)
+    m, d = get_model("qwen3-next-80b-a3b"), get_device("h100-sxm")
+    held = memory_breakdown(m, d, 2, 0.9, 16, max_num_batched_tokens=8192, max_num_seqs=4096,
+                            data_parallel=2)["linear_state_requests"]
+    assert held < 4096 and sc.pd["decode"][0].max_num_seqs == held
+    assert any(w.startswith("deployment.pd.decode_max_num_seqs=4096") for w in sc.warnings)
+
+
+def test_a_pools_own_budget_sizes_its_window_reserve():
+    data = {"deployment": {"model": "gpt-oss-20b", "device": "h100-sxm", "tp": 1, "num_gpu_blocks": 3000,
+                           "pd": {"prefill_max_num_batched_tokens": 65536}},
+            "workload": {"benchmark": {"concurrency": 4, "isl": 256, "osl": 8, "num_prompts": 8}}}
+    with pytest.raises(ScenarioError, match=r"deployment.pd.prefill_max_num_batched_tokens=65536 prefills"):
+        parse_scenario(data)
+    data["deployment"]["pd"] = {"prefill_max_num_batched_tokens": 4096}
+    sc = parse_scenario(data)
+    # a smaller chunk holds less of the window: the prefill engine's requests may be longer
+    assert sc.pd["prefill"][0].max_model_len >= sc.pd["decode"][0].max_model_len
+
+
+def test_the_planner_sizes_each_pools_engines_as_the_scenario_does():
+    from scenarios.plan import prune_reason
+    data = {"deployment": {"model": "Qwen/Qwen3-235B-A22B-FP8", "device": "h100-sxm", "tp": 2,
+                           "expert_parallel": True},
+            "workload": {"num_requests": 8, "arrival": {"type": "poisson", "rate": 1.0},
+                         "prompt_len": {"type": "fixed", "value": 256},
+                         "output_len": {"type": "fixed", "value": 8}}}
+    cand = {"device": "h100-sxm", "tp": 2, "max_num_batched_tokens": 8192, "max_num_seqs": 256,
+            "policy": "fcfs", "router": "round_robin",
+            "pd": {"prefill_tp": 4, "decode_tp": 2, "decode_data_parallel": 4, "decode_expert_parallel": True}}
+    assert prune_reason(data, cand, 300) is None  # 2 x 4 GPUs hold the decode engine's experts
+    alone = dict(cand, pd={"prefill_tp": 4, "decode_tp": 2})
+    assert "leave no KV cache" in prune_reason(data, alone, 300)

@@ -526,3 +526,23 @@ def test_a_winner_that_fails_its_cluster_check_reopens_what_its_probes_ruled_out
     assert got["results"][0][1]["ok"] is False and a.pass_n == 2  # A's failure kept in the results
     from scenarios.candidates import rank_key
     assert min([a, b], key=rank_key) is b
+
+
+def test_the_capacity_bound_of_a_data_parallel_unit_covers_what_its_ranks_serve():
+    # The bound is an upper bound on a unit's capacity; a unit of two data-parallel ranks serves
+    # about twice one rank. Saturate the unit (every request at once) and compare its throughput.
+    from scenarios.bounds import capacity_bound
+    from sim.scenario import parse_scenario, run_scenario
+    data = {"deployment": {"model": "qwen3-30b-a3b", "device": "h100-sxm", "tp": 1, "data_parallel": 2,
+                           "expert_parallel": True},
+            "scheduler": {"max_num_seqs": 64},
+            "workload": {"num_requests": 600, "arrival": {"type": "poisson", "rate": 1e4},
+                         "prompt_len": {"type": "fixed", "value": 256}, "output_len": {"type": "fixed", "value": 64}}}
+    sc = parse_scenario(data)
+    s = run_scenario(sc).summary
+    served = s["requests"]["completed"] / s["duration_s"]
+    bound = capacity_bound(sc, None)
+    assert bound >= served
+    one = parse_scenario({**data, "deployment": {**data["deployment"], "data_parallel": 1, "tp": 1,
+                                                 "expert_parallel": False}})
+    assert bound > 1.5 * capacity_bound(one, None)  # two ranks' worth

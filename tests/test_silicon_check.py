@@ -341,3 +341,20 @@ def test_a_disaggregated_gap_analysis_row_runs_aiconfigurators_pool_servers():
     assert data["workload"]["benchmark"]["warmup"] == 2 * 528  # aiperf's warm-up per slot
     parsed = parse_scenario(data)
     assert parsed.pd["prefill"][0].max_num_seqs == 1 and parsed.pd["decode"][0].max_num_seqs == 48
+
+
+def test_grace_blackwell_rows_run_on_their_own_tables_within_the_racks_nvlink():
+    # GB200's 14 vLLM rows are disaggregated pools of 4 and 16 GPUs: an NVL72 rack keeps a TP group
+    # of 16 on NVLink (no link between nodes to declare), timed by GB200's own kernel tables
+    case = sc.usable(pools(backend="vllm", system="gb200", model_path="moonshotai/Kimi-K2.5", gemm_quant_mode="nvfp4",
+                           prefill_tp_size="4", prefill_moe_ep_size="4", prefill_attention_dp_size="1",
+                           decode_tp_size="16", decode_moe_ep_size="16", decode_attention_dp_size="1",
+                           decode_batch_size="256", decode_num_workers="1",
+                           silicon_data_source="db-dump/2026-04-27; silicon_concurrency=256"))
+    assert case["concurrency"] == 256 and case["pd"]["decode_tp"] == 16
+    data = sc.scenario_data(case)
+    assert "interconnect" not in data["deployment"] and data["deployment"]["device"] == "gb200"
+    parsed = parse_scenario(data)
+    meta = parsed.pd["decode"][1].describe()
+    assert meta["device"] == "gb200" and meta["tp"] == 16
+    assert sc.usable(row(system="gb300", tp_size="8"))["system"] == "gb300"
