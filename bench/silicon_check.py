@@ -145,13 +145,19 @@ def disagg_case(r: dict, case: dict) -> dict | None:
     """A disaggregated row's pools (deployment.pd), or None where its shape is not recorded.
 
     Each pool is `{prefill,decode}_num_workers` engines of the pool's parallelism columns
-    (engine_shape, per pool); experts in parallel where the pool's moe_ep_size > 1. The client's
-    concurrency is decode_batch_size x decode_num_workers x decode_attention_dp_size: AIConfigurator's
-    generator benchmarks a disaggregated config at decode workers x their max batch size (its
-    rule_plugin's `estimated_concurrency`), and every allowed row that records both the workers and
-    its client concurrency (`silicon_concurrency=` in its source: 267 rows) has exactly that. Rows
-    that record no worker counts (InferenceMAX's CSV exports) run at their recorded concurrency as one
-    prefill and one decode engine (`pd_workers_recorded` False: an assumption, reported apart)."""
+    (engine_shape, per pool); experts in parallel where the pool's moe_ep_size > 1.
+
+    The client's concurrency: the source's `silicon_concurrency=` where it records one; on every
+    allowed row that records it and the worker counts (267) it is decode_batch_size x
+    decode_num_workers x decode_attention_dp_size, decode_batch_size being per decode rank. Rows of
+    AIConfigurator's own collection record none: there decode_batch_size is read as the
+    benchmark's concurrency, as batch_size is for its aggregated rows. On the 7 allowed ones (SGLang
+    and TensorRT-LLM) that reading gives a median |error| of mean TTFT of 59% (-97% to -15%), the
+    per-worker one (decode_batch_size x workers, 5.5-11x more clients) 408% (-97% to +2179%): it
+    drives their prefill engines far past capacity where 4 of the 7 measured 0.6-1.4 s. TPOT
+    favours neither (median |error| 59% and 52%). Rows that record
+    no worker counts (InferenceMAX's CSV exports) run at their recorded concurrency as one prefill
+    and one decode engine (`pd_workers_recorded` False: an assumption, reported apart)."""
     moe = get_model(case["model"]).is_moe
     pools, recorded = {}, _num(r, "decode_num_workers") is not None and _num(r, "prefill_num_workers") is not None
     for pool in ("prefill", "decode"):
@@ -168,12 +174,18 @@ def disagg_case(r: dict, case: dict) -> dict | None:
         bs = _num(r, f"{pool}_batch_size")
         if bs is not None:  # max_num_seqs per engine rank (AIConfigurator's max_batch_size)
             pools[f"{pool}_batch_size"] = int(bs)
-    if recorded:
-        conc = int(_num(r, "decode_batch_size", 0)) * int(_num(r, "decode_num_workers")) \
+    m = re.search(r"silicon_concurrency=(\d+)", r.get("silicon_data_source", ""))
+    if m:  # the client's concurrency as the source recorded it
+        conc = int(m.group(1))
+    elif case["source"] == "gap-analysis":
+        # AIConfigurator's collection rows record no concurrency: their decode_batch_size is the
+        # benchmark's concurrency, as batch_size is for its aggregated rows (see the docstring)
+        conc = int(_num(r, "decode_batch_size", 0) or 0)
+    elif recorded:
+        conc = int(_num(r, "decode_batch_size", 0) or 0) * int(_num(r, "decode_num_workers")) \
             * int(_num(r, "decode_attention_dp_size", 1) or 1)
     else:
-        m = re.search(r"silicon_concurrency=(\d+)", r.get("silicon_data_source", ""))
-        conc = int(m.group(1)) if m else 0
+        conc = 0
     if conc < 1:
         return None
     # The KV moves from each prefill GPU to its decode peer over one 400 Gb/s NIC per GPU
@@ -346,15 +358,16 @@ def aic_collection_server(case: dict) -> dict:
 
 
 # A disaggregated config in the same benchmark mode (the same rule files): a prefill worker runs
-# max_batch_size sequences (the row's prefill_batch_size, 1 where unset) with a budget of ISL + 1500,
-# a decode worker max_batch_size sequences (decode_batch_size) per rank; no prefix caching.
+# max_batch_size sequences (the row's prefill_batch_size, 1 where unset) with a budget of ISL + 1500;
+# no prefix caching.
 def aic_collection_pd_server(case: dict) -> tuple[dict, dict]:
-    """(pool keys, scheduler settings) of a disaggregated row of AIConfigurator's collection."""
+    """(pool keys, scheduler settings) of a disaggregated row of AIConfigurator's collection. Its
+    decode_batch_size is the client's concurrency (disagg_case), not the decode engines' limit,
+    which the row does not record: they run up to all the clients' requests."""
     pd = case["pd"]
     pools = {"prefill_max_num_seqs": pd.get("prefill_batch_size", 1),
-             "prefill_max_num_batched_tokens": case["isl"] + 1500}
-    if pd.get("decode_batch_size"):
-        pools["decode_max_num_seqs"] = pd["decode_batch_size"]
+             "prefill_max_num_batched_tokens": case["isl"] + 1500,
+             "decode_max_num_seqs": case["concurrency"]}
     return pools, {"enable_prefix_caching": False}
 
 

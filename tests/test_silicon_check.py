@@ -325,22 +325,27 @@ def test_a_disaggregated_row_runs_as_its_pools():
 
 def test_a_disaggregated_gap_analysis_row_runs_aiconfigurators_pool_servers():
     # AIConfigurator's benchmark rules: a prefill worker of prefill_batch_size sequences and a budget
-    # of ISL + 1500, decode workers of decode_batch_size; the client at decode workers x batch
+    # of ISL + 1500; its collection rows record no concurrency, and their decode_batch_size is it
     src = "source_file=/x/aic-auto-gap-analysis/data/h100_sxm/sglang/0.5.6/qwen3_32b.csv; measured=2026-01-23"
     case = sc.usable(pools(backend="sglang", system="h100_sxm", model_path="Qwen/Qwen3-32B",
                            gemm_quant_mode="fp8_block", isl="4000", osl="1000", prefill_num_workers="5",
                            prefill_tp_size="1", prefill_moe_ep_size="1", decode_batch_size="48",
                            decode_num_workers="11", decode_tp_size="1", decode_attention_dp_size="1",
                            decode_moe_ep_size="1", silicon_data_source=src))
-    assert case["source"] == "gap-analysis" and case["concurrency"] == 48 * 11
+    assert case["source"] == "gap-analysis" and case["concurrency"] == 48
     data = sc.scenario_data(case, protocol="auto")
     pd = data["deployment"]["pd"]
     assert (pd["prefill_replicas"], pd["decode_replicas"]) == (5, 11)
     assert (pd["prefill_max_num_seqs"], pd["prefill_max_num_batched_tokens"], pd["decode_max_num_seqs"]) == (1, 5500, 48)
     assert data["scheduler"] == {"enable_prefix_caching": False}
-    assert data["workload"]["benchmark"]["warmup"] == 2 * 528  # aiperf's warm-up per slot
+    assert data["workload"]["benchmark"]["warmup"] == 2 * 48  # aiperf's warm-up per slot
     parsed = parse_scenario(data)
     assert parsed.pd["prefill"][0].max_num_seqs == 1 and parsed.pd["decode"][0].max_num_seqs == 48
+    # a recorded concurrency wins
+    rec = sc.usable(pools(backend="sglang", system="h100_sxm", model_path="Qwen/Qwen3-32B", gemm_quant_mode="fp8_block",
+                          silicon_data_source=src + "; silicon_concurrency=64", decode_moe_ep_size="1",
+                          prefill_moe_ep_size="1", decode_attention_dp_size="1"))
+    assert rec["concurrency"] == 64
 
 
 def test_grace_blackwell_rows_run_on_their_own_tables_within_the_racks_nvlink():
