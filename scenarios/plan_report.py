@@ -321,16 +321,22 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
     model, util = result["hf_model"], result["gpu_memory_utilization"]
     n = c["replicas"] or 1
     pd = c.get("pd")
-    args = _serve_args(c, util)
     dp = c.get("data_parallel", 1)
-    if dp > 1:
-        args += f" --data-parallel-size {dp}"
-    if result.get("expert_parallel") and c["tp"] * dp > 1:
-        args += " --enable-expert-parallel"
+    common = ""  # the flags every server of the plan takes
     if result.get("serve_quantization"):
-        args += f" --quantization {result['serve_quantization']}"
+        common += f" --quantization {result['serve_quantization']}"
     if result.get("moe_backend", "auto") != "auto":  # the MoE kernel the plan was timed with
-        args += f" --moe-backend {result['moe_backend']}"
+        common += f" --moe-backend {result['moe_backend']}"
+
+    def engine_args(limits: dict, tp: int, ranks: int, ep: bool) -> str:
+        a = _serve_args(limits, util)
+        if ranks > 1:
+            a += f" --data-parallel-size {ranks}"
+        if ep and tp * ranks > 1:
+            a += " --enable-expert-parallel"
+        return a + common
+
+    args = engine_args(c, c["tp"], dp, bool(result.get("expert_parallel")))
     # the MoE kernel the plan was timed with (cost_model.moe_activations) is an environment switch
     env = "VLLM_USE_FLASHINFER_MOE_MXFP4_MXFP8=1 " if result.get("moe_activations") == "mxfp8" else ""
     out = []
@@ -346,9 +352,13 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
         port = 8000
         for pool in ("prefill", "decode"):
             k = pd.get(f"{pool}_replicas", 1) * n
-            tp = pd.get(f"{pool}_tp", c["tp"])
-            out.append(f"# {pool} pool: {k} replica(s), tensor parallel {tp}")
-            out += _replica_lines(model, tp, k, args, port, kv, env)
+            tp, ranks = pd.get(f"{pool}_tp", c["tp"]), pd.get(f"{pool}_data_parallel", 1)
+            ep = pd.get(f"{pool}_expert_parallel", bool(result.get("expert_parallel")))
+            limits = {**c, **{key: pd[f"{pool}_{key}"] for key in ("max_num_seqs", "max_num_batched_tokens")
+                              if pd.get(f"{pool}_{key}")}}
+            shape = f"tensor parallel {tp}" + (f" x data parallel {ranks}" if ranks > 1 else "")
+            out.append(f"# {pool} pool: {k} replica(s), {shape}")
+            out += _replica_lines(model, tp, k, engine_args(limits, tp, ranks, ep), port, kv, env, dp=ranks)
             port += 100
         out.append("# a P/D proxy (e.g. vLLM's disaggregated prefill proxy) routes each request to a prefill "
                    "server, then a decode server")

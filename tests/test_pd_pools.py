@@ -193,3 +193,23 @@ def test_the_planner_sizes_each_pools_engines_as_the_scenario_does():
     assert prune_reason(data, cand, 300) is None  # 2 x 4 GPUs hold the decode engine's experts
     alone = dict(cand, pd={"prefill_tp": 4, "decode_tp": 2})
     assert "leave no KV cache" in prune_reason(data, alone, 300)
+
+
+def test_a_plans_serve_lines_carry_each_pools_engine():
+    from scenarios.plan_report import deploy_commands
+    result = {"hf_model": "Qwen/Qwen3-30B-A3B-Instruct-2507", "gpu_memory_utilization": 0.9, "expert_parallel": False}
+    c = {"device": "h100-sxm", "tp": 1, "replicas": 1, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
+         "policy": "fcfs", "router": "round_robin",
+         "pd": {"prefill_replicas": 2, "prefill_tp": 2, "prefill_max_num_seqs": 1,
+                "prefill_max_num_batched_tokens": 4096, "decode_replicas": 1, "decode_tp": 1,
+                "decode_data_parallel": 4, "decode_expert_parallel": True}}
+    lines = deploy_commands(result, c)
+    pre = [x for x in lines if "vllm serve" in x and "--port 80" in x]
+    dec = [x for x in lines if "vllm serve" in x and "--port 81" in x]
+    assert len(pre) == 2 and len(dec) == 1
+    assert all("--tensor-parallel-size 2 --max-num-seqs 1 --max-num-batched-tokens 4096" in x for x in pre)
+    assert not any("--data-parallel-size" in x or "--enable-expert-parallel" in x for x in pre)
+    assert "CUDA_VISIBLE_DEVICES=0,1,2,3 " in dec[0]  # one engine of 4 ranks of 1 GPU
+    assert "--max-num-seqs 256 --max-num-batched-tokens 8192" in dec[0]
+    assert "--data-parallel-size 4 --enable-expert-parallel" in dec[0]
+    assert "# decode pool: 1 replica(s), tensor parallel 1 x data parallel 4" in lines
