@@ -88,7 +88,7 @@ def test_budget_study_shows_the_budget_trade_off():
 
 
 @pytest.mark.parametrize("name", ["capacity-chat-h100", "rag-long-prompt", "pd-vs-agg", "aiconfigurator-8b-h100",
-                                  "policy-study",
+                                  "policy-study", "pd-moe-qwen3-235b-h200",
                                   "budget-study"])
 def test_example_scenarios_are_valid(name):
     from scenarios.compose import load_raw, strip
