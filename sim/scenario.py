@@ -93,13 +93,17 @@ class Scenario:
         w = self.workload.describe()
         if self.pd is not None:
             p = self.pd
-            shape = {pool: f"tp={p[f'{pool}_tp']}" + (f", dp={p[f'{pool}_data_parallel']}"
-                                                       if p.get(f"{pool}_data_parallel", 1) > 1 else "")
-                     + (", ep" if p.get(f"{pool}_expert_parallel") else "") for pool in ("prefill", "decode")}
+            def shape(pool: str) -> str:
+                cfg = p[pool][0] if pool in p else c  # the pool's own scheduler (its limits)
+                return (f"tp={p[f'{pool}_tp']}"
+                        + (f", dp={p[f'{pool}_data_parallel']}" if p.get(f"{pool}_data_parallel", 1) > 1 else "")
+                        + (", ep" if p.get(f"{pool}_expert_parallel") else "")
+                        + f"; {cfg.max_num_seqs} seqs" + (f", budget {cfg.max_num_batched_tokens}"
+                                                           if pool == "prefill" else ""))
             return (f"{d.get('model')} on {d.get('device')}: {p['prefill_replicas']} prefill replica(s) "
-                    f"({shape['prefill']}) + {p['decode_replicas']} decode replica(s) ({shape['decode']}), "
-                    f"KV link {p['link_bandwidth_gb_s']:g} GB/s; budget {c.max_num_batched_tokens} tokens / "
-                    f"{c.max_num_seqs} seqs; {len(self.workload)} requests ({w.get('source', '?')})")
+                    f"({shape('prefill')}) + {p['decode_replicas']} decode replica(s) ({shape('decode')}), "
+                    f"KV link {p['link_bandwidth_gb_s']:g} GB/s; {len(self.workload)} requests "
+                    f"({w.get('source', '?')})")
         dp = f", dp={self.data_parallel}" if self.data_parallel > 1 else ""
         return (f"{d.get('model')} on {self.replicas}x {d.get('device')} (tp={d.get('tp')}{dp}), "
                 f"{c.num_gpu_blocks - 1} KV blocks of {c.block_size} per {'rank' if dp else 'replica'}, "

@@ -213,3 +213,8 @@ def test_a_plans_serve_lines_carry_each_pools_engine():
     assert "--max-num-seqs 256 --max-num-batched-tokens 8192" in dec[0]
     assert "--data-parallel-size 4 --enable-expert-parallel" in dec[0]
     assert "# decode pool: 1 replica(s), tensor parallel 1 x data parallel 4" in lines
+
+
+def test_a_pools_description_gives_its_own_limits():
+    text = parse_scenario(dense({"prefill_max_num_seqs": 1, "prefill_max_num_batched_tokens": 4096})).describe()
+    assert "1 prefill replica(s) (tp=1; 1 seqs, budget 4096) + 1 decode replica(s) (tp=1; 64 seqs)" in text
