@@ -402,10 +402,11 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     blocks = blocks_for(base_t, profile_meta if (base_t, base_dp) == (tp, dp) else {}, base_dp)
     state_note: list[str] = []
 
-    def state_cap(t: int, pool_dp: int, pool_budget: int, seqs: int, key: str) -> int:
+    def state_cap(t: int, pool_dp: int, pool_budget: int, seqs: int, key: str | None) -> int:
         """max_num_seqs of an engine of TP t (and pool_dp ranks): a linear-attention hybrid runs no
         more requests than the pool holds states for (each running request keeps one per linear
-        layer): vLLM's pool runs out of state blocks there. Noted under `key` when it binds."""
+        layer): vLLM's pool runs out of state blocks there. Noted under `key` when it binds (None:
+        not noted)."""
         if not model.is_hybrid or explicit_blocks is not None:
             return seqs
         held = memory_breakdown(model, device, t, util, block_size, max_num_batched_tokens=pool_budget,
@@ -413,13 +414,15 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
                                 vllm_version=vllm_version)["linear_state_requests"]
         if held >= seqs:
             return seqs
-        state_note.append(f"{key}={seqs}: {model.name} at tp={t} on {device.name} holds the linear-attention "
-                          f"state of {held} requests in the memory it leaves (half of it at most); at most "
-                          f"{held} run at once")
+        if key is not None:
+            state_note.append(f"{key}={seqs}: {model.name} at tp={t} on {device.name} holds the linear-attention "
+                              f"state of {held} requests in the memory it leaves (half of it at most); at most "
+                              f"{held} run at once")
         return held
 
     sc_seqs = max_seqs  # as asked: each pool caps its own below
-    max_seqs = state_cap(base_t, base_dp, budget, max_seqs, "scheduler.max_num_seqs")
+    # (with pools each pool notes its own cap below)
+    max_seqs = state_cap(base_t, base_dp, budget, max_seqs, "scheduler.max_num_seqs" if pd is None else None)
     def window_charge(t: int) -> dict:
         """SchedulerConfig's sliding-window charge at TP t: sliding-window layers keep each running
         request's window in the pool (vLLM's hybrid KV cache manager); {} without such layers."""

@@ -166,6 +166,9 @@ def test_each_pool_caps_a_hybrids_sequences_at_the_states_its_own_memory_holds()
                             data_parallel=2)["linear_state_requests"]
     assert held < 4096 and sc.pd["decode"][0].max_num_seqs == held
     assert any(w.startswith("deployment.pd.decode_max_num_seqs=4096") for w in sc.warnings)
+    # the prefill engines (tp 4, the scheduler section's 1024 sequences) hold theirs: no other note
+    assert [w for w in sc.warnings if "linear-attention" in w] == [
+        w for w in sc.warnings if w.startswith("deployment.pd.decode_max_num_seqs")]
 
 
 def test_a_pools_own_budget_sizes_its_window_reserve():
