@@ -589,8 +589,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if not a.csv or not Path(a.csv).exists():
         sys.exit("silicon_check: no silicon_sample.csv (install the aisimulate wheel or give --csv)")
-    allowed = allowed_rows(a.csv)
-    cases = [c for c in map(usable, allowed) if c is not None]
+    allowed = [(r, usable(r)) for r in allowed_rows(a.csv)]
+    cases = [c for _r, c in allowed if c is not None]
     for c in cases:
         c["mode"] = "disagg" if c.get("pd") else "agg"
     if a.mode:
@@ -639,8 +639,8 @@ def main(argv=None) -> None:
         "rows": len(rows), "skipped": len(skipped), "wall_s": round(time.perf_counter() - t0, 1),
         # rows of the file this script cannot express at all (an unknown model or GPU, pipeline
         # parallelism, a quantisation the GPU lacks, pools of unrecorded shape), by backend/system
-        "not_expressible": dict(sorted(Counter(f"{r['backend']} {r['system']} {r['mode']}" for r in allowed
-                                               if usable(r) is None).items())),
+        "not_expressible": dict(sorted(Counter(f"{r['backend']} {r['system']} {r['mode']}" for r, c in allowed
+                                               if c is None).items())),
         "error_definition": "(sim - silicon) / silicon of the mean TTFT / TPOT; bias = median signed error",
         "overall": summarize_errors(rows, ()),
         # the setting of the held-out check: concurrency 4-144, ISL 1k-8k, OSL 100-8k

@@ -85,7 +85,7 @@ class _PrefillView:
         self.workload = workload
         # what the client side of the simulation reads from a workload: the loop, the warm-up
         # requests (the measured phase starts when their responses are in), the client model
-        for key in ("closed_loop_concurrency", "num_warmup", "client", "benchmark"):
+        for key in ("closed_loop_concurrency", "num_warmup", "client"):
             setattr(self, key, getattr(workload, key, None))
         self.output_len: dict[str, int] = {}
 

@@ -94,7 +94,7 @@ class Scenario:
         if self.pd is not None:
             p = self.pd
             def shape(pool: str) -> str:
-                cfg = p[pool][0] if pool in p else c  # the pool's own scheduler (its limits)
+                cfg = p[pool][0]  # the pool's own scheduler (its limits)
                 return (f"tp={p[f'{pool}_tp']}"
                         + (f", dp={p[f'{pool}_data_parallel']}" if p.get(f"{pool}_data_parallel", 1) > 1 else "")
                         + (", ep" if p.get(f"{pool}_expert_parallel") else "")
@@ -420,8 +420,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
                               f"{held} run at once")
         return held
 
-    sc_seqs = max_seqs  # as asked: each pool caps its own below
-    # (with pools each pool notes its own cap below)
+    sc_seqs = max_seqs  # as asked: with pools, each pool caps (and notes) its own below
     max_seqs = state_cap(base_t, base_dp, budget, max_seqs, "scheduler.max_num_seqs" if pd is None else None)
     def window_charge(t: int) -> dict:
         """SchedulerConfig's sliding-window charge at TP t: sliding-window layers keep each running
