@@ -41,7 +41,9 @@ def format_summary(summary: dict) -> str:
         if tr["count"]:
             lines.append(f"P/D: {pd['prefill_replicas']} prefill + {pd['decode_replicas']} decode replicas; "
                          f"KV transfer mean {tr['mean'] * 1e3:.2f} ms, p99 {tr['p99'] * 1e3:.2f} ms; "
-                         f"wait for decode room mean {wait['mean'] * 1e3:.1f} ms, max {wait['max'] * 1e3:.1f} ms")
+                         f"wait for decode room mean {wait['mean'] * 1e3:.1f} ms, max {wait['max'] * 1e3:.1f} ms; "
+                         f"wait for the decode step that starts the load mean "
+                         f"{pd['wait_for_load_start_s']['mean'] * 1e3:.1f} ms")
     if "simulated_s" in summary:
         lines.append(f"simulated {summary['simulated_s']:.1f} s in {summary['wall_s']:.2f} s wall "
                      f"({summary.get('num_steps', 0)} steps)")

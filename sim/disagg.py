@@ -2,6 +2,9 @@
 
     arrival -> router -> prefill replica: the prompt with max_tokens 1 (prefill + one token)
             -> transfer queue (FIFO) -> the decode replica with room and fewest requests
+            -> the decode replica's next scheduling step starts pulling the KV (vLLM's KV
+               connectors load in the step that first schedules the request: at once on an idle
+               engine, else at the boundary that would admit any arrival then)
             -> KV transfer: prompt tokens x KV bytes per token / link bandwidth + link latency
             -> decode replica: every output token the client sees (`first_token: decode`, the
                default), or the remaining output_len - 1 after the prefill's (`first_token: prefill`)
@@ -10,9 +13,10 @@ Which engine streams the first token: in vLLM's disaggregated serving (its P/D p
 NVIDIA Dynamo's workers for vLLM, SGLang and TensorRT-LLM) the prefill request runs with
 max_tokens 1 and its token is not sent; the decode engine streams every token, computing the
 first in its first step for the request (vLLM recomputes the prompt's last token over the arrived
-KV). So the client's TTFT holds the prefill, the wait for decode room, the transfer and that
-step, and TPOT the decode steps alone. `first_token: prefill` is a server that streams the
-prefill engine's token at once (the hand-off gap then falls between the first two tokens).
+KV). So the client's TTFT holds the prefill, the wait for decode room, the wait for the decode
+engine's step that starts the load, the transfer and that step, and TPOT the decode steps alone.
+`first_token: prefill` is a server that streams the prefill engine's token at once (the hand-off
+gap then falls between the first two tokens).
 
 Every replica, prefill or decode, is a plain `Replica` with its own shared-scheduler instance.
 
@@ -146,6 +150,7 @@ class DisaggSimulation(Simulation):
         self.promised: list[list[_Handoff]] = [[] for _ in self.decoders]
         self.decoding: dict[str, _Handoff] = {}
         self.transfer_s: list[float] = []
+        self.load_wait_s: list[float] = []  # from a decode replica's choice to its load's start
         self.wait_s: list[float] = []
         self.handoff_gaps: list[float] = []
 
@@ -205,6 +210,11 @@ class DisaggSimulation(Simulation):
             self.env.process(self._transfer(h))
 
     def _transfer(self, h: _Handoff):
+        # The decode engine starts pulling the KV in the step that first schedules the request
+        # (Replica.remote_kv_start), then admits it when the load is done, as any arrival.
+        asked = self.env.now
+        yield self.decoders[h.decoder].remote_kv_start()
+        self.load_wait_s.append(self.env.now - asked)
         dt = self.transfer_time(h.sreq.spec.prompt_len)
         self.transfer_s.append(dt)
         yield self.env.timeout(dt)
@@ -264,6 +274,7 @@ class DisaggSimulation(Simulation):
         result = super().collect(wall_s)
         result.summary["pd"] = {**self.pd, "kv_transfer_s": _stats(self.transfer_s),
                                 "wait_for_room_s": _stats(self.wait_s),
+                                "wait_for_load_start_s": _stats(self.load_wait_s),
                                 "never_transferred": len(self.queue) + sum(self.in_flight)}
         return result
 

@@ -123,6 +123,8 @@ class Replica:
         self.steps: list[StepRecord] = []
         self.outstanding = 0  # requests routed here and not finished (router load signal)
         self.group: DataParallelGroup | None = None
+        # (reached the engine at, event) of requests whose KV another engine sends (remote_kv_start)
+        self.kv_waiters: list[tuple[float, object]] = []
         self.process = self.env.process(self.run()) if start else None
 
     @property
@@ -136,6 +138,32 @@ class Replica:
         self.inbox_s.append(self.env.now)
         self.outstanding += 1
         self._poke()
+
+    def remote_kv_start(self):
+        """A SimPy event: when a request that reaches this engine now, with its KV on another
+        engine, starts loading it. vLLM's KV connectors (NixlConnector) start the load in the
+        worker when the step that first schedules the request runs (the scheduler allocates its
+        blocks and puts the load in that step's connector metadata), so it starts as any arrival
+        is admitted: at once on an idle engine, else at the step boundary that would take a
+        request arriving now (under async scheduling, after the step that follows the running one)."""
+        ev = self.env.event()
+        ranks = self.group.ranks if self.group is not None else [self]
+        if not any(r.scheduler.has_unfinished_requests() for r in ranks):
+            ev.succeed()
+        else:
+            self.kv_waiters.append((self.env.now, ev))
+        return ev
+
+    def _release_kv_waiters(self, cutoff: float | None) -> None:
+        """Start the loads of the waiting requests this boundary's step schedules (those that
+        reached the engine by `cutoff`, or all of them where admission takes every arrival)."""
+        keep = []
+        for t, ev in self.kv_waiters:
+            if cutoff is None or t <= cutoff:
+                ev.succeed()
+            else:
+                keep.append((t, ev))
+        self.kv_waiters = keep
 
     def _poke(self) -> None:
         if self.group is not None:
@@ -286,7 +314,10 @@ class Replica:
             yield from self._plain_step(now)
 
     def _boundary(self, now: float, feed: bool = False) -> None:
-        """What a step boundary takes in: arrivals (the direct feed's or the inbox's) and aborts."""
+        """What a step boundary takes in: arrivals (the direct feed's or the inbox's), aborts, and
+        the KV loads its step starts (remote_kv_start)."""
+        if self.kv_waiters:
+            self._release_kv_waiters(self._cutoff())
         if feed:
             self._feed(now)
         elif self.inbox:

@@ -221,3 +221,55 @@ def test_a_plans_serve_lines_carry_each_pools_engine():
 def test_a_pools_description_gives_its_own_limits():
     text = parse_scenario(dense({"prefill_max_num_seqs": 1, "prefill_max_num_batched_tokens": 4096})).describe()
     assert "1 prefill replica(s) (tp=1; 1 seqs, budget 4096) + 1 decode replica(s) (tp=1; 64 seqs)" in text
+
+
+def _handoff_run(async_scheduling: bool):
+    """Two requests through one prefill and one decode engine with constant step times (prefill
+    steps 100 ms, decode steps 10 ms): a's long decode keeps the decode engine stepping when b's
+    KV is handed over."""
+    from engine.core import SchedulerConfig
+    from sim.cost_model import FittedCostModel
+    from sim.disagg import DisaggSimulation
+    from sim.workload import RequestSpec, Workload
+
+    cfg = SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=8, max_model_len=2048, block_size=16,
+                          num_gpu_blocks=400)
+    pcost, dcost = FittedCostModel(intercept_s=0.1, per_token_s=0.0), FittedCostModel(intercept_s=0.01, per_token_s=0.0)
+    pcost.async_scheduling = dcost.async_scheduling = async_scheduling
+    pd = {"prefill_replicas": 1, "decode_replicas": 1, "kv_bytes_per_token": 1000,
+          "link_bandwidth_gb_s": 0.005, "link_latency_s": 0.0035,  # 100 tokens: 20 ms + 3.5 ms
+          "prefill": (cfg, pcost), "decode": (cfg, dcost)}
+    wl = Workload.from_requests([RequestSpec("a", 0.0, 100, 1000, ((0, 100),)),
+                                 RequestSpec("b", 0.5036, 100, 3, ((1000, 100),))])
+    return DisaggSimulation(wl, pd, keep_steps=True).run()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_decode_engine_starts_loading_the_kv_in_the_step_that_schedules_the_request(async_scheduling):
+    # vLLM's KV connector pulls a request's KV in the worker when the step that first schedules
+    # it runs: a busy decode engine schedules a request that reaches it during step n in step
+    # n+1 (n+2 under async scheduling, whose step n+1 was scheduled before it came), and then
+    # admits it when its KV has landed, as any arrival. An idle engine starts at once.
+    res = _handoff_run(async_scheduling)
+    table = res.requests.set_index("request_id")
+    steps = res.step_table
+    starts = np.asarray(steps["start_s"])[np.asarray(steps["replica"]) == 1]  # the decode engine
+    dt = 100 * 1000 / 0.005e9 + 0.0035
+    lag = 2 if async_scheduling else 1  # steps after the one running when a request arrives
+
+    def boundary_after(t, k):
+        """The start of the k-th decode step after the one running at t."""
+        n = np.searchsorted(starts, t, side="right") - 1  # the step running at t
+        return starts[n + k]
+
+    # a: the decode engine is idle when its prefill ends at 0.1 s: the load starts at once and
+    # its first token ends the first decode step
+    assert table.loc["a", "ttft_s"] == pytest.approx(0.1 + dt + 0.01, abs=1e-9)
+    # b: its prefill ends at 0.6036 s, just after a decode step of a's began
+    handed = 0.5036 + 0.1
+    load = boundary_after(handed, lag)
+    first = boundary_after(load + dt, lag) + 0.01  # admitted like any arrival, then one step
+    assert table.loc["b", "first_token_s"] == pytest.approx(first, abs=1e-9)
+    assert res.summary["pd"]["wait_for_load_start_s"]["max"] == pytest.approx(load - handed, abs=1e-9)
+    # a load that started on handing over would have come a step (two under async) sooner
+    assert load - handed > 0.01 * (lag - 1)
