@@ -14,7 +14,8 @@ NVIDIA Dynamo's workers for vLLM, SGLang and TensorRT-LLM) the prefill request r
 max_tokens 1 and its token is not sent; the decode engine streams every token, computing the
 first in its first step for the request (vLLM recomputes the prompt's last token over the arrived
 KV). So the client's TTFT holds the prefill, the wait for decode room, the wait for the decode
-engine's step that starts the load, the transfer and that step, and TPOT the decode steps alone.
+engine's step that starts the load, the transfer, the wait for the step that admits the request
+once its KV is in, and that step; TPOT the decode steps alone.
 `first_token: prefill` is a server that streams the prefill engine's token at once (the hand-off
 gap then falls between the first two tokens).
 
@@ -207,13 +208,16 @@ class DisaggSimulation(Simulation):
             self.in_flight[i] += 1
             self.promised[i].append(h)
             self.wait_s.append(self.env.now - h.ready_s)
-            self.env.process(self._transfer(h))
+            # Asked now, before the chosen engine takes its boundary: room freed by a request it
+            # finished at this instant goes to this one in the step it schedules next, as vLLM's
+            # scheduler hands the freed blocks to a waiting request.
+            self.env.process(self._transfer(h, self.decoders[i].remote_kv_start()))
 
-    def _transfer(self, h: _Handoff):
+    def _transfer(self, h: _Handoff, start):
         # The decode engine starts pulling the KV in the step that first schedules the request
         # (Replica.remote_kv_start), then admits it when the load is done, as any arrival.
         asked = self.env.now
-        yield self.decoders[h.decoder].remote_kv_start()
+        yield start
         self.load_wait_s.append(self.env.now - asked)
         dt = self.transfer_time(h.sreq.spec.prompt_len)
         self.transfer_s.append(dt)

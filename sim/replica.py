@@ -144,8 +144,12 @@ class Replica:
         engine, starts loading it. vLLM's KV connectors (NixlConnector) start the load in the
         worker when the step that first schedules the request runs (the scheduler allocates its
         blocks and puts the load in that step's connector metadata), so it starts as any arrival
-        is admitted: at once on an idle engine, else at the step boundary that would take a
-        request arriving now (under async scheduling, after the step that follows the running one)."""
+        is admitted: at once when the engine (every rank of its DataParallelGroup) is idle, else
+        at the boundary that would admit an arrival made now (_admissible). Plain steps only: a
+        fast-forward run (use_steady) visits no boundary inside it, so the P/D pools that use
+        this never fast-forward."""
+        if self.use_steady:
+            raise RuntimeError("remote_kv_start: a replica that fast-forwards (use_steady) would start the load late")
         ev = self.env.event()
         ranks = self.group.ranks if self.group is not None else [self]
         if not any(r.scheduler.has_unfinished_requests() for r in ranks):
@@ -272,7 +276,7 @@ class Replica:
             now = env.now
             self._boundary(now, feed)
             if not sched.has_unfinished_requests():
-                if self.inbox:  # held back by async admission, and the engine ran dry: take them now
+                if self.inbox or self.kv_waiters:  # held back by async admission, and the engine ran dry: take them now
                     self._last_start = None
                     continue
                 sched.sync()  # nothing is lazy any more: leave fast mode
@@ -488,7 +492,7 @@ class DataParallelGroup:
                 r._boundary(now)
             busy = [r for r in ranks if r.scheduler.has_unfinished_requests()]
             if not busy:
-                held = [r for r in ranks if r.inbox]
+                held = [r for r in ranks if r.inbox or r.kv_waiters]
                 if held:  # held back by async admission, and the group ran dry: take them now
                     for r in held:
                         r._last_start = None
