@@ -274,6 +274,17 @@ UNSUPPORTED = {
 }
 
 
+def engine_direct(workload: dict) -> dict:
+    """The workload mapping with `client: {type: engine_direct}`: validate drives its engine
+    directly (calibration.driver), without an API server in front of it, so the simulator's
+    requests go straight into its engine too. Another client is refused, naming it."""
+    client = workload.get("client")
+    if client is not None and client != {"type": "engine_direct"}:
+        raise ValidateError(f"workload.client={client!r}: not supported by validate: it drives the "
+                            "engine directly, without an API server (give none, or {type: engine_direct})")
+    return {**workload, "client": {"type": "engine_direct"}}
+
+
 def parse_setting(data: dict, base_dir=None, label: str = "base", values: dict | None = None,
                   profile_ref: str | Path | None = None) -> Setting:
     """A validation setting from a scenario mapping, through the scenario schema (an unknown
@@ -285,6 +296,8 @@ def parse_setting(data: dict, base_dir=None, label: str = "base", values: dict |
     for (section, key), why in UNSUPPORTED.items():
         if isinstance(d.get(section), dict) and d[section].get(key) is not None:
             raise ValidateError(f"{section}.{key}={d[section][key]!r}: not supported by validate: {why}")
+    if isinstance(d.get("workload"), dict):
+        d["workload"] = engine_direct(d["workload"])
     dep = d.get("deployment") or {}
     for key in ("replicas", "tp"):
         if dep.get(key, 1) != 1:
@@ -373,7 +386,7 @@ def validate(engine, profile: dict, settings: list[Setting] | dict, out_dir: str
     if speed not in SPEEDS:
         raise ValidateError(f"speed={speed!r}: must be one of {', '.join(SPEEDS)}")
     if isinstance(settings, dict):  # a workload alone: the engine's own setting
-        settings = [Setting("base", {}, {}, dict(settings["workload"]))]
+        settings = [Setting("base", {}, {}, engine_direct(settings["workload"]))]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ref = profile["metadata"].get("speed_probe") if speed_probe else None

@@ -133,10 +133,13 @@ class Replica:
         return self.book.num_steps
 
     # ------------------------------------------------------------ from outside
-    def submit(self, sreq: SimRequest) -> None:
+    def submit(self, sreq: SimRequest, routed: bool = False) -> None:
+        """A request reaches this engine now. `routed`: the router already counted it in
+        `outstanding` when it forwarded the request (Simulation._send)."""
         self.inbox.append(sreq)
         self.inbox_s.append(self.env.now)
-        self.outstanding += 1
+        if not routed:
+            self.outstanding += 1
         self._poke()
 
     def remote_kv_start(self):

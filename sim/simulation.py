@@ -3,10 +3,10 @@
 Clients (sim/clients.py): a request is sent when its arrival is due and, with a concurrency cap
 (closed loop, or a benchmark's max concurrency), when a slot is free, after the client's
 turnaround; it reaches the engine after the API server's HTTP handling and tokenization (one
-request at a time), and every token reaches the client `output_s` after its step ends. Record
-times are the client's: arrival_s is the send, token and finish times are when the client has
-them (collect() adds output_s). With the ENGINE_DIRECT client all of these are zero and requests
-go straight in, as before.
+request at a time, in send order), and every token reaches the client `output_s` after its step
+ends. Record times are the client's: arrival_s is the send, token and finish times are when the
+client has them (collect() adds output_s). With the ENGINE_DIRECT client all of these are zero
+and requests go straight into the engine.
 
 Warm-up (workload.num_warmup > 0, vllm bench serve --num-warmups / aiperf and genai-perf
 --warmup-request-count): the first requests run as a separate phase under the same client, the
@@ -131,7 +131,9 @@ class Simulation:
         self.closed_loop = getattr(workload, "closed_loop_concurrency", None)
         self.client = client or getattr(workload, "client", None) or ENGINE_DIRECT
         self.num_warmup = int(getattr(workload, "num_warmup", 0) or 0)
-        self._think = self.client.think_s > 0  # else the workload's turnarounds are not used
+        # The client's turnaround is the time between reading a response and sending the next
+        # request: a closed loop's. An open loop's arrival times are its sends.
+        self._think = self.client.think_s > 0 and self.closed_loop is not None
         # Steady runs are exact when every outside event is known ahead: open-loop arrivals,
         # or a closed loop on one replica (its new arrivals come when its own requests finish,
         # which ends a steady run).
@@ -162,7 +164,10 @@ class Simulation:
         self._in_flight = 0
         self._warm_left = self.num_warmup
         self._phase_start = 0.0
-        self._frontend_free = 0.0
+        # One API server (one tokenizer, first come first served) per engine; a data-parallel
+        # group's ranks share their server's.
+        self._ranks_per_server = data_parallel
+        self._frontend_free = [0.0] * max(1, num_replicas // data_parallel)
         self._bar = None
         self._progress = progress
         # Whether a finish can bring an outside event: with an open loop, no warm-up and a router
@@ -170,16 +175,17 @@ class Simulation:
         # the replicas' fast steps run on through finishes, reporting them when the run ends.
         self.quiet_finishes = (self.closed_loop is None and self.num_warmup == 0
                                and (num_replicas == 1 or router != "least_outstanding"))
-        # Direct feed: with fast steps, one replica, an open loop whose requests go straight to
-        # the engine (no client turnaround, no API-server time) and no cancellation, every
-        # arrival is known ahead, so the replica takes its requests from the workload itself
-        # (feed_next_s / feed_take) at its step boundaries, and a fast run goes on through
-        # arrivals (FastForwardScheduler.advance's `arrive`) instead of one SimPy event and one run per
-        # arrival. Plain steps (steady_decode: false) keep the client path, the reference.
+        # Direct feed: with fast steps, one replica, an open loop and no cancellation, every
+        # arrival at the engine is known ahead (a request's send, then its request path and its
+        # turn at the API server's tokenizer, which serves requests in send order), so the
+        # replica takes its requests from the workload itself (feed_next_s / feed_take) at its
+        # step boundaries, and a fast run goes on through arrivals (FastForwardScheduler.advance's
+        # `arrive`) instead of one SimPy event and one run per arrival. Plain steps
+        # (steady_decode: false) keep the client path as SimPy events, the reference.
         self.direct_feed = (self.use_steady and self.quiet_finishes and num_replicas == 1
-                            and not self.client.delays_requests and not self._think
-                            and _no_cancellation(workload))
+                            and not self._think and _no_cancellation(workload))
         self._feed_t = 0.0  # send time of the last request fed (sends keep workload order)
+        self._fed_next = None  # (send time, engine arrival time) of the peeked request, once drawn
         self.replicas = [Replica(self, i, scheduler_config, cost_model, start=data_parallel == 1)
                          for i in range(num_replicas)]
         self.groups = [DataParallelGroup(self, self.replicas[i:i + data_parallel], cost_model)
@@ -207,30 +213,43 @@ class Simulation:
             self._exhausted = self._next is None
         return self._next
 
+    def _fed_times(self, spec) -> tuple[float, float]:
+        """Direct feed: (send time, time it reaches the engine) of the peeked request, as _pump
+        and _send make them: sent when due and after every request before it; then its request
+        path (drawn once, in send order, from the same stream) and its turn at the tokenizer."""
+        if self._fed_next is None:
+            t = spec.arrival_s
+            if t < self._feed_t:
+                t = self._feed_t
+            t_in = t
+            c = self.client
+            if c.delays_requests:
+                start = max(t + c.request_path(self._path_rng), self._frontend_free[0])
+                self._frontend_free[0] = t_in = start + c.tokenize_s_per_token * spec.prompt_len
+            self._fed_next = (t, t_in)
+        return self._fed_next
+
     def feed_next_s(self) -> float:
         """Direct feed: when the next request reaches the engine (math.inf: none left)."""
         spec = self._peek()
         if spec is None:
             return math.inf
-        t = spec.arrival_s
-        return t if t > self._feed_t else self._feed_t
+        return self._fed_times(spec)[1]
 
     def feed_take(self, cutoff: float) -> list:
         """Direct feed: the requests that reached the engine at or before `cutoff`, in workload
-        order, each with its record (as _pump and _send make them: a request is sent when it is
-        due and every request before it was sent)."""
+        order, each with its record (opened at its send time, as _send opens it)."""
         out = []
         while True:
             spec = self._peek()
             if spec is None:
                 return out
-            t = spec.arrival_s
-            if t < self._feed_t:
-                t = self._feed_t
-            if t > cutoff:
+            t, t_in = self._fed_times(spec)
+            if t_in > cutoff:
                 return out
             self._take()
             self._feed_t = t
+            self._fed_next = None
             out.append(SimRequest(spec, self._open_record(spec, t, False)))
 
     def _pump(self) -> None:
@@ -271,20 +290,22 @@ class Simulation:
         return rec
 
     def _send(self, spec, warm: bool) -> None:
+        """A request leaves the client: the router forwards it to an engine's API server as it is
+        sent (its load counts from then), which hands it to the engine after its request path and
+        its turn at that server's tokenizer."""
         now = self.env.now
         rec = self._open_record(spec, now, warm)
-        c = self.client
-        if c.delays_requests:
-            start = max(now + c.request_path(self._path_rng), self._frontend_free)
-            self._frontend_free = t_in = start + c.tokenize_s_per_token * spec.prompt_len
-            self._at(t_in, lambda: self._enter(spec, rec))
-        else:
-            self._enter(spec, rec)
-
-    def _enter(self, spec, rec: RequestRecord) -> None:
         replica = self._route(spec)
         rec.replica = replica.index
-        replica.submit(SimRequest(spec, rec))
+        replica.outstanding += 1
+        c = self.client
+        if c.delays_requests:
+            k = replica.index // self._ranks_per_server
+            start = max(now + c.request_path(self._path_rng), self._frontend_free[k])
+            self._frontend_free[k] = t_in = start + c.tokenize_s_per_token * spec.prompt_len
+            self._at(t_in, lambda: replica.submit(SimRequest(spec, rec), routed=True))
+        else:
+            replica.submit(SimRequest(spec, rec), routed=True)
 
     def _route(self, spec) -> Replica:
         reps = self.replicas
@@ -310,7 +331,7 @@ class Simulation:
         if self._bar is not None:
             self._bar.update(1)
         out = self.client.output_s
-        if out > 0:
+        if out > 0 and not self.direct_feed:  # an open loop's sends do not wait for responses
             self._at(self.env.now + out, self._response_read)
         else:
             self._response_read()
@@ -368,9 +389,14 @@ class Simulation:
         c = self.client
         # http_s and output_s are latencies, not work on a shared process: only tokenization is
         # queued (first come, first served), so only its load is a load
-        busy = c.tokenize_s_per_token * sum(r.num_prompt_tokens for r in self.records)
+        # The busiest API server's (one per engine, or per data-parallel group).
+        busy = [0.0] * len(self._frontend_free)
+        for r in self.records:
+            k = (r.replica or 0) // self._ranks_per_server
+            if k < len(busy):
+                busy[k] += c.tokenize_s_per_token * r.num_prompt_tokens
         summary["client"] = {**c.describe(), "warmup_requests": len(self.warmup_records),
-                             "tokenizer_busy_fraction": busy / summary["duration_s"]}
+                             "tokenizer_busy_fraction": max(busy) / summary["duration_s"]}
 
     def _all_replicas(self) -> list[Replica]:
         """Every replica whose steps, ITL and preemptions the results count."""

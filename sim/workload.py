@@ -408,7 +408,7 @@ def build_workload(spec: dict, seed: int, base_dir: Path | None = None) -> Workl
     priority = _priority(root.sub("priority"), n, _rng(seed, "priority"))
     cancel_s, cancel_tokens = _cancellation(root.sub("cancellation"), output, _rng(seed, "cancel"))
     source = "trace" if trace is not None else "synthetic"
-    client = _client(root.sub("client"), HTTP_DEFAULTS if concurrency is not None else None)
+    client = _client(root.sub("client"), HTTP_DEFAULTS)
     wl = Workload(arrival_s=arrival, prompt_len=prompt, output_len=output, seg_off=seg_off,
                   seg_keys=seg_keys, seg_lens=seg_lens, priority=priority,
                   cancel_after_s=cancel_s, cancel_after_tokens=cancel_tokens,
@@ -419,8 +419,8 @@ def build_workload(spec: dict, seed: int, base_dir: Path | None = None) -> Workl
 
 
 def _client(m: _Map | None, default: ClientModel | None) -> ClientModel | None:
-    """`workload.client`: overrides of the default client (HTTP_DEFAULTS for closed loops and
-    benchmarks; none, i.e. straight into the engine, for open-loop and trace arrivals)."""
+    """`workload.client`: overrides of the default client, HTTP_DEFAULTS (a vLLM server's request
+    path) for every workload; `type: engine_direct` sends requests straight into the engine."""
     if m is None:
         return default
     if m.d.get("type") is not None:

@@ -726,9 +726,17 @@ def test_validate_reads_settings_through_the_scenario_schema(tmp_path):
                          (["scheduler.policy=lifo"], "scheduler.policy='lifo'"),
                          (["scheduler.async_scheduling=true"], "scheduler.async_scheduling=True: not supported"),
                          (["deployment.replicas=2"], "deployment.replicas=2: not supported"),
-                         (["scheduler.max_num_seqs=0"], "scheduler.max_num_seqs=0")):
+                         (["scheduler.max_num_seqs=0"], "scheduler.max_num_seqs=0"),
+                         (["workload.client.type=http"], "workload.client={'type': 'http'}: not supported")):
         with pytest.raises(ValidateError, match=re.escape(field)):
             load_settings(path, items, None)
+    # The engine is driven without an API server: so is the simulator's side of every setting.
+    from calibration.validate import engine_direct
+    from sim.clients import ENGINE_DIRECT
+    from sim.workload import build_workload
+    assert base.workload["client"] == small.workload["client"] == {"type": "engine_direct"}
+    assert build_workload(base.workload, 0).client == ENGINE_DIRECT
+    assert engine_direct({"num_requests": 3})["client"] == {"type": "engine_direct"}
 
 
 def test_what_if_validation_runs_every_setting_at_the_base_rates(tmp_path):

@@ -164,7 +164,8 @@ def test_a_hybrid_runs_no_more_requests_than_the_pool_holds_states_for():
     data = {"deployment": {"model": "Qwen/Qwen3.5-35B-A3B", "device": "h100", "tp": 1},
             "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": 2048, "block_size": 16},
             "workload": {"num_requests": 60, "arrival": {"type": "poisson", "rate": 50},
-                         "prompt_len": {"type": "fixed", "value": 200}, "output_len": {"type": "fixed", "value": 40}}}
+                         "prompt_len": {"type": "fixed", "value": 200}, "output_len": {"type": "fixed", "value": 40},
+                         "client": {"type": "engine_direct"}}}  # the burst reaches the engine as sent
     sc = parse_scenario(data)
     assert sc.scheduler_config.max_num_seqs == held
     assert any(f"at most {held} run at once" in w for w in sc.warnings)

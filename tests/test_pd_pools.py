@@ -19,7 +19,8 @@ def dense(pd: dict, n: int = 4, prompt: int = 2000, output: int = 4) -> dict:
             "scheduler": {"max_num_batched_tokens": 8192, "max_num_seqs": 64, "async_scheduling": False},
             "workload": {"num_requests": n, "arrival": {"type": "constant", "rate": 1e6},
                          "prompt_len": {"type": "fixed", "value": prompt},
-                         "output_len": {"type": "fixed", "value": output}}}
+                         "output_len": {"type": "fixed", "value": output},
+                         "client": {"type": "engine_direct"}}}  # the pools' own timing, no API server
 
 
 def test_a_prefill_pool_of_one_sequence_prefills_a_burst_one_prompt_per_step():

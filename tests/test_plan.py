@@ -33,7 +33,8 @@ def queue_scenario(tmp_path, arrival="constant", target=30, slo=None, grid=None,
         "scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": 1},
         "cost_model": {"type": "fitted", "profile": "const.json"},
         "workload": {"num_requests": 200, "arrival": {"type": arrival, "rate": 10},
-                     "prompt_len": {"type": "fixed", "value": 16}, "output_len": {"type": "fixed", "value": 1}},
+                     "prompt_len": {"type": "fixed", "value": 16}, "output_len": {"type": "fixed", "value": 1},
+                     "client": {"type": "engine_direct"}},  # the queue alone: no API server's time
         "plan": {"target": {"rate": target},
                  "slo": slo or {"ttft_s": {"p99": 1.5 * STEP_S if arrival == "constant" else 0.2}},
                  "grid": grid or {"device": ["h100-sxm"]},
@@ -157,7 +158,8 @@ def _queue_data(tmp_path, arrival="poisson", max_num_seqs=1):
             "scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": max_num_seqs},
             "cost_model": {"type": "fitted", "profile": "const.json"},
             "workload": {"num_requests": 100, "arrival": {"type": arrival, "rate": 10},
-                         "prompt_len": {"type": "fixed", "value": 16}, "output_len": {"type": "fixed", "value": 1}}}
+                         "prompt_len": {"type": "fixed", "value": 16}, "output_len": {"type": "fixed", "value": 1},
+                         "client": {"type": "engine_direct"}}}  # the queue alone: no API server's time
 
 
 def test_a_probe_above_capacity_is_refused_as_unstable_whatever_its_slo(tmp_path):

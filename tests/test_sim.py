@@ -69,7 +69,8 @@ def test_md1_queue_matches_pollaczek_khinchine():
     rho = lam * D
     wl = build_workload({"num_requests": n, "arrival": {"type": "poisson", "rate": lam},
                          "prompt_len": {"type": "fixed", "value": 32},
-                         "output_len": {"type": "fixed", "value": 1}}, seed=3)
+                         "output_len": {"type": "fixed", "value": 1},
+                         "client": {"type": "engine_direct"}}, seed=3)  # the engine's own queue
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, max_model_len=128,
                           block_size=16, num_gpu_blocks=20)
     res = sim_run(wl, cfg, fixed_cost(D))
@@ -266,20 +267,24 @@ def test_book_itl_sample_equals_gaps_of_token_times():
         np.testing.assert_allclose(expanded, np.sort(gaps), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("client", [None, {"type": "engine_direct"}, {"tokenize_s_per_token": 1e-4}])
 @pytest.mark.parametrize("async_admission", [False, True])
-def test_direct_feed_equals_arrivals_through_the_client(async_admission):
+def test_direct_feed_equals_arrivals_through_the_client(async_admission, client):
     """An open loop on one replica takes its requests straight from the workload (Simulation.direct_feed)
     and its fast runs go on through arrivals; the records, token times and step table equal those
-    of the same simulation with every arrival sent through the client as a SimPy event."""
+    of the same simulation with every arrival sent through the client as a SimPy event: with the
+    default request path, with none, and with a tokenizer slow enough to queue requests (30 per
+    second of about 600 tokens at 100 us a token: more work than the run has seconds)."""
     from sim.cpu_work import WithCpuWork
     from sim.kernel_model import KernelCostModel
     cost = (WithCpuWork(KernelCostModel("llama-3.1-8b", "h100-sxm"), async_scheduling=True) if async_admission
             else AnalyticCostModel("llama-3.1-8b", "h100-sxm"))
     cfg = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=4096,
                           block_size=16, num_gpu_blocks=700)
+    extra = {} if client is None else {"client": client}
     runs = {}
     for feed in (True, False):
-        sim = Simulation(_wl(5), cfg, cost, keep_token_times=True)
+        sim = Simulation(_wl(5, **extra), cfg, cost, keep_token_times=True)
         assert sim.direct_feed and sim.replicas[0].async_admission == async_admission
         sim.direct_feed = feed
         runs[feed] = sim.run()
@@ -290,8 +295,10 @@ def test_direct_feed_equals_arrivals_through_the_client(async_admission):
     assert len(fed.steps) < len(sent.steps)  # runs went on through arrivals
     assert sent.summary["requests"]["preemptions"] > 0  # the pool is tight enough to preempt
     # A fast row sums the rows of the steps it covers; compare both with plain steps.
-    plain = Simulation(_wl(5), cfg, cost, use_steady=False).run()
+    plain = Simulation(_wl(5, **extra), cfg, cost, use_steady=False).run()
     assert_step_tables_agree(fed.step_table, plain.step_table)
+    if client and client.get("tokenize_s_per_token"):  # the API server's tokenizer was a queue
+        assert fed.summary["client"]["tokenizer_busy_fraction"] > 0.6
 
 
 def test_direct_feed_only_where_every_arrival_is_known_ahead():

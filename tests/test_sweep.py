@@ -38,7 +38,8 @@ def _queue(tmp_path):
             "scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": 1},
             "cost_model": {"type": "fitted", "profile": "const.json"},
             "workload": {"num_requests": 200, "arrival": {"type": "constant", "rate": 1},
-                         "prompt_len": {"type": "fixed", "value": 16}, "output_len": {"type": "fixed", "value": 1}},
+                         "prompt_len": {"type": "fixed", "value": 16}, "output_len": {"type": "fixed", "value": 1},
+                         "client": {"type": "engine_direct"}},  # the queue alone: no API server's time
             "slo": {"ttft_s": 0.03}}
     path = tmp_path / "q.yaml"
     path.write_text(yaml.safe_dump(data))
