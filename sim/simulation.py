@@ -331,7 +331,9 @@ class Simulation:
         if self._bar is not None:
             self._bar.update(1)
         out = self.client.output_s
-        if out > 0 and not self.direct_feed:  # an open loop's sends do not wait for responses
+        # Only a closed loop's sends, and the end of a warm-up, wait for the client to read a
+        # response; an open loop's do not, so its reads need no event of their own.
+        if out > 0 and (self.closed_loop is not None or self._warm_left > 0):
             self._at(self.env.now + out, self._response_read)
         else:
             self._response_read()
