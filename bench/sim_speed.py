@@ -10,7 +10,9 @@ tools (`--reps` times each, medians reported):
     simulation, metrics and files); simulation_s is the simulation loop alone (summary wall_s).
   - AISimulate: `aisimulate predict` in a subprocess on a Mooncake trace written from the very
     same workload (arrival times, prompt and output lengths; unique content per request), with
-    the same KV pool (usable blocks of 16 tokens), token budget and max_num_seqs.
+    the same KV pool (usable blocks of 16 tokens), token budget and max_num_seqs. ServeTwin's side
+    also runs its default client, the API server's request path, which AISimulate does not model
+    (its TTFT then reads a few ms more).
     end_to_end_s is its wall time, simulation_s its reported wall_time_ms.
   - peak_rss_mib: each subprocess's peak resident memory; with several sizes, also its growth
     per 100k more requests (slope between the smallest and the largest size).

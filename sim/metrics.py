@@ -5,7 +5,8 @@ Definitions (times in seconds; a token's time is the end of the step that produc
   TPOT   = (last_token_s - first_token_s) / (num_output_tokens - 1)   (completed, >= 2 tokens)
   ITL    = every gap between consecutive tokens of a request (all requests, for tails)
   E2E    = finish_s - arrival_s                              (completed requests)
-  queue  = first_scheduled_s - arrival_s                     (requests that were scheduled)
+  queue  = first_scheduled_s - arrival_s                     (requests that were scheduled;
+           from the client's send: the request path to the engine is part of it)
   completed = finish_reason "stop" or "length"; aborted = "abort"; rejected = "rejected"
   truncated = completed with "length" after fewer tokens than requested (prompt + max_tokens
               exceeded max_model_len: engine.core.admission)

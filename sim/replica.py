@@ -15,8 +15,9 @@ recorded at their steps' ends and reported to the simulation (on_finish) when th
 Timestamps are identical to stepping one by one with schedule() (tests/test_sim.py,
 tests/test_sim_fuzz.py check it).
 
-Direct feed (Simulation.direct_feed: fast steps, one replica, an open loop whose requests reach
-the engine when they are sent, no cancellation): every arrival is known ahead, so the replica
+Direct feed (Simulation.direct_feed: fast steps, one replica, an open loop, no cancellation; a
+request reaches the engine after its send, its request path and its turn at the API server's
+tokenizer, Simulation._fed_times): every arrival is known ahead, so the replica
 takes its requests from the workload itself at its step boundaries (with the same cutoff as
 the inbox: under async admission, those that came before the start of the step that just
 ended), and a fast run goes on through arrivals through advance()'s `arrive` hook; a run then

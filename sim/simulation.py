@@ -250,6 +250,7 @@ class Simulation:
             self._take()
             self._feed_t = t
             self._fed_next = None
+            self.replicas[0].outstanding += 1  # as _send counts a request it forwards
             out.append(SimRequest(spec, self._open_record(spec, t, False)))
 
     def _pump(self) -> None:
@@ -394,10 +395,9 @@ class Simulation:
         # The busiest API server's (one per engine, or per data-parallel group).
         busy = [0.0] * len(self._frontend_free)
         for r in self.records:
-            k = (r.replica or 0) // self._ranks_per_server
-            if k < len(busy):
-                busy[k] += c.tokenize_s_per_token * r.num_prompt_tokens
-        summary["client"] = {**c.describe(), "warmup_requests": len(self.warmup_records),
+            busy[r.replica // self._ranks_per_server] += c.tokenize_s_per_token * r.num_prompt_tokens
+        summary["client"] = {**c.describe(), "turnaround_applied": self._think,
+                             "warmup_requests": len(self.warmup_records),
                              "tokenizer_busy_fraction": max(busy) / summary["duration_s"]}
 
     def _all_replicas(self) -> list[Replica]:

@@ -87,12 +87,26 @@ def assert_step_tables_agree(fast: dict, plain: dict) -> None:
 
 @pytest.mark.parametrize("seed", [s for s in range(40) if random_scenario(s)["workload"]["arrival"]["type"] != "concurrency"][:12])
 def test_steady_equals_plain_with_an_http_client(seed):
-    """Open loops through an HTTP client (its turnaround, API-server time and per-token output
-    time): fast runs go on through finishes (Simulation.quiet_finishes), and the client's deferred
-    reads of the responses change no record and no step row."""
+    """Open loops through an HTTP client (API-server time, its tokenizer and per-token output
+    time; an open loop's sends have no turnaround and wait for no response): fast runs go on
+    through finishes (Simulation.quiet_finishes) and, on one replica, through arrivals (the direct
+    feed), and change no record and no step row."""
     base = random_scenario(seed)
     base["workload"]["client"] = {"type": "http", "output_s": 0.003, "think_s": 0.002}
     fast, slow = (run_scenario(parse_scenario({**base, "simulation": {"steady_decode": st}})) for st in (True, False))
     assert fast.requests[COLUMNS].equals(slow.requests[COLUMNS])
     assert_step_tables_agree(fast.step_table, slow.step_table)
     assert fast.summary["num_steps"] == slow.summary["num_steps"]
+
+
+@pytest.mark.parametrize("seed", [s for s in range(40) if random_scenario(s)["workload"]["arrival"]["type"] == "concurrency"][:6])
+def test_steady_equals_plain_for_a_closed_loop_through_an_http_client(seed):
+    """A closed loop through an HTTP client: each send waits for the client to read a response
+    (output_s after the last token) and for its turnaround; fast steps stop at those reads and
+    give the plain steps' records and step rows."""
+    base = random_scenario(seed)
+    base["workload"]["client"] = {"type": "http", "output_s": 0.003, "think_s": 0.002}
+    fast, slow = (run_scenario(parse_scenario({**base, "simulation": {"steady_decode": st}})) for st in (True, False))
+    assert fast.requests[COLUMNS].equals(slow.requests[COLUMNS])
+    assert_step_tables_agree(fast.step_table, slow.step_table)
+    assert fast.summary["client"]["turnaround_applied"] and fast.summary["num_steps"] == slow.summary["num_steps"]
