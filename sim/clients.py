@@ -33,9 +33,10 @@ SSE JSON, aiohttp chunk parse) ~0.3-0.5 ms; an asyncio semaphore hand-off plus r
 the client ~0.5 ms, exponential. What these leave out is fitted on published runs
 (REQUEST_PATH_FITTED_S, added to http_s). Every workload read from a scenario's `workload:`
 mapping (build_workload) defaults to HTTP_DEFAULTS: latencies are those a deployed server's
-clients see (a Workload made in code without a client goes straight into the engine). An open loop's arrival times are its sends (the turnaround
-is a closed loop's only). `workload.client: {type: engine_direct}` sends requests straight into
-the engine, as `servetwin validate` does (it drives its engine without an API server).
+clients see (a Workload made in code without a client goes straight into the engine). An open
+loop's arrival times are its sends (the turnaround is a closed loop's only).
+`workload.client: {type: engine_direct}` sends requests straight into the engine, as `servetwin
+validate` does (it drives its engine without an API server).
 """
 from __future__ import annotations
 

@@ -221,12 +221,7 @@ class Simulation:
             t = spec.arrival_s
             if t < self._feed_t:
                 t = self._feed_t
-            t_in = t
-            c = self.client
-            if c.delays_requests:
-                start = max(t + c.request_path(self._path_rng), self._frontend_free[0])
-                self._frontend_free[0] = t_in = start + c.tokenize_s_per_token * spec.prompt_len
-            self._fed_next = (t, t_in)
+            self._fed_next = (t, self._reaches_engine(t, spec, 0))
         return self._fed_next
 
     def feed_next_s(self) -> float:
@@ -299,14 +294,21 @@ class Simulation:
         replica = self._route(spec)
         rec.replica = replica.index
         replica.outstanding += 1
-        c = self.client
-        if c.delays_requests:
-            k = replica.index // self._ranks_per_server
-            start = max(now + c.request_path(self._path_rng), self._frontend_free[k])
-            self._frontend_free[k] = t_in = start + c.tokenize_s_per_token * spec.prompt_len
+        if self.client.delays_requests:
+            t_in = self._reaches_engine(now, spec, replica.index // self._ranks_per_server)
             self._at(t_in, lambda: replica.submit(SimRequest(spec, rec), routed=True))
         else:
             replica.submit(SimRequest(spec, rec), routed=True)
+
+    def _reaches_engine(self, sent_s: float, spec, server: int) -> float:
+        """When a request sent at sent_s reaches its engine: after its request path (drawn here,
+        in send order) and its turn at API server `server`'s tokenizer, first come first served."""
+        c = self.client
+        if not c.delays_requests:
+            return sent_s
+        start = max(sent_s + c.request_path(self._path_rng), self._frontend_free[server])
+        self._frontend_free[server] = t_in = start + c.tokenize_s_per_token * spec.prompt_len
+        return t_in
 
     def _route(self, spec) -> Replica:
         reps = self.replicas

@@ -408,7 +408,7 @@ def build_workload(spec: dict, seed: int, base_dir: Path | None = None) -> Workl
     priority = _priority(root.sub("priority"), n, _rng(seed, "priority"))
     cancel_s, cancel_tokens = _cancellation(root.sub("cancellation"), output, _rng(seed, "cancel"))
     source = "trace" if trace is not None else "synthetic"
-    client = _client(root.sub("client"), HTTP_DEFAULTS)
+    client = _client(root.sub("client"))
     wl = Workload(arrival_s=arrival, prompt_len=prompt, output_len=output, seg_off=seg_off,
                   seg_keys=seg_keys, seg_lens=seg_lens, priority=priority,
                   cancel_after_s=cancel_s, cancel_after_tokens=cancel_tokens,
@@ -418,16 +418,15 @@ def build_workload(spec: dict, seed: int, base_dir: Path | None = None) -> Workl
     return wl
 
 
-def _client(m: _Map | None, default: ClientModel | None) -> ClientModel | None:
+def _client(m: _Map | None) -> ClientModel:
     """`workload.client`: overrides of the default client, HTTP_DEFAULTS (a vLLM server's request
     path) for every workload; `type: engine_direct` sends requests straight into the engine."""
     if m is None:
-        return default
+        return HTTP_DEFAULTS
+    base = HTTP_DEFAULTS
     if m.d.get("type") is not None:
         kind = m.text("type", choices=("http", "engine_direct"))
         base = HTTP_DEFAULTS if kind == "http" else ENGINE_DIRECT
-    else:
-        base = default or ENGINE_DIRECT
     vals = {k: m.number(k, getattr(base, k), ge=0) for k in CLIENT_FIELDS}
     m.done()
     return ClientModel(**vals)
@@ -479,7 +478,7 @@ def _benchmark(root: _Map, seed: int) -> Workload:
     if conc is None and rate == math.inf:
         raise WorkloadError("workload.benchmark: give concurrency, request_rate or both "
                             "(with neither every request would be sent at t=0 at once)")
-    client = _client(root.sub("client"), HTTP_DEFAULTS)
+    client = _client(root.sub("client"))
     root.done()
     n = warm + num
     # Measured requests are due from the start of their phase (after the warm-up): rate-limited
