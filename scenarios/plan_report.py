@@ -209,6 +209,7 @@ def assemble(rows: list[dict], live: list[dict], confirms: dict, spec, data: dic
               "expert_parallel": bool(dep.get("expert_parallel", False)),
               "moe_activations": ((data.get("cost_model") or {}).get("moe_activations") or "bf16"),
               "moe_backend": ((data.get("cost_model") or {}).get("moe_backend") or "auto"),
+              "api_server_count": dep.get("api_server_count"),
               "mode": "gpus" if budget else "rate", "target_rate": T, "target_gpus": spec.target_gpus,
               "slo": spec.slo_spec(), "slo_text": spec.describe_slo(), "scenario_slo": spec.scenario_slo,
               "search": {**spec.search_spec(), "refine_steps": spec.refine_steps,
@@ -327,6 +328,8 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
         common += f" --quantization {result['serve_quantization']}"
     if result.get("moe_backend", "auto") != "auto":  # the MoE kernel the plan was timed with
         common += f" --moe-backend {result['moe_backend']}"
+    if result.get("api_server_count"):  # the scenario's; absent: vLLM's default, as simulated
+        common += f" --api-server-count {result['api_server_count']}"
 
     def engine_args(limits: dict, tp: int, ranks: int, ep: bool) -> str:
         a = _serve_args(limits, util)

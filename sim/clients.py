@@ -5,15 +5,16 @@ A real measurement (vllm bench serve, aiperf, genai-perf) times a request on the
     slot free (or arrival due) -> client turnaround (asyncio wake-up, building the POST)
       -> SEND (the request's arrival_s: the client starts its timer, vllm bench serve's `st`)
       -> HTTP to the API server, request validation, hand-off to the engine    (http_s)
-      -> tokenization, one request at a time in the one front-end process      (tokenize)
+      -> tokenization, one request at a time in each API server process        (tokenize)
       -> the engine's waiting queue: scheduled at a step boundary ... a step ends with a token
       -> engine -> front end -> detokenize -> SSE chunk -> client parses it       (output_s)
 
 so TTFT = queueing + prefill + the CPU work of both ends, and a closed-loop client sends its next
 request a turnaround after it has read the last chunk of the previous one. The turnaround is
 random (gamma, mean think_s, coefficient of variation think_cv, drawn per request from the
-workload's seeded "client" stream), and tokenization is first-come-first-served in one process,
-so waves of equal requests do not stay in lock-step as they would with zero overheads. The
+workload's seeded "client" stream), and tokenization is first-come-first-served in each of the
+engine's API server processes (default_api_servers), so waves of equal requests do not stay in
+lock-step as they would with zero overheads. The
 request path's time varies from request to request too (http_cv: gamma, exponential by default:
 nothing measured says more than its mean), from the simulation's own seeded stream; a wave of a
 closed loop then reaches the engine spread over a few steps, as real clients drift out of phase,
@@ -22,7 +23,7 @@ instead of being prefilled in one step every time.
 `output_s` is the same for every token, so it shifts a request's token times: TTFT and E2E grow
 by it, TPOT and ITL do not change. The batch effect (the front end handles a step's outputs one
 request after another) is not modelled; `summary["client"]["tokenizer_busy_fraction"]` says how
-loaded the API server's tokenization was, the one front-end stage queued here (near 1 it, not the
+loaded the API servers' tokenization was, the one front-end stage queued here (near 1 it, not the
 GPU, limits the run).
 
 Defaults (HTTP_DEFAULTS): vllm bench serve against vllm serve on one host, from public component
@@ -43,6 +44,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from sim.specs import vllm_version_tuple
 
 
 @dataclass(frozen=True)
@@ -118,5 +121,18 @@ REQUEST_PATH_FITTED_S = 5.0e-3
 HTTP_DEFAULTS = ClientModel(think_s=5e-4, think_cv=1.0, http_s=1e-3 + REQUEST_PATH_FITTED_S, http_cv=1.0,
                             tokenize_s_per_token=1.5e-6, output_s=4e-4)
 FIELDS = tuple(asdict(ENGINE_DIRECT))
+# API server processes per engine (`vllm serve --api-server-count`). From 0.15 on, vLLM starts one
+# per data-parallel rank unless told otherwise (its internal load balancer; vllm PR #32525, January
+# 2026: a 0.15.1 startup log prints "Defaulting api_server_count to data_parallel_size (4)"), one
+# before. Each has its own tokenizer; an engine's servers share its requests (the one listening
+# socket hands a request to whichever accepts first), so a request takes the one free first.
+API_SERVER_PER_RANK_SINCE = (0, 15)
 
-__all__ = ["ClientModel", "ENGINE_DIRECT", "HTTP_DEFAULTS", "FIELDS", "vllm_bench_result"]
+
+def default_api_servers(vllm_version: str | None, data_parallel: int) -> int:
+    """vLLM's default API server count for an engine of `data_parallel` ranks on that release
+    (None: sim.specs.DEFAULT_VLLM_VERSION)."""
+    return data_parallel if vllm_version_tuple(vllm_version) >= API_SERVER_PER_RANK_SINCE else 1
+
+__all__ = ["ClientModel", "ENGINE_DIRECT", "HTTP_DEFAULTS", "FIELDS", "API_SERVER_PER_RANK_SINCE",
+           "default_api_servers", "vllm_bench_result"]

@@ -5,7 +5,7 @@
     deployment: {model, model_config, weight_dtype (or the old `dtype`: weights only), kv_dtype,
                  device, tp, expert_parallel, data_parallel (MoE), replicas, router,
                  gpu_memory_utilization, num_gpu_blocks, vllm_version (whose memory profiling
-                 sizes the pool; default sim.specs.DEFAULT_VLLM_VERSION),
+                 sizes the pool; default sim.specs.DEFAULT_VLLM_VERSION), api_server_count,
                  interconnect: {bandwidth_gb_s, latency_s},  # required for tp beyond one node
                  pd: {prefill_replicas, decode_replicas, prefill_tp, decode_tp,
                       link_bandwidth_gb_s, link_latency_s,      # disaggregated pools (sim/disagg.py)
@@ -51,6 +51,7 @@ from sim.cpu_work import timing_model, timing_settings
 from sim.simulation import ROUTERS, SimResult, Simulation
 from sim.specmap import SpecError, SpecMap
 from sim.sampling import SAMPLING_MODES
+from sim.clients import default_api_servers
 from sim.specs import DEVICES, MODELS, get_device, get_model, kv_cache_blocks, memory_breakdown, vllm_version_tuple
 from sim.workload import Workload, build_workload
 
@@ -86,6 +87,7 @@ class Scenario:
     pd: dict | None = None  # disaggregated: pool sizes, link, and a (config, cost model) per pool
     warnings: list[str] = field(default_factory=list)  # e.g. a profile used outside what it measured
     data_parallel: int = 1  # data-parallel attention ranks per replica (MoE)
+    api_servers: int = 1  # API server processes per engine (vLLM's --api-server-count)
 
     def describe(self) -> str:
         c = self.scheduler_config
@@ -240,7 +242,15 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     except ValueError as e:
         raise ScenarioError(str(e)) from None
     blocks = dep.integer("num_gpu_blocks", None, ge=2)
+    # vLLM's --api-server-count: the API server processes of one engine (a data-parallel group's
+    # ranks share them), each with its own tokenizer. Default: vLLM's for the release.
+    api_servers = dep.integer("api_server_count", None, ge=1)
     pd_m = dep.sub("pd")
+    if pd_m is not None and api_servers is not None:
+        raise ScenarioError(f"deployment.api_server_count={api_servers}: not supported with deployment.pd "
+                            "(each prefill engine has one API server)")
+    if api_servers is None:
+        api_servers = default_api_servers(vllm_version, dp)
     if pd_m is not None and dp > 1:
         raise ScenarioError(f"deployment.data_parallel={dp}: with deployment.pd, give each pool its own "
                             "(pd.prefill_data_parallel, pd.decode_data_parallel)")
@@ -529,7 +539,8 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
         blocks = pd["decode"][0].num_gpu_blocks
 
     return Scenario(name=name, seed=seed, path=path, scheduler_config=cfg, cost_model=cost,
-                    workload=workload, replicas=replicas, data_parallel=dp, router=router, slo=slo,
+                    workload=workload, replicas=replicas, data_parallel=dp, api_servers=api_servers,
+                    router=router, slo=slo,
                     record_token_times=record_times, plots=plots, steady_decode=steady,
                     max_time_s=max_time, pd=pd, warnings=state_note + range_notes,
                     deployment={"model": model.name, "device": device.name, "tp": tp,
@@ -539,6 +550,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
                                 **({"vllm_version": vllm_version} if vllm_version else {}),
                                 **({"expert_parallel": True} if ep else {}),
                                 **({"data_parallel": dp} if dp > 1 else {}),
+                                **({"api_server_count": api_servers} if api_servers > 1 else {}),
                                 **({"pd": {k: v for k, v in pd.items() if k not in ("prefill", "decode")}}
                                    if pd else {})})
 
@@ -568,7 +580,7 @@ def run_scenario(sc: Scenario, progress: bool = False) -> SimResult:
                                max_time_s=sc.max_time_s)
     else:
         sim = Simulation(sc.workload, sc.scheduler_config, sc.cost_model, num_replicas=sc.replicas,
-                         data_parallel=sc.data_parallel,
+                         data_parallel=sc.data_parallel, api_servers=sc.api_servers,
                          router=sc.router, seed=sc.seed, use_steady=sc.steady_decode,
                          keep_token_times=sc.record_token_times, progress=progress, slo=sc.slo,
                          max_time_s=sc.max_time_s)

@@ -114,15 +114,18 @@ class Simulation:
                  router: str = "round_robin", seed: int = 0, use_steady: bool = True,
                  keep_token_times: bool = False, keep_steps: bool = True, progress: bool = False,
                  slo: dict | None = None, max_time_s: float | None = None,
-                 client: ClientModel | None = None, data_parallel: int = 1) -> None:
+                 client: ClientModel | None = None, data_parallel: int = 1, api_servers: int = 1) -> None:
         """`data_parallel` > 1: each replica is that many data-parallel attention ranks stepping
-        together (sim.replica.DataParallelGroup); the router spreads requests over all ranks."""
+        together (sim.replica.DataParallelGroup); the router spreads requests over all ranks.
+        `api_servers`: the API server processes (each with its own tokenizer) of each replica."""
         if router not in ROUTERS:
             raise ValueError(f"deployment.router={router!r}: expected one of {list(ROUTERS)}")
         if num_replicas < 1:
             raise ValueError(f"deployment.replicas={num_replicas!r}: must be >= 1")
         if data_parallel < 1:
             raise ValueError(f"deployment.data_parallel={data_parallel!r}: must be >= 1")
+        if api_servers < 1:
+            raise ValueError(f"deployment.api_server_count={api_servers!r}: must be >= 1")
         if data_parallel > 1:  # ranks, each its own engine, in lock-step groups: plain steps
             num_replicas *= data_parallel
             use_steady = False
@@ -164,10 +167,10 @@ class Simulation:
         self._in_flight = 0
         self._warm_left = self.num_warmup
         self._phase_start = 0.0
-        # One API server (one tokenizer, first come first served) per engine; a data-parallel
-        # group's ranks share their server's.
-        self._ranks_per_server = data_parallel
-        self._frontend_free = [0.0] * max(1, num_replicas // data_parallel)
+        # Each engine's API servers (one tokenizer each, first come first served; a data-parallel
+        # group's ranks share their engine's): when each is next free.
+        self._ranks_per_engine = data_parallel
+        self._frontend_free = [[0.0] * api_servers for _ in range(max(1, num_replicas // data_parallel))]
         self._bar = None
         self._progress = progress
         # Whether a finish can bring an outside event: with an open loop, no warm-up and a router
@@ -295,19 +298,22 @@ class Simulation:
         rec.replica = replica.index
         replica.outstanding += 1
         if self.client.delays_requests:
-            t_in = self._reaches_engine(now, spec, replica.index // self._ranks_per_server)
+            t_in = self._reaches_engine(now, spec, replica.index // self._ranks_per_engine)
             self._at(t_in, lambda: replica.submit(SimRequest(spec, rec), routed=True))
         else:
             replica.submit(SimRequest(spec, rec), routed=True)
 
-    def _reaches_engine(self, sent_s: float, spec, server: int) -> float:
+    def _reaches_engine(self, sent_s: float, spec, engine: int) -> float:
         """When a request sent at sent_s reaches its engine: after its request path (drawn here,
-        in send order) and its turn at API server `server`'s tokenizer, first come first served."""
+        in send order) and its turn at a tokenizer of that engine's API servers, first come first
+        served, at the server free first."""
         c = self.client
         if not c.delays_requests:
             return sent_s
-        start = max(sent_s + c.request_path(self._path_rng), self._frontend_free[server])
-        self._frontend_free[server] = t_in = start + c.tokenize_s_per_token * spec.prompt_len
+        free = self._frontend_free[engine]
+        i = min(range(len(free)), key=free.__getitem__) if len(free) > 1 else 0
+        start = max(sent_s + c.request_path(self._path_rng), free[i])
+        free[i] = t_in = start + c.tokenize_s_per_token * spec.prompt_len
         return t_in
 
     def _route(self, spec) -> Replica:
@@ -394,13 +400,16 @@ class Simulation:
         c = self.client
         # http_s and output_s are latencies, not work on a shared process: only tokenization is
         # queued (first come, first served), so only its load is a load
-        # The busiest API server's (one per engine, or per data-parallel group).
+        # The busiest engine's API servers', per server (a request takes the server free first,
+        # so they share the work).
         busy = [0.0] * len(self._frontend_free)
         for r in self.records:
-            busy[r.replica // self._ranks_per_server] += c.tokenize_s_per_token * r.num_prompt_tokens
+            busy[r.replica // self._ranks_per_engine] += c.tokenize_s_per_token * r.num_prompt_tokens
+        per_server = max(b / len(f) for b, f in zip(busy, self._frontend_free))
         summary["client"] = {**c.describe(), "turnaround_applied": self._think,
                              "warmup_requests": len(self.warmup_records),
-                             "tokenizer_busy_fraction": max(busy) / summary["duration_s"]}
+                             "api_servers_per_engine": len(self._frontend_free[0]),
+                             "tokenizer_busy_fraction": per_server / summary["duration_s"]}
 
     def _all_replicas(self) -> list[Replica]:
         """Every replica whose steps, ITL and preemptions the results count."""

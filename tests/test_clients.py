@@ -253,3 +253,59 @@ def test_a_varying_request_path_breaks_the_lock_step_of_equal_requests():
     many = [ClientModel(http_s=0.005, http_cv=1.0).request_path(rng) for _ in range(20000)]
     assert np.mean(many) == pytest.approx(0.005, rel=0.03) and np.std(many) == pytest.approx(0.005, rel=0.05)
     assert draws[0] > 0 and ClientModel(http_s=0.005).request_path(rng) == 0.005
+
+
+def test_api_servers_tokenize_side_by_side():
+    # Ten 1024-token prompts sent at once to an engine with two API servers (10.24 ms of
+    # tokenization each): each request takes the server free first, so they reach the engine in
+    # pairs, 1 ms of request path plus 1, 1, 2, 2, ... 5 tokenizations after the send.
+    client = ClientModel(http_s=0.001, tokenize_s_per_token=1e-5)
+    spec = closed(10, 10, {"type": "engine_direct"})
+    for servers in (1, 2, 3):
+        sim = Simulation(build_workload(spec, 0), CFG, COST, client=client, api_servers=servers)
+        got = [sim._reaches_engine(0.0, s, 0) for s in sim.workload]
+        want = [0.001 + 1024e-5 * (i // servers + 1) for i in range(10)]
+        assert got == pytest.approx(want)
+    two = Simulation(build_workload(closed(10, 10, {"think_s": 0.0, "http_s": 0.001, "http_cv": 0.0,
+                                                    "tokenize_s_per_token": 1e-5, "output_s": 0.0}), 0),
+                     CFG, COST, api_servers=2).run()
+    c = two.summary["client"]
+    assert c["api_servers_per_engine"] == 2
+    # per server: the ten prompts' tokenization shared by the two
+    assert c["tokenizer_busy_fraction"] == pytest.approx(10 * 1024 * 1e-5 / 2 / two.summary["duration_s"])
+    with pytest.raises(ValueError, match="deployment.api_server_count=0: must be >= 1"):
+        Simulation(build_workload(spec, 0), CFG, COST, api_servers=0)
+
+
+def test_api_server_count_follows_vllm_release():
+    # vLLM 0.15 starts one API server per data-parallel rank (--api-server-count's default), 0.14
+    # one; a scenario may set it; disaggregated pools keep one per prefill engine.
+    from sim.clients import default_api_servers
+    from sim.scenario import ScenarioError
+    assert default_api_servers("0.14.1", 4) == 1 and default_api_servers("0.15.1", 4) == 4
+    assert default_api_servers(None, 2) == 2 and default_api_servers("0.19", 1) == 1
+    wl = {"num_requests": 20, "arrival": {"type": "poisson", "rate": 5.0},
+          "prompt_len": {"type": "fixed", "value": 200}, "output_len": {"type": "fixed", "value": 20}}
+    dep = {"model": "qwen3-30b-a3b", "device": "h100", "data_parallel": 2}
+
+    def parse(**extra):
+        return parse_scenario({"workload": wl, "deployment": {**dep, **extra}})
+    assert parse().api_servers == 2 and parse().deployment["api_server_count"] == 2
+    assert parse(vllm_version="0.14.1").api_servers == 1
+    assert "api_server_count" not in parse(vllm_version="0.14.1").deployment
+    assert parse(api_server_count=3, vllm_version="0.14.1").api_servers == 3
+    assert parse_scenario({"workload": wl, "deployment": {"model": "llama-3.1-8b", "device": "h100"}}).api_servers == 1
+    with pytest.raises(ScenarioError, match="deployment.api_server_count=0"):
+        parse(api_server_count=0)
+    with pytest.raises(ScenarioError, match="deployment.api_server_count=2: not supported with deployment.pd"):
+        parse_scenario({"workload": wl, "deployment": {"model": "llama-3.1-8b", "device": "h100", "api_server_count": 2,
+                                                       "pd": {"prefill_replicas": 1, "decode_replicas": 1}}})
+    # the planner's vllm serve lines carry a count the scenario set (vLLM's default needs no flag)
+    from scenarios.plan_report import deploy_commands
+    c = {"replicas": 1, "tp": 1, "data_parallel": 2, "device": "h100-sxm", "router": "round_robin",
+         "policy": "fcfs", "max_num_seqs": 256, "max_num_batched_tokens": 8192}
+    result = {"hf_model": "Qwen/Qwen3-30B-A3B-Instruct-2507", "gpu_memory_utilization": 0.9, "target_rate": 10,
+              "workload_means": {}, "model": "qwen3-30b-a3b", "search": {"confirm_requests": 8000}}
+    for count, flag in ((None, False), (4, True)):
+        serve = [x for x in deploy_commands({**result, "api_server_count": count}, c) if "vllm serve" in x]
+        assert serve and all(("--api-server-count 4" in x) == flag for x in serve)
