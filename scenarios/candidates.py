@@ -85,8 +85,14 @@ FP8_DTYPES = ("fp8", "fp8_block")
 def hf_checkpoint(model: str, weight_dtype: str | None, catalog_dtype: str | None) -> tuple[str, str | None]:
     """(the Hugging Face repository a plan's vllm serve line names, the --quantization it needs or
     None). Weights timed as fp8 where the catalog's checkpoint is not: its published fp8 checkpoint
-    (FP8_HF_NAMES), else the bf16 one with vLLM's online fp8 quantization (--quantization fp8)."""
+    (FP8_HF_NAMES), else the bf16 one with vLLM's online fp8 quantization (--quantization fp8).
+    Weights timed as 4-bit integers (int4) of a catalog model: a placeholder that asks for a 4-bit
+    checkpoint of it (vLLM does not quantize to them as it loads); a Hugging Face name is kept."""
     name = HF_NAMES.get(model, model)
+    if weight_dtype in ("int4", "int4_g32", "awq", "gptq", "w4a16") and name == HF_NAMES.get(model):
+        # vLLM quantizes no checkpoint to 4-bit integers as it loads: the plan names a 4-bit one
+        # (AWQ, GPTQ, w4a16) of the model, which the user picks
+        return f"<a 4-bit AWQ/GPTQ checkpoint of {name}>", None
     if weight_dtype in FP8_DTYPES and catalog_dtype not in FP8_DTYPES:
         if model in FP8_HF_NAMES:
             return FP8_HF_NAMES[model], None

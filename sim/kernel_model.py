@@ -33,7 +33,7 @@ import numpy as np
 
 from engine.core.features import BatchFeatures
 from sim.cost_model import GDN_CHUNK, PROFILE_FORMAT, CostModel, FittedCostModel
-from sim.specs import (DTYPE_BYTES, EXPERT_DTYPE_BYTES, INDEXER_GEMMS, WEIGHT_ONLY_4BIT, DeviceSpec, ModelSpec, get_device, get_model,
+from sim.specs import (DTYPE_BYTES, EXPERT_DTYPE_BYTES, INDEXER_GEMMS, INT4, WEIGHT_ONLY_4BIT, DeviceSpec, ModelSpec, get_device, get_model,
                        vllm_version_tuple)
 from sim.sampling import filter_cost_s, filter_implementation, filters as sampling_filters
 
@@ -770,11 +770,13 @@ class KernelCostModel(CostModel):
     # ------------------------------------------------------------------ rooflines
     def _derived_gemm_grid(self, dtype: str, roof, tables: dict | None) -> tuple["Grid | None", str | None]:
         """A GEMM grid for fp8 weights on a GPU whose tables lack that format (A100: none; L40S: no
-        128x128 blocks): the measured table of the nearest format at each (M, N, K), times the
-        ratio of the two formats' rooflines there (the same math and bytes for fp8 blocks read
-        from the per-channel fp8 table; from bf16, the weights' bytes halve, and the math goes at
-        the fp8 rate where the GPU has one, else at bf16's, as vLLM's weight-only fp8 kernels run
-        on Ampere). Every lookup counts as a fallback. (None, None) without a table to read."""
+        128x128 blocks), and for 4-bit integer weights (W4A16, which no table holds): the measured
+        table of the nearest format at each (M, N, K), times the ratio of the two formats' rooflines
+        there (the same math and bytes for fp8 blocks read from the per-channel fp8 table; from
+        bf16, the weights' bytes halve for fp8, and the math goes at the fp8 rate where the GPU has
+        one, else at bf16's, as vLLM's weight-only fp8 kernels run on Ampere; for int4 the weights'
+        bytes fall to 0.52 a weight and the math stays at bf16's, as Marlin and Machete dequantize
+        to 16 bits). Every lookup counts as a fallback. (None, None) without a table to read."""
         gem = (tables or {}).get("gemm", {})
         src = "fp8" if dtype == "fp8_block" and "fp8" in gem else "bf16" if "bf16" in gem else None
         if src is None:
@@ -885,7 +887,7 @@ class KernelCostModel(CostModel):
                 t = (tables or {}).get("gemm", {}).get(gname) if gname else None
                 roof = self._gemm_roof(dtype)
                 g = Grid(t["values"], t["us"], roof) if t else None
-                if g is None and dtype in ("fp8", "fp8_block"):
+                if g is None and dtype in ("fp8", "fp8_block") + INT4:
                     g, how = self._derived_gemm_grid(dtype, roof, tables)
                     if how:
                         derived[dtype] = how
@@ -1724,9 +1726,11 @@ SHIPPED = [  # (device, model, tp): each in bf16 and fp8 weights (KV bf16, as vL
 
 
 def profile_name(device: str, model: ModelSpec, tp: int) -> str:
-    """device-[tpN-]model[-fp8][-kvfp8], the name the scenario loader looks for by default."""
+    """device-[tpN-]model[-fp8][-kvfp8], the name the scenario loader looks for by default (other
+    weight formats get their own suffix, which no shipped profile has: they are not read as 16-bit)."""
     return (f"{device}-" + (f"tp{tp}-" if tp > 1 else "") + model.name
-            + {"fp8": "-fp8", "fp8_block": "-fp8block"}.get(model.weight_dtype, "")
+            + {"bfloat16": "", "float16": "", "fp8": "-fp8", "fp8_block": "-fp8block"}.get(
+                model.weight_dtype, "-" + model.weight_dtype.replace("_", ""))
             + ("-kvfp8" if model.kv_dtype == "fp8" else ""))
 
 

@@ -46,7 +46,7 @@ from engine.core import SchedulerConfig
 from engine.core.kv_cache_manager import window_reserve_blocks
 from engine.core.policy import POLICIES
 from sim.cost_model import PROFILES_DIR, AnalyticCostModel, CostModel, load_profile
-from sim.kernel_model import MOE_ACTIVATIONS, MOE_BACKENDS, KernelCostModel, cost_model_from_profile
+from sim.kernel_model import MOE_ACTIVATIONS, MOE_BACKENDS, KernelCostModel, cost_model_from_profile, profile_name
 from sim.cpu_work import timing_model, timing_settings
 from sim.simulation import ROUTERS, SimResult, Simulation
 from sim.specmap import SpecError, SpecMap
@@ -335,9 +335,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
 
     def _cost_for(t: int, ep: bool, dp: int, dp_key: str) -> tuple[CostModel, dict]:
         # Shipped profiles are named device-[tpN-]model[-fp8|-fp8block][-kvfp8] (sim/profiles/README.md).
-        default_profile = (f"{device.name}-" + (f"tp{t}-" if t > 1 else "") + model.name
-                           + {"fp8": "-fp8", "fp8_block": "-fp8block"}.get(model.weight_dtype, "")
-                           + ("-kvfp8" if model.kv_dtype == "fp8" else ""))
+        default_profile = profile_name(device.name, model, t)
         k = kind
         if k is None and dp > 1:  # data-parallel ranks: only the kernel tables time them
             k = "kernels"

@@ -24,10 +24,15 @@ from pathlib import Path
 from sim.sampling import SAMPLER_SORT_UNTIL, check_generation_filter
 
 # nvfp4: 4-bit e2m1 weights with an fp8 scale per 16 (NVIDIA's -NVFP4 checkpoints: W4A4 on
-# Blackwell's FP4 tensor cores), for linear-layer weights only
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_block": 1, "nvfp4": 0.5 + 1 / 16}
+# Blackwell's FP4 tensor cores), for linear-layer weights only. int4 and int4_g32: 4-bit integer
+# weights in groups of 128 (32) with a 16-bit scale each, 16-bit activations (W4A16: AWQ, GPTQ,
+# compressed-tensors w4a16; vLLM runs them with its Marlin or Machete kernels). An asymmetric
+# checkpoint's 4-bit zero points (AWQ's) add 0.5/128 bytes a weight, left out (0.4%).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_block": 1, "nvfp4": 0.5 + 1 / 16,
+               "int4": 0.5 + 2 / 128, "int4_g32": 0.5 + 2 / 32}
 FP8 = ("fp8", "fp8_block")  # fp8_block: weights in 128x128 blocks with their own scales (Qwen's -FP8)
-QUANTIZED_WEIGHTS = FP8 + ("nvfp4",)  # weight-only formats: never a KV or activation dtype
+INT4 = ("int4", "int4_g32")
+QUANTIZED_WEIGHTS = FP8 + ("nvfp4",) + INT4  # weight-only formats: never a KV or activation dtype
 # Sub-byte formats, for routed experts only (expert_dtype): bytes per weight with their scales.
 #   mxfp4  4-bit e2m1 values and one 8-bit e8m0 scale per 32 (gpt-oss): 0.5 + 1/32
 #   int4   4-bit weights in groups of 128 with a 16-bit scale (compressed-tensors w4a16): 0.5 + 2/128
@@ -36,7 +41,8 @@ EXPERT_DTYPE_BYTES = {**DTYPE_BYTES, "mxfp4": 0.5 + 1 / 32, "int4": 0.5 + 2 / 12
 WEIGHT_ONLY_4BIT = ("mxfp4", "int4", "int4_g32")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16", "float8": "fp8", "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8",
-                  "e4m3": "fp8", "fp8_e5m2": "fp8", "auto": "bfloat16", "fp4": "nvfp4"}
+                  "e4m3": "fp8", "fp8_e5m2": "fp8", "auto": "bfloat16", "fp4": "nvfp4",
+                  "awq": "int4", "gptq": "int4", "w4a16": "int4"}
 GiB = 1024 ** 3
 MiB = 1024 ** 2
 
@@ -45,7 +51,8 @@ def canonical_dtype(name: str, what: str = "dtype") -> str:
     d = str(name).lower().replace("torch.", "")
     d = _DTYPE_ALIASES.get(d, d)
     if d not in DTYPE_BYTES:
-        raise ValueError(f"{what}={name!r}: unknown dtype; known: bf16, fp16, fp32, fp8, fp8_block")
+        raise ValueError(f"{what}={name!r}: unknown dtype; known: bf16, fp16, fp32, fp8, fp8_block, nvfp4, "
+                         "int4 (W4A16 in groups of 128), int4_g32")
     return d
 
 
@@ -183,9 +190,9 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for key in ("weight_dtype", "kv_dtype", "act_dtype"):
             object.__setattr__(self, key, canonical_dtype(getattr(self, key), key))
-        if self.kv_dtype in ("fp8_block", "nvfp4") or self.act_dtype in QUANTIZED_WEIGHTS:
-            raise ValueError(f"kv_dtype={self.kv_dtype!r}, act_dtype={self.act_dtype!r}: fp8_block and nvfp4 are "
-                             "weight formats")
+        if self.kv_dtype in ("fp8_block", "nvfp4") + INT4 or self.act_dtype in QUANTIZED_WEIGHTS:
+            raise ValueError(f"kv_dtype={self.kv_dtype!r}, act_dtype={self.act_dtype!r}: fp8_block, nvfp4 and int4 "
+                             "are weight formats")
         if self.attn_weight_dtype:
             object.__setattr__(self, "attn_weight_dtype", canonical_dtype(self.attn_weight_dtype, "attn_weight_dtype"))
         check_generation_filter(self.generation_filter)
@@ -840,6 +847,10 @@ def _quantization(cfg: dict) -> tuple[str | None, str]:
     text = json.dumps(q).lower()
     if method == "mxfp4":
         return None, "mxfp4"
+    if method in ("awq", "gptq", "awq_marlin", "gptq_marlin"):
+        # AutoAWQ's and GPTQ's 4-bit integer weights in groups, every linear layer (experts too)
+        return _int4_format(q.get("bits", q.get("w_bit")), q.get("group_size", q.get("q_group_size")),
+                            "quantization_config"), ""
     if str(q.get("quant_algo", "")).upper() == "MIXED_PRECISION":
         # ModelOpt's per-layer formats (NVIDIA's MiniMax-M3-NVFP4: NVFP4 experts, MXFP8 elsewhere;
         # its DeepSeek-V4-Flash-NVFP4: NVFP4 experts listed, the rest the fp8 blocks it names)
@@ -889,10 +900,27 @@ def _quantization(cfg: dict) -> tuple[str | None, str]:
             return "fp8", ""
         if bits == {4} and types <= {"int", None}:
             sizes = {(g.get("weights") or {}).get("group_size") for g in groups.values() if isinstance(g, dict)}
-            return None, ("int4_g32" if sizes == {32} else "int4")
+            fmt = _int4_format(4, next(iter(sizes)) if len(sizes) == 1 else sorted(sizes, key=str),
+                               "quantization_config.config_groups[*].weights")
+            # routed experts only where the ignore list keeps the attention in 16 bits (Kimi-K2's);
+            # else every linear layer (W4A16 of a dense model: RedHatAI's quantized.w4a16)
+            skipped = json.dumps(q.get("ignore") or []).lower()
+            return (None, fmt) if "self_attn" in skipped else (fmt, "")
     raise ValueError(f"config.json quantization_config.quant_method={q.get('quant_method')!r}: "
                      "a weight format ServeTwin does not know (known: fp8 per channel or 128x128 "
-                     "blocks, mxfp4 experts, compressed-tensors fp8 or int4 experts, NVFP4)")
+                     "blocks, mxfp4 experts, compressed-tensors fp8 or 4-bit integer, AWQ, GPTQ, NVFP4)")
+
+
+def _int4_format(bits, group_size, where: str) -> str:
+    """int4 (groups of 128) or int4_g32 for a 4-bit integer checkpoint; ValueError naming the
+    field for other widths or group sizes."""
+    if bits != 4:
+        raise ValueError(f"config.json {where}.bits={bits!r}: only 4-bit integer weights are known")
+    formats = {128: "int4", 32: "int4_g32"}
+    if group_size not in formats:
+        raise ValueError(f"config.json {where}.group_size={group_size!r}: 4-bit integer weights are known in "
+                         "groups of 128 or 32 only")
+    return formats[group_size]
 
 
 def _keeps_attention_unquantized(q: dict | None) -> bool:
@@ -2059,6 +2087,9 @@ FP8_BLOCK_PUBLISHERS = ("qwen", "zai-org", "deepseek-ai", "moonshotai", "minimax
 # An fp8 checkpoint's name ending (lower case): -FP8, -FP8-dynamic, -FP8-Static, and a per-tensor
 # one (-FP8-Static-PerTensor: ModelOpt's static per-tensor scales, whoever publishes it)
 FP8_NAME = r"-fp8(-dynamic|-static)?(-per-?tensor)?$"
+# A 4-bit integer (W4A16) checkpoint's name ending (lower case): -AWQ, -AWQ-INT4, -GPTQ-Int4,
+# -quantized.w4a16, -w4a16, -Int4: every linear layer in 4 bits, groups of 128
+INT4_NAME = r"-(awq|gptq)(-int4)?$|-(quantized\.)?w4a16$|-int4$"
 
 
 def _repo_name(name: str) -> str:
@@ -2067,12 +2098,14 @@ def _repo_name(name: str) -> str:
 
 
 def _model_key(name: str) -> tuple[str, bool | str]:
-    """Normalized catalog key of a model name, and whether it names an fp8 checkpoint (True) or an
-    NVFP4 one ("nvfp4")."""
+    """Normalized catalog key of a model name, and whether it names an fp8 checkpoint (True), an
+    NVFP4 one ("nvfp4") or a 4-bit integer one ("int4")."""
     k = _repo_name(name)
     fp8 = False
     if re.search(FP8_NAME, k):
         fp8, k = True, re.sub(FP8_NAME, "", k)
+    elif re.search(INT4_NAME, k):
+        fp8, k = "int4", re.sub(INT4_NAME, "", k)
     elif re.search(r"(-nv|-)fp4(-v\d+)?$", k):
         # -NVFP4, and NVIDIA's -FP4 names (DeepSeek-R1-0528-FP4-v2, Llama-3.3-70B-Instruct-FP4)
         fp8, k = "nvfp4", re.sub(r"(-nv|-)fp4(-v\d+)?$", "", k)
@@ -2176,6 +2209,10 @@ def _lookup_model(value: str, base_dir: Path | None = None) -> ModelSpec:
         m = replace(m, **over)
     if not fp8:
         return m
+    if fp8 == "int4":
+        # AWQ / GPTQ / w4a16 checkpoints: every linear layer (experts too) in 4-bit integers, in
+        # groups of 128; embeddings, LM head and norms in 16 bits
+        return replace(m.with_dtypes(weight_dtype="int4"), attn_weight_dtype="", expert_dtype="")
     if fp8 == "nvfp4":
         # NVIDIA's NVFP4 checkpoints (ModelOpt): every linear layer of a dense model in NVFP4, a
         # mixture of experts' routed experts only (attention, router and shared experts left in

@@ -103,11 +103,13 @@ def test_deepseek_v3_weights_and_latent_kv_by_hand():
 
 def test_kimi_k2_5_int4_experts_in_groups_of_32_by_hand():
     # Kimi-K2.5 / K2-Thinking ship their routed experts as compressed-tensors int4 in groups of 32
-    # (a 16-bit scale each) and everything else in bf16
+    # (a 16-bit scale each) and everything else in bf16, which their ignore list names
     cfg = {**DEEPSEEK_V3, "model_type": "kimi_k2", "n_routed_experts": 384, "first_k_dense_replace": 1,
            "num_attention_heads": 64, "num_key_value_heads": 64, "vocab_size": 163840,
            "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
-               "weights": {"num_bits": 4, "type": "int", "group_size": 32, "strategy": "group"}}}}}
+               "weights": {"num_bits": 4, "type": "int", "group_size": 32, "strategy": "group"}}},
+               "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                          "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]}}
     m = ModelSpec.from_hf_config(cfg)
     assert (m.weight_dtype, m.expert_dtype) == ("bfloat16", "int4_g32")
     assert m.weight_bytes == get_model("moonshotai/Kimi-K2.5").weight_bytes
@@ -119,9 +121,12 @@ def test_kimi_k2_5_int4_experts_in_groups_of_32_by_hand():
     assert m.weight_bytes == int(experts * (0.5 + 2 / 32) + 2 * other)
     assert 590e9 < m.weight_bytes < 600e9                    # the published checkpoint: about 594 GB
     # groups of 128 (the other int4 checkpoints) carry a quarter of the scales
-    g128 = {**cfg, "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+    g128 = {**cfg, "quantization_config": {**cfg["quantization_config"], "config_groups": {"group_0": {
         "weights": {"num_bits": 4, "type": "int", "group_size": 128}}}}}
     assert ModelSpec.from_hf_config(g128).expert_dtype == "int4"
+    # without an ignore list that keeps the attention in 16 bits, every linear layer is 4-bit
+    every = {**cfg, "quantization_config": {k: v for k, v in cfg["quantization_config"].items() if k != "ignore"}}
+    assert (ModelSpec.from_hf_config(every).weight_dtype, ModelSpec.from_hf_config(every).expert_dtype) == ("int4_g32", "")
 
 
 @pytest.mark.parametrize("name, family", [
@@ -188,8 +193,11 @@ def test_what_the_reader_does_not_understand_is_refused_by_field():
         hf_config_fields({**MIXTRAL_8X7B, "model_type": "llama"})   # never timed as dense
     with pytest.raises(ValueError, match="lacks 'moe_intermediate_size'"):
         hf_config_fields({k: v for k, v in QWEN3_30B_A3B.items() if k != "moe_intermediate_size"})
-    with pytest.raises(ValueError, match="quant_method='awq'"):
-        hf_config_fields({**QWEN3_30B_A3B, "quantization_config": {"quant_method": "awq", "bits": 4}})
+    with pytest.raises(ValueError, match="quant_method='bitsandbytes'"):
+        hf_config_fields({**QWEN3_30B_A3B, "quantization_config": {"quant_method": "bitsandbytes"}})
+    with pytest.raises(ValueError, match=r"quantization_config.bits=3"):
+        hf_config_fields({**QWEN3_30B_A3B, "quantization_config": {"quant_method": "awq", "bits": 3,
+                                                                   "group_size": 128}})
 
 
 def test_a_scenario_reads_a_moe_config_json(tmp_path):

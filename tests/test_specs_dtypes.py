@@ -182,3 +182,72 @@ def test_fp8_weights_on_a_gpu_without_fp8_tables_read_the_nearest_table_at_the_r
     assert blk.breakdown(decode)["gemm"] == pytest.approx(per.breakdown(decode)["gemm"], rel=1e-9)
     # GPUs with the format's own table are untouched
     assert "gemm_derived" not in KernelCostModel(m.with_dtypes(weight_dtype="fp8"), "h100").describe()["table_coverage"]
+
+
+W4A16_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+             "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
+             "num_hidden_layers": 80, "vocab_size": 128256, "max_position_embeddings": 131072,
+             "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+             "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                     "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                         "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                         "group_size": 128}}},
+                                     "ignore": ["lm_head"]}}
+
+
+def test_int4_weights_w4a16_by_config_and_by_name(tmp_path):
+    # A dense W4A16 checkpoint (RedHatAI's Meta-Llama-3.1-70B-Instruct-quantized.w4a16): every
+    # linear layer in 4 bits with a 16-bit scale per 128 weights, embeddings, LM head and norms in
+    # 16 bits. It was read as bf16 (141 GB) before.
+    (tmp_path / "config.json").write_text(json.dumps(W4A16_70B))
+    m = get_model(str(tmp_path / "config.json"))
+    h, layers, inter, vocab = 8192, 80, 28672, 128256
+    linear = layers * (h * (h + 2 * 1024) + h * h + 3 * h * inter)
+    dense = 2 * vocab * h + (2 * layers + 1) * h
+    assert m.weight_dtype == "int4" and m.expert_dtype == ""
+    assert m.weight_bytes == pytest.approx(linear * (0.5 + 2 / 128) + 2 * dense, rel=1e-9)
+    assert m.kv_bytes_per_token == get_model("llama-3.1-70b").kv_bytes_per_token
+    # the same by the checkpoints' names, AWQ and GPTQ alike
+    for name in ("neuralmagic/Meta-Llama-3.1-70B-Instruct-quantized.w4a16", "hugging-quants/"
+                 "Meta-Llama-3.1-70B-Instruct-AWQ-INT4", "meta-llama/Llama-3.1-70B-Instruct-GPTQ-Int4"):
+        named = get_model(name)
+        assert named.name == "llama-3.1-70b" and named.weight_dtype == "int4", name
+        assert named.weight_bytes == pytest.approx(m.weight_bytes, rel=1e-9), name
+    moe = get_model("Qwen/Qwen3-30B-A3B-GPTQ-Int4")  # experts and attention alike
+    assert moe.weight_dtype == "int4" and moe.expert_dtype_bytes == 0.5 + 2 / 128
+    # AWQ's own config: 4 bits in groups of 128; other widths and groups are refused by field
+    for q, err in (({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}, None),
+                   ({"quant_method": "awq", "bits": 8, "group_size": 128}, r"quantization_config.bits=8"),
+                   ({"quant_method": "gptq", "bits": 4, "group_size": 64}, r"quantization_config.group_size=64")):
+        (tmp_path / "config.json").write_text(json.dumps({**W4A16_70B, "quantization_config": q}))
+        if err is None:
+            assert get_model(str(tmp_path / "config.json")).weight_dtype == "int4"
+        else:
+            with pytest.raises(ValueError, match=err):
+                get_model(str(tmp_path / "config.json"))
+    # a weight format, never a KV cache's
+    with pytest.raises(ValueError, match="are weight formats"):
+        get_model("llama-3.1-8b").with_dtypes(kv_dtype="int4")
+
+
+def test_int4_gemms_stream_a_quarter_of_the_bytes_and_do_bf16_math():
+    # No table holds W4A16 GEMMs: the bf16 table times the two rooflines' ratio. A one-token
+    # decode streams the weights (0.516 bytes a weight against 2), a long prefill is bf16 math.
+    from sim.cost_model import BatchFeatures
+    def gemm(dtype, f):
+        k = KernelCostModel(get_model("llama-3.1-8b").with_dtypes(weight_dtype=dtype), "h100-sxm", 1)
+        return k.breakdown(f)["gemm"], k
+    one = BatchFeatures(num_reqs=1, num_decode_reqs=1, decode_context_tokens=100)
+    big = BatchFeatures(num_reqs=8, num_prefill_reqs=8, num_prefill_tokens=8192, prefill_attn_pairs=8 * 1024 * 1025 // 2)
+    (b1, _), (q1, k) = gemm("bfloat16", one), gemm("int4", one)
+    (b8, _), (q8, _) = gemm("bfloat16", big), gemm("int4", big)
+    assert 0.2 < q1 / b1 < 0.35
+    assert q8 / b8 == pytest.approx(1.0, rel=0.05)
+    assert k.describe()["weight_dtype"] == "int4" and k.describe()["fallbacks"].get("gemm", 0) > 0
+    # a scenario of it is timed as int4, not by the shipped bf16 profile of the same model and GPU
+    sc = parse_scenario({"workload": WORKLOAD, "deployment": {"model": "llama-3.1-8b", "weight_dtype": "awq",
+                                                               "device": "h100-sxm"}})
+    assert sc.cost_model.describe()["weight_dtype"] == "int4"
+    from scenarios.candidates import hf_checkpoint
+    assert hf_checkpoint("llama-3.1-8b", "int4", "bfloat16")[0].startswith("<a 4-bit AWQ/GPTQ checkpoint of ")
+    assert hf_checkpoint("Qwen/Qwen3-32B-AWQ", "int4", None) == ("Qwen/Qwen3-32B-AWQ", None)
