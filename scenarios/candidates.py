@@ -6,7 +6,7 @@ import itertools
 import math
 
 from scenarios.compose import set_field, strip
-from sim.specs import QWEN3_VL_SIZES
+from sim.specs import INT4, QWEN3_VL_SIZES, canonical_dtype
 
 # The Hugging Face repository a catalog model is served from (for the printed vllm command).
 HF_NAMES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
@@ -89,7 +89,11 @@ def hf_checkpoint(model: str, weight_dtype: str | None, catalog_dtype: str | Non
     Weights timed as 4-bit integers (int4) of a catalog model: a placeholder that asks for a 4-bit
     checkpoint of it (vLLM does not quantize to them as it loads); a Hugging Face name is kept."""
     name = HF_NAMES.get(model, model)
-    if weight_dtype in ("int4", "int4_g32", "awq", "gptq", "w4a16") and name == HF_NAMES.get(model):
+    try:
+        weight_dtype = canonical_dtype(weight_dtype) if weight_dtype else None
+    except ValueError:
+        pass  # the scenario's own validation names it
+    if weight_dtype in INT4 and name == HF_NAMES.get(model):
         # vLLM quantizes no checkpoint to 4-bit integers as it loads: the plan names a 4-bit one
         # (AWQ, GPTQ, w4a16) of the model, which the user picks
         return f"<a 4-bit AWQ/GPTQ checkpoint of {name}>", None

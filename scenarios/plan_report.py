@@ -328,8 +328,8 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
         common += f" --quantization {result['serve_quantization']}"
     if result.get("moe_backend", "auto") != "auto":  # the MoE kernel the plan was timed with
         common += f" --moe-backend {result['moe_backend']}"
-    if result.get("api_server_count"):  # the scenario's; absent: vLLM's default, as simulated
-        common += f" --api-server-count {result['api_server_count']}"
+    # the scenario's API server count (absent: vLLM's default, as simulated); vllm serve's only
+    api_flag = f" --api-server-count {result['api_server_count']}" if result.get("api_server_count") else ""
 
     def engine_args(limits: dict, tp: int, ranks: int, ep: bool) -> str:
         a = _serve_args(limits, util)
@@ -337,7 +337,7 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
             a += f" --data-parallel-size {ranks}"
         if ep and tp * ranks > 1:
             a += " --enable-expert-parallel"
-        return a + common
+        return a + common + api_flag
 
     args = engine_args(c, c["tp"], dp, bool(result.get("expert_parallel")))
     # the MoE kernel the plan was timed with (cost_model.moe_activations) is an environment switch
@@ -366,10 +366,14 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
         out.append("# a P/D proxy (e.g. vLLM's disaggregated prefill proxy) routes each request to a prefill "
                    "server, then a decode server")
     local = model.split("/")[-1]
-    if not pd and c["tp"] == 1 and dp == 1:
+    if model.startswith("<"):  # a placeholder for a 4-bit checkpoint (candidates.hf_checkpoint)
+        out.append("# servetwin serve loads no 4-bit integer checkpoint: check this shape with vllm")
+    elif not pd and c["tp"] == 1 and dp == 1:
         m = "default" if result["model"] == "smollm2-135m" else f"./{local}"
         note = "" if m == "default" else f"   # ./{local}: a local copy (HF folder) of {model}"
-        out.append(f"servetwin serve --model {m} --port 8000 {args.replace(' --scheduling-policy priority', '')} "
+        sv = args.replace(" --scheduling-policy priority", "")
+        sv = sv.replace(api_flag, "") if api_flag else sv  # one API server: servetwin's own
+        out.append(f"servetwin serve --model {m} --port 8000 {sv} "
                    f"--policy {c['policy']} --max-waiting 100000{note}")
     else:
         out.append("# servetwin serve runs one GPU per server (no tensor parallelism, no P/D pools): "

@@ -39,6 +39,7 @@ from sim.sampling import filter_cost_s, filter_implementation, filters as sampli
 
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "calibration" / "kernels"
 KV_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8"}
+FP8_FORMATS = ("fp8", "fp8_block")
 GEMM_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8", "fp8_block": "fp8_block", "nvfp4": "nvfp4"}
 # GEMMs of a few columns or rows, often outside the tables' N or K axis (the router; a linear-attention
 # layer's decay and step sizes, and KDA's rank-head_dim gate up projections; the sparse-attention
@@ -775,8 +776,9 @@ class KernelCostModel(CostModel):
         there (the same math and bytes for fp8 blocks read from the per-channel fp8 table; from
         bf16, the weights' bytes halve for fp8, and the math goes at the fp8 rate where the GPU has
         one, else at bf16's, as vLLM's weight-only fp8 kernels run on Ampere; for int4 the weights'
-        bytes fall to 0.52 a weight and the math stays at bf16's, as Marlin and Machete dequantize
-        to 16 bits). Every lookup counts as a fallback. (None, None) without a table to read."""
+        bytes fall to 0.52 a weight (int4_g32: 0.56) and the math stays at bf16's, as Marlin and
+        Machete dequantize to 16 bits). Every lookup counts as a fallback. (None, None) without a
+        table to read."""
         gem = (tables or {}).get("gemm", {})
         src = "fp8" if dtype == "fp8_block" and "fp8" in gem else "bf16" if "bf16" in gem else None
         if src is None:
@@ -881,18 +883,21 @@ class KernelCostModel(CostModel):
         grids: dict[str, tuple] = {}
         derived: dict[str, str] = {}  # fp8 formats read from another format's table: how
 
-        def grid_of(dtype):
-            if dtype not in grids:
+        def grid_of(dtype, experts: bool = False):
+            # 4-bit integer weights: the dense layers' GEMMs from the bf16 table (derived); the
+            # experts' estimate keeps its roofline, as the fused-MoE tables time them where they can
+            key = (dtype, "experts") if experts and dtype in INT4 else dtype
+            if key not in grids:
                 gname = GEMM_NAMES.get(dtype)
                 t = (tables or {}).get("gemm", {}).get(gname) if gname else None
                 roof = self._gemm_roof(dtype)
                 g = Grid(t["values"], t["us"], roof) if t else None
-                if g is None and dtype in ("fp8", "fp8_block") + INT4:
+                if g is None and (dtype in FP8_FORMATS or dtype in INT4 and key == dtype):
                     g, how = self._derived_gemm_grid(dtype, roof, tables)
                     if how:
                         derived[dtype] = how
-                grids[dtype] = (g, roof, t)
-            return grids[dtype]
+                grids[key] = (g, roof, t)
+            return grids[key]
         step = [(n, k, layers / m.num_layers, dtype, name not in UNCOUNTED_GEMMS)
                 for name, n, k, layers, dtype in self._step_gemms()]
         for _n, _k, _w, dtype, _c in step:
@@ -956,7 +961,7 @@ class KernelCostModel(CostModel):
             # the experts as the fused-MoE kernel sees them: a latent MoE's in the latent's width
             ev = replace(m, hidden_size=m.expert_hidden, moe_latent_size=0) if m.moe_latent_size else m
             edt = m.expert_dtype or m.weight_dtype
-            ge, re_, _t = grid_of(edt)
+            ge, re_, _t = grid_of(edt, experts=True)
 
             def estimate(spec, T):
                 tot, ok = 0.0, True
@@ -1726,8 +1731,9 @@ SHIPPED = [  # (device, model, tp): each in bf16 and fp8 weights (KV bf16, as vL
 
 
 def profile_name(device: str, model: ModelSpec, tp: int) -> str:
-    """device-[tpN-]model[-fp8][-kvfp8], the name the scenario loader looks for by default (other
-    weight formats get their own suffix, which no shipped profile has: they are not read as 16-bit)."""
+    """device-[tpN-]model[-fp8|-fp8block][-kvfp8], the name the scenario loader looks for by default
+    (another weight format gets a suffix of its own, e.g. -int4 or -nvfp4, which no shipped profile
+    has, so the kernel tables time it)."""
     return (f"{device}-" + (f"tp{tp}-" if tp > 1 else "") + model.name
             + {"bfloat16": "", "float16": "", "fp8": "-fp8", "fp8_block": "-fp8block"}.get(
                 model.weight_dtype, "-" + model.weight_dtype.replace("_", ""))

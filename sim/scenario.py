@@ -107,7 +107,9 @@ class Scenario:
                     f"KV link {p['link_bandwidth_gb_s']:g} GB/s; {len(self.workload)} requests "
                     f"({w.get('source', '?')})")
         dp = f", dp={self.data_parallel}" if self.data_parallel > 1 else ""
-        return (f"{d.get('model')} on {self.replicas}x {d.get('device')} (tp={d.get('tp')}{dp}), "
+        wd = d.get("weight_dtype")
+        weights = f" ({wd} weights)" if wd not in (None, "bfloat16", "float16") else ""
+        return (f"{d.get('model')}{weights} on {self.replicas}x {d.get('device')} (tp={d.get('tp')}{dp}), "
                 f"{c.num_gpu_blocks - 1} KV blocks of {c.block_size} per {'rank' if dp else 'replica'}, "
                 f"budget {c.max_num_batched_tokens} tokens / {c.max_num_seqs} seqs; "
                 f"{len(self.workload)} requests ({w.get('source', '?')}), "
@@ -244,13 +246,12 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
     blocks = dep.integer("num_gpu_blocks", None, ge=2)
     # vLLM's --api-server-count: the API server processes of one engine (a data-parallel group's
     # ranks share them), each with its own tokenizer. Default: vLLM's for the release.
-    api_servers = dep.integer("api_server_count", None, ge=1)
+    api_given = dep.integer("api_server_count", None, ge=1)
     pd_m = dep.sub("pd")
-    if pd_m is not None and api_servers is not None:
-        raise ScenarioError(f"deployment.api_server_count={api_servers}: not supported with deployment.pd "
+    if pd_m is not None and api_given is not None:
+        raise ScenarioError(f"deployment.api_server_count={api_given}: not supported with deployment.pd "
                             "(each prefill engine has one API server)")
-    if api_servers is None:
-        api_servers = default_api_servers(vllm_version, dp)
+    api_servers = default_api_servers(vllm_version, dp) if api_given is None else api_given
     if pd_m is not None and dp > 1:
         raise ScenarioError(f"deployment.data_parallel={dp}: with deployment.pd, give each pool its own "
                             "(pd.prefill_data_parallel, pd.decode_data_parallel)")
@@ -334,7 +335,8 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
         return built, meta
 
     def _cost_for(t: int, ep: bool, dp: int, dp_key: str) -> tuple[CostModel, dict]:
-        # Shipped profiles are named device-[tpN-]model[-fp8|-fp8block][-kvfp8] (sim/profiles/README.md).
+        # Shipped profiles are named device-[tpN-]model[-fp8|-fp8block][-kvfp8] (sim/profiles/README.md;
+        # another weight format has a suffix of its own, which no shipped profile has).
         default_profile = profile_name(device.name, model, t)
         k = kind
         if k is None and dp > 1:  # data-parallel ranks: only the kernel tables time them
@@ -548,7 +550,7 @@ def parse_scenario(data, base_dir: Path | None = None, seed: int | None = None,
                                 **({"vllm_version": vllm_version} if vllm_version else {}),
                                 **({"expert_parallel": True} if ep else {}),
                                 **({"data_parallel": dp} if dp > 1 else {}),
-                                **({"api_server_count": api_servers} if api_servers > 1 else {}),
+                                **({"api_server_count": api_servers} if api_servers > 1 or api_given else {}),
                                 **({"pd": {k: v for k, v in pd.items() if k not in ("prefill", "decode")}}
                                    if pd else {})})
 

@@ -178,14 +178,15 @@ class Simulation:
         # the replicas' fast steps run on through finishes, reporting them when the run ends.
         self.quiet_finishes = (self.closed_loop is None and self.num_warmup == 0
                                and (num_replicas == 1 or router != "least_outstanding"))
-        # Direct feed: with fast steps, one replica, an open loop and no cancellation, every
-        # arrival at the engine is known ahead (a request's send, then its request path and its
-        # turn at the API server's tokenizer, which serves requests in send order), so the
+        # Direct feed: with fast steps, one replica with one API server, an open loop and no
+        # cancellation, every arrival at the engine is known ahead, in send order (a request's
+        # send, then its request path and its turn at the API server's tokenizer), so the
         # replica takes its requests from the workload itself (feed_next_s / feed_take) at its
         # step boundaries, and a fast run goes on through arrivals (FastForwardScheduler.advance's
         # `arrive`) instead of one SimPy event and one run per arrival. Plain steps
         # (steady_decode: false) keep the client path as SimPy events, the reference.
         self.direct_feed = (self.use_steady and self.quiet_finishes and num_replicas == 1
+                            and api_servers == 1
                             and not self._think and _no_cancellation(workload))
         self._feed_t = 0.0  # send time of the last request fed (sends keep workload order)
         self._fed_next = None  # (send time, engine arrival time) of the peeked request, once drawn

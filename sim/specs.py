@@ -902,25 +902,32 @@ def _quantization(cfg: dict) -> tuple[str | None, str]:
             sizes = {(g.get("weights") or {}).get("group_size") for g in groups.values() if isinstance(g, dict)}
             fmt = _int4_format(4, next(iter(sizes)) if len(sizes) == 1 else sorted(sizes, key=str),
                                "quantization_config.config_groups[*].weights")
-            # routed experts only where the ignore list keeps the attention in 16 bits (Kimi-K2's);
-            # else every linear layer (W4A16 of a dense model: RedHatAI's quantized.w4a16)
+            # a mixture of experts' routed experts only, where the ignore list keeps the attention
+            # in 16 bits (Kimi-K2's) or the groups target experts alone; else every linear layer
+            # (W4A16 of a dense model: RedHatAI's quantized.w4a16)
             skipped = json.dumps(q.get("ignore") or []).lower()
-            return (None, fmt) if "self_attn" in skipped else (fmt, "")
+            targets = [str(t).lower() for g in groups.values() if isinstance(g, dict) for t in g.get("targets") or []]
+            experts_only = _has_experts(cfg) and ("self_attn" in skipped
+                                                  or bool(targets) and all("expert" in t for t in targets))
+            return (None, fmt) if experts_only else (fmt, "")
     raise ValueError(f"config.json quantization_config.quant_method={q.get('quant_method')!r}: "
                      "a weight format ServeTwin does not know (known: fp8 per channel or 128x128 "
                      "blocks, mxfp4 experts, compressed-tensors fp8 or 4-bit integer, AWQ, GPTQ, NVFP4)")
 
 
 def _int4_format(bits, group_size, where: str) -> str:
-    """int4 (groups of 128) or int4_g32 for a 4-bit integer checkpoint; ValueError naming the
-    field for other widths or group sizes."""
+    """int4_g32 for a 4-bit integer checkpoint in groups of 32, else int4 (groups of 128; another
+    group size or per-channel scales are within 3% of its bytes); ValueError naming the field for
+    another width."""
     if bits != 4:
         raise ValueError(f"config.json {where}.bits={bits!r}: only 4-bit integer weights are known")
-    formats = {128: "int4", 32: "int4_g32"}
-    if group_size not in formats:
-        raise ValueError(f"config.json {where}.group_size={group_size!r}: 4-bit integer weights are known in "
-                         "groups of 128 or 32 only")
-    return formats[group_size]
+    return "int4_g32" if group_size == 32 else "int4"
+
+
+def _has_experts(cfg: dict) -> bool:
+    """Whether a config.json (or its text_config) has routed experts."""
+    return any((c or {}).get(k) for c in (cfg, cfg.get("text_config")) for k in
+               ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def _keeps_attention_unquantized(q: dict | None) -> bool:

@@ -113,11 +113,19 @@ def test_frontend_tokenizes_one_request_at_a_time():
                                                                              / res.summary["duration_s"])
 
 
+# an open loop whose prompts take 0.5-20 ms each to tokenize: with two API servers a short prompt
+# sent later can reach the engine first
+MIXED = {"num_requests": 60, "arrival": {"type": "poisson", "rate": 40.0},
+         "prompt_len": {"type": "uniform", "min": 50, "max": 2000}, "output_len": {"type": "fixed", "value": 20},
+         "client": {"tokenize_s_per_token": 1e-5}}
+
+
+@pytest.mark.parametrize("servers", [1, 2])
 @pytest.mark.parametrize("spec", [closed(6, 40), {"benchmark": {"concurrency": 6, "isl": 200, "osl": 40,
-                                                                  "num_prompts": 40, "request_rate": 30.0}}])
-def test_steady_decoding_exact_with_client_delays(spec):
-    slow = run(spec, use_steady=False, keep_token_times=True)
-    fast = run(spec, use_steady=True, keep_token_times=True)
+                                                                  "num_prompts": 40, "request_rate": 30.0}}, MIXED])
+def test_steady_decoding_exact_with_client_delays(spec, servers):
+    slow = run(spec, use_steady=False, keep_token_times=True, api_servers=servers)
+    fast = run(spec, use_steady=True, keep_token_times=True, api_servers=servers)
     cols = ["arrival_s", "first_scheduled_s", "first_token_s", "last_token_s", "finish_s"]
     for c in cols:
         assert np.array_equal(slow.request_table[c], fast.request_table[c]), c

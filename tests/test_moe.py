@@ -127,6 +127,11 @@ def test_kimi_k2_5_int4_experts_in_groups_of_32_by_hand():
     # without an ignore list that keeps the attention in 16 bits, every linear layer is 4-bit
     every = {**cfg, "quantization_config": {k: v for k, v in cfg["quantization_config"].items() if k != "ignore"}}
     assert (ModelSpec.from_hf_config(every).weight_dtype, ModelSpec.from_hf_config(every).expert_dtype) == ("int4_g32", "")
+    # ... or where its groups target the experts alone
+    targeted = {**cfg, "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "targets": ["re:.*mlp.experts.*"], "weights": {"num_bits": 4, "type": "int", "group_size": 32}}}}}
+    m2 = ModelSpec.from_hf_config(targeted)
+    assert (m2.weight_dtype, m2.expert_dtype) == ("bfloat16", "int4_g32")
 
 
 @pytest.mark.parametrize("name, family", [

@@ -215,15 +215,20 @@ def test_int4_weights_w4a16_by_config_and_by_name(tmp_path):
         assert named.weight_bytes == pytest.approx(m.weight_bytes, rel=1e-9), name
     moe = get_model("Qwen/Qwen3-30B-A3B-GPTQ-Int4")  # experts and attention alike
     assert moe.weight_dtype == "int4" and moe.expert_dtype_bytes == 0.5 + 2 / 128
-    # AWQ's own config: 4 bits in groups of 128; other widths and groups are refused by field
-    for q, err in (({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}, None),
-                   ({"quant_method": "awq", "bits": 8, "group_size": 128}, r"quantization_config.bits=8"),
-                   ({"quant_method": "gptq", "bits": 4, "group_size": 64}, r"quantization_config.group_size=64")):
+    # AWQ's and GPTQ's own configs (groups of 32 their own format, other groups and per-channel
+    # scales read as groups of 128); another width is refused by field. A dense model is 4-bit
+    # throughout even where its ignore list names one attention projection.
+    ct = W4A16_70B["quantization_config"]
+    for q, want in (({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}, "int4"),
+                    ({"quant_method": "gptq", "bits": 4, "group_size": 32}, "int4_g32"),
+                    ({"quant_method": "gptq", "bits": 4, "group_size": -1}, "int4"),
+                    ({**ct, "ignore": ["lm_head", "model.layers.0.self_attn.o_proj"]}, "int4"),
+                    ({"quant_method": "awq", "bits": 8, "group_size": 128}, r"quantization_config.bits=8")):
         (tmp_path / "config.json").write_text(json.dumps({**W4A16_70B, "quantization_config": q}))
-        if err is None:
-            assert get_model(str(tmp_path / "config.json")).weight_dtype == "int4"
+        if want.startswith("int4"):
+            assert get_model(str(tmp_path / "config.json")).weight_dtype == want, q
         else:
-            with pytest.raises(ValueError, match=err):
+            with pytest.raises(ValueError, match=want):
                 get_model(str(tmp_path / "config.json"))
     # a weight format, never a KV cache's
     with pytest.raises(ValueError, match="are weight formats"):
