@@ -271,6 +271,7 @@ UNSUPPORTED = {
     ("scheduler", "cpu_work"): "the profile's step periods already hold the engine's own CPU work",
     ("deployment", "pd"): "validate runs one engine replica",
     ("deployment", "interconnect"): "validate runs one engine replica on one device",
+    ("deployment", "api_server_count"): "it drives the engine directly, without an API server",
 }
 
 

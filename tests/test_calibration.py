@@ -726,6 +726,7 @@ def test_validate_reads_settings_through_the_scenario_schema(tmp_path):
                          (["scheduler.policy=lifo"], "scheduler.policy='lifo'"),
                          (["scheduler.async_scheduling=true"], "scheduler.async_scheduling=True: not supported"),
                          (["deployment.replicas=2"], "deployment.replicas=2: not supported"),
+                         (["deployment.api_server_count=2"], "deployment.api_server_count=2: not supported"),
                          (["scheduler.max_num_seqs=0"], "scheduler.max_num_seqs=0"),
                          (["workload.client.type=http"], "workload.client={'type': 'http'}: not supported")):
         with pytest.raises(ValidateError, match=re.escape(field)):
