@@ -371,8 +371,7 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
     elif not pd and c["tp"] == 1 and dp == 1:
         m = "default" if result["model"] == "smollm2-135m" else f"./{local}"
         note = "" if m == "default" else f"   # ./{local}: a local copy (HF folder) of {model}"
-        sv = args.replace(" --scheduling-policy priority", "")
-        sv = sv.replace(api_flag, "") if api_flag else sv  # one API server: servetwin's own
+        sv = args.replace(" --scheduling-policy priority", "").replace(api_flag, "")  # servetwin: one
         out.append(f"servetwin serve --model {m} --port 8000 {sv} "
                    f"--policy {c['policy']} --max-waiting 100000{note}")
     else:

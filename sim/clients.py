@@ -14,9 +14,9 @@ request a turnaround after it has read the last chunk of the previous one. The t
 random (gamma, mean think_s, coefficient of variation think_cv, drawn per request from the
 workload's seeded "client" stream), and tokenization is first-come-first-served in each of the
 engine's API server processes (default_api_servers), so waves of equal requests do not stay in
-lock-step as they would with zero overheads. The
-request path's time varies from request to request too (http_cv: gamma, exponential by default:
-nothing measured says more than its mean), from the simulation's own seeded stream; a wave of a
+lock-step as they would with zero overheads. The request path's time varies from request to
+request too (http_cv: gamma, exponential by default: nothing measured says more than its mean),
+from the simulation's own seeded stream; a wave of a
 closed loop then reaches the engine spread over a few steps, as real clients drift out of phase,
 instead of being prefilled in one step every time.
 

@@ -33,13 +33,12 @@ import numpy as np
 
 from engine.core.features import BatchFeatures
 from sim.cost_model import GDN_CHUNK, PROFILE_FORMAT, CostModel, FittedCostModel
-from sim.specs import (DTYPE_BYTES, EXPERT_DTYPE_BYTES, INDEXER_GEMMS, INT4, WEIGHT_ONLY_4BIT, DeviceSpec, ModelSpec, get_device, get_model,
+from sim.specs import (DTYPE_BYTES, EXPERT_DTYPE_BYTES, FP8, INDEXER_GEMMS, INT4, WEIGHT_ONLY_4BIT, DeviceSpec, ModelSpec, get_device, get_model,
                        vllm_version_tuple)
 from sim.sampling import filter_cost_s, filter_implementation, filters as sampling_filters
 
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "calibration" / "kernels"
 KV_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8"}
-FP8_FORMATS = ("fp8", "fp8_block")
 GEMM_NAMES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8", "fp8_block": "fp8_block", "nvfp4": "nvfp4"}
 # GEMMs of a few columns or rows, often outside the tables' N or K axis (the router; a linear-attention
 # layer's decay and step sizes, and KDA's rank-head_dim gate up projections; the sparse-attention
@@ -892,7 +891,7 @@ class KernelCostModel(CostModel):
                 t = (tables or {}).get("gemm", {}).get(gname) if gname else None
                 roof = self._gemm_roof(dtype)
                 g = Grid(t["values"], t["us"], roof) if t else None
-                if g is None and (dtype in FP8_FORMATS or dtype in INT4 and key == dtype):
+                if g is None and key == dtype and dtype in FP8 + INT4:
                     g, how = self._derived_gemm_grid(dtype, roof, tables)
                     if how:
                         derived[dtype] = how

@@ -312,7 +312,7 @@ class Simulation:
         if not c.delays_requests:
             return sent_s
         free = self._frontend_free[engine]
-        i = min(range(len(free)), key=free.__getitem__) if len(free) > 1 else 0
+        i = free.index(min(free))
         start = max(sent_s + c.request_path(self._path_rng), free[i])
         free[i] = t_in = start + c.tokenize_s_per_token * spec.prompt_len
         return t_in

@@ -33,12 +33,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_block":
 FP8 = ("fp8", "fp8_block")  # fp8_block: weights in 128x128 blocks with their own scales (Qwen's -FP8)
 INT4 = ("int4", "int4_g32")
 QUANTIZED_WEIGHTS = FP8 + ("nvfp4",) + INT4  # weight-only formats: never a KV or activation dtype
-# Sub-byte formats, for routed experts only (expert_dtype): bytes per weight with their scales.
-#   mxfp4  4-bit e2m1 values and one 8-bit e8m0 scale per 32 (gpt-oss): 0.5 + 1/32
-#   int4   4-bit weights in groups of 128 with a 16-bit scale (compressed-tensors w4a16): 0.5 + 2/128
-#   int4_g32  the same in groups of 32 (Kimi-K2-Thinking, Kimi-K2.5): 0.5 + 2/32
-EXPERT_DTYPE_BYTES = {**DTYPE_BYTES, "mxfp4": 0.5 + 1 / 32, "int4": 0.5 + 2 / 128, "int4_g32": 0.5 + 2 / 32}
-WEIGHT_ONLY_4BIT = ("mxfp4", "int4", "int4_g32")
+# Routed experts' formats (expert_dtype): every weight format, and MXFP4 (4-bit e2m1 values and
+# one 8-bit e8m0 scale per 32, gpt-oss: 0.5 + 1/32), for experts only. int4_g32 as Kimi-K2-Thinking
+# and Kimi-K2.5 ship their experts.
+EXPERT_DTYPE_BYTES = {**DTYPE_BYTES, "mxfp4": 0.5 + 1 / 32}
+WEIGHT_ONLY_4BIT = ("mxfp4",) + INT4  # 4-bit weights, 16-bit math
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16", "float8": "fp8", "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8",
                   "e4m3": "fp8", "fp8_e5m2": "fp8", "auto": "bfloat16", "fp4": "nvfp4",
@@ -900,8 +899,7 @@ def _quantization(cfg: dict) -> tuple[str | None, str]:
             return "fp8", ""
         if bits == {4} and types <= {"int", None}:
             sizes = {(g.get("weights") or {}).get("group_size") for g in groups.values() if isinstance(g, dict)}
-            fmt = _int4_format(4, next(iter(sizes)) if len(sizes) == 1 else sorted(sizes, key=str),
-                               "quantization_config.config_groups[*].weights")
+            fmt = _int4_format(4, sizes.pop() if len(sizes) == 1 else None, "quantization_config")
             # a mixture of experts' routed experts only, where the ignore list keeps the attention
             # in 16 bits (Kimi-K2's) or the groups target experts alone; else every linear layer
             # (W4A16 of a dense model: RedHatAI's quantized.w4a16)
