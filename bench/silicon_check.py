@@ -126,6 +126,27 @@ def _num(r: dict, key: str, default: float | None = None) -> float | None:
     return default if x != x else x  # NaN: blank
 
 
+def squared_shape(r: dict, tp_size: int, dp: int) -> tuple[int, int, int]:
+    """(tp_size, dp, moe_ep) of one engine where a row wrote its GPUs squared.
+
+    Some SGLang and TensorRT-LLM rows of InferenceMAX's exports write an engine of k GPUs with k-way
+    expert parallelism as tp_size (or attention_dp_size) k x k with moe_tp x moe_ep k x k: 16 or 64
+    GPUs, two or eight nodes' worth, in a single-node benchmark. Of the 295 allowed rows written so
+    on 8-GPU systems, 139 repeat within 1% the TTFT of a row of the same lengths written as k GPUs
+    with moe_ep k (all 43 of Qwen3.5-397B; 20 of DeepSeek-R1's 21 on H200; docs/reports). Such a row
+    is read as k GPUs. A row within one NVLink domain (tp 4 with moe 2 x 2; GB200's 72) is read as
+    written.
+    """
+    mt, me = int(_num(r, "moe_tp_size", 1) or 1), int(_num(r, "moe_ep_size", 1) or 1)
+    gpus = tp_size * dp
+    if mt == me > 1 and gpus == mt * me > get_device(DEVICES[r["system"]]).gpus_per_node:
+        if dp == 1:
+            return mt, 1, me
+        if tp_size == 1:
+            return 1, mt, me
+    return tp_size, dp, me
+
+
 def engine_shape(tp_size: int, dp: int, moe: bool) -> dict:
     """One engine of the sample's parallelism columns as vLLM's flags run it: {tp, data_parallel
     (MoE: ranks stepping together), replicas (dense: dp engines behind vLLM's balancer)}. Where
@@ -230,10 +251,12 @@ def usable(r: dict) -> dict | None:
         case["vllm_version"] = str(r["backend_version"]).strip()  # its memory profiling sizes the pool
     if r["mode"] == "disagg":
         return disagg_case(r, case)
-    if float(r.get("moe_ep_size") or 1) > 1:  # vLLM's --enable-expert-parallel
+    tp, dp, moe_ep = squared_shape(r, tp, int(_num(r, "attention_dp_size", 1) or 1))
+    case["tp"] = tp
+    if moe_ep > 1:  # vLLM's --enable-expert-parallel
         case["expert_parallel"] = True
     # Data-parallel attention (a dense model's data parallelism: dp engines behind vLLM's balancer)
-    case.update(engine_shape(tp, int(_num(r, "attention_dp_size", 1) or 1), get_model(case["model"]).is_moe))
+    case.update(engine_shape(tp, dp, get_model(case["model"]).is_moe))
     return case
 
 

@@ -16,7 +16,7 @@ from sim.scenario import parse_scenario  # noqa: E402
 from sim.specs import get_model  # noqa: E402
 
 COLUMNS = ["backend", "system", "model_path", "mode", "gemm_quant_mode", "pp_size", "attention_dp_size",
-           "batch_size", "tp_size", "isl", "osl", "silicon_ttft_ms", "silicon_tpot_ms", "silicon_data_source"]
+           "batch_size", "tp_size", "moe_tp_size", "moe_ep_size", "isl", "osl", "silicon_ttft_ms", "silicon_tpot_ms", "silicon_data_source"]
 
 
 def row(**kw) -> dict:
@@ -104,6 +104,24 @@ def test_a_row_becomes_its_case_and_unsupported_rows_are_skipped():
                         attention_dp_size="8", moe_ep_size="8", moe_tp_size="1"))
     assert (trt["tp"], trt["data_parallel"], trt["concurrency"]) == (1, 8, 64)
     assert sc.usable(row(silicon_ttft_ms="")) is None
+
+
+def test_a_row_that_writes_its_gpus_squared_is_read_as_one_node():
+    # SGLang/TensorRT-LLM exports write TP8 with 8-way EP as tp_size 64, moe 8 x 8 (and DP8 as dp 64):
+    # 8 GPUs, the experts over all of them; the client's concurrency as recorded (batch_size x dp)
+    sq = sc.usable(row(backend="sglang", system="h200_sxm", model_path="Qwen/Qwen3.5-397B-A17B",
+                       tp_size="64", moe_tp_size="8", moe_ep_size="8"))
+    assert (sq["tp"], sq.get("data_parallel"), sq["expert_parallel"], sq["concurrency"]) == (8, None, True, 8)
+    assert parse_scenario(sc.scenario_data(sq)).deployment["tp"] == 8
+    dp = sc.usable(row(backend="trtllm", system="b200_sxm", model_path="deepseek-ai/DeepSeek-R1", tp_size="1",
+                       attention_dp_size="64", moe_tp_size="8", moe_ep_size="8", batch_size="4"))
+    assert (dp["tp"], dp["data_parallel"], dp["expert_parallel"], dp["concurrency"]) == (1, 8, True, 256)
+    four = sc.usable(row(backend="sglang", model_path="deepseek-ai/DeepSeek-R1", tp_size="16",
+                         moe_tp_size="4", moe_ep_size="4"))
+    assert (four["tp"], four["expert_parallel"]) == (4, True)
+    # within a node the columns are read as written: tp 4 with moe 2 x 2 is four GPUs
+    assert sc.usable(row(backend="sglang", model_path="deepseek-ai/DeepSeek-R1", tp_size="4",
+                         moe_tp_size="2", moe_ep_size="2"))["tp"] == 4
 
 
 def test_a_row_wider_than_a_node_runs_over_the_nodes_link():
