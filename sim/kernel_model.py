@@ -320,6 +320,12 @@ class Overheads:
       +3.9% and +2.5% / +5.9% / +9.3%, against -4.3%. (It was 60 us while those rows ran at
       batch_size alone, a dp-th of their clients' concurrency; 0 was kept before the padding, on
       the generic recipe.)
+    - moe_routing_s: per MoE layer and step, the routing kernel (the gate's logits to top-k ids
+      and weights: softmax or sigmoid with its bias, top-k and renormalisation in one CUDA kernel,
+      vLLM's topk_softmax, topk_sigmoid or grouped_topk, from 0.15 on). The fused-MoE tables leave
+      it out: AIConfigurator's collector hands fused_experts precomputed top-k ids. 4 us, vLLM
+      PR #34206's measurement of its grouped top-k kernel on an H200 (about 4 us for the
+      small-expert-count variant, 7 us for the generic one), not fitted.
     - tp_step_s: per step and per GPU of a TP group beyond the first, coordination that no kernel
       table holds. 0 by default: stock vLLM shows none beyond its kernels (the allowed B200 rows
       of `bench/silicon_check.py`, TP 1-8, lose their TPOT accuracy with any: +60% at TP 8 with
@@ -341,6 +347,7 @@ class Overheads:
     tp_step_s: float = 0.0
     dp_dispatch_s: float = 0.0
     gemm_compute_slowdown: float = 1.13
+    moe_routing_s: float = 4.0e-6
 
     def gemm_factor(self, m: float) -> float:
         """gemm_compute_slowdown at M >= 1024 tokens, 1 at M <= 64, log-linear between."""
@@ -1383,7 +1390,7 @@ class KernelCostModel(CostModel):
         if S:
             head, sampler, gather = self._by_rows(S)
             ar += gather
-        t = 0 + tk["gemm"] + tk["moe"] + tk.get("moe_dispatch", 0.0) + tk["elementwise"] + ar + att + head + sampler
+        t = 0 + tk["gemm"] + tk["moe"] + tk.get("moe_routing", 0.0) + tk.get("moe_dispatch", 0.0) + tk["elementwise"] + ar + att + head + sampler
         floor = self.ovh.launch_floor(T, f.num_prefill_reqs, L)
         return floor if floor > t else t
 
@@ -1571,7 +1578,7 @@ class KernelCostModel(CostModel):
         before = (self.lookups, dict(self.fallbacks))
         tk = self._by_tokens(n)
         head, sampler, gather = self._by_rows(n)
-        pre = 0 + tk["gemm"] + tk["moe"] + tk.get("moe_dispatch", 0.0) + tk["elementwise"] + (tk["allreduce"] + gather)
+        pre = 0 + tk["gemm"] + tk["moe"] + tk.get("moe_routing", 0.0) + tk.get("moe_dispatch", 0.0) + tk["elementwise"] + (tk["allreduce"] + gather)
         if self.model.num_linear_layers:  # linear-attention layers: by the batch alone
             pre += self.model.num_linear_layers * self._look("linear_attention", self.g_gdn_gen, n)
         if self.g_mla_proj is not None:  # MLA projections outside the GEMM term (_mla_key)
@@ -1619,6 +1626,8 @@ class KernelCostModel(CostModel):
         m, L = self.model, self.model.num_layers
         out = {"gemm": L * self._look("gemm", self.g_layer, T)}
         out["moe"] = m.num_moe_layers * self._look("moe", self.g_moe, G) if self.g_moe is not None else 0.0
+        if self.g_moe is not None:  # each MoE layer's routing kernel, which the tables leave out
+            out["moe_routing"] = m.num_moe_layers * self.ovh.moe_routing_s
         if self.dp > 1:
             out["moe_dispatch"] = m.num_moe_layers * self._dispatch_roof(G)
         out["elementwise"] = L * self._elementwise(T) + max(

@@ -9,7 +9,7 @@ import pytest
 
 from engine.core.features import BatchFeatures
 from sim.cost_model import AnalyticCostModel, Efficiency
-from sim.kernel_model import KernelCostModel, load_tables
+from sim.kernel_model import KernelCostModel, Overheads, load_tables
 from sim.specs import GiB, ModelSpec, get_device, get_model, hf_config_fields
 
 # The fields of the public config.json files that the reader needs (values as published).
@@ -261,6 +261,15 @@ def test_kernel_model_reads_the_fused_moe_table_of_the_shape():
     us = max(_table_reading(moe["tables"][key])[64], _table_reading(moe["skewed_tables"][key])[64])
     f = BatchFeatures(num_reqs=64, num_decode_reqs=64, decode_context_tokens=64 * 500)
     assert k.breakdown(f)["moe"] == pytest.approx(32 * us * 1e-6)    # 32 MoE layers x the slower table
+    # and each MoE layer's routing kernel, which the tables leave out, in every path of a step
+    routing = Overheads().moe_routing_s
+    assert routing == 4e-6 and k.breakdown(f)["moe_routing"] == pytest.approx(32 * routing)
+    k0 = KernelCostModel("mixtral-8x7b", "h100", 2, Overheads(moe_routing_s=0.0))
+    assert k.decode_gpu_time(64, 64 * 500) - k0.decode_gpu_time(64, 64 * 500) == pytest.approx(32 * routing)
+    mixed = BatchFeatures(num_reqs=2, num_prefill_reqs=1, num_prefill_tokens=300, prefill_attn_pairs=300 * 301 // 2,
+                          num_decode_reqs=1, decode_context_tokens=500)
+    assert k.gpu_time(mixed) - k0.gpu_time(mixed) == pytest.approx(32 * routing)
+    assert "moe_routing" not in KernelCostModel("llama-3.1-8b", "h100").breakdown(f)
     f1 = BatchFeatures(num_reqs=1, num_decode_reqs=1, decode_context_tokens=500)
     # 2 of 8 experts at one token, nearly all at 64: the measured kernel grows, but less than 4x
     assert 1.5 < k.breakdown(f)["moe"] / k.breakdown(f1)["moe"] < 4.5
