@@ -322,8 +322,11 @@ class Overheads:
       the generic recipe.)
     - moe_routing_s: per MoE layer and step, the routing kernel (the gate's logits to top-k ids
       and weights: softmax or sigmoid with its bias, top-k and renormalisation in one CUDA kernel,
-      vLLM's topk_softmax, topk_sigmoid or grouped_topk, from 0.15 on). The fused-MoE tables leave
-      it out: AIConfigurator's collector hands fused_experts precomputed top-k ids. 4 us, vLLM
+      vLLM's topk_softmax, topk_sigmoid or grouped_topk, from 0.15 on), where the experts' reading
+      leaves it out: the fused-MoE tables of AIConfigurator's earlier collector (kernel
+      `vllm_fused_moe`: A100's and B200's Triton tables), which timed fused_experts on precomputed
+      top-k ids, and the GEMM estimate of a MoE layer no table holds. The other tables were
+      measured through vLLM's FusedMoE layer on router logits, routing included. 4 us, vLLM
       PR #34206's measurement of its grouped top-k kernel on an H200 (about 4 us for the
       small-expert-count variant, 7 us for the generic one), not fitted.
     - tp_step_s: per step and per GPU of a TP group beyond the first, coordination that no kernel
@@ -694,6 +697,7 @@ class KernelCostModel(CostModel):
         if m.is_mla:
             self.kv_heads, self.attn_head_dim = 1, m.kv_lora_rank + m.qk_rope_head_dim
         self.g_moe = None
+        self._moe_unrouted = False  # g_moe leaves each layer's routing kernel out (_build)
         self.g_gdn_ctx = self.g_gdn_gen = None  # linear-attention layers (hybrids): _build
         self._mla_key = None  # an MLA layer's prefill read from the mla_module tables: _build
         self.g_mla_proj = None  # and then its decode tokens' projections by themselves
@@ -716,14 +720,17 @@ class KernelCostModel(CostModel):
                 if len(_BUILT) > 64:
                     _BUILT.clear()
                 _BUILT[key] = (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar, self.g_ar_eager,
-                               self._ar_releases, self.g_moe, self.g_gdn_ctx, self.g_gdn_gen, self._mla_key,
-                               self.g_mla_proj, self.g_ctx_sw, self.g_gen_sw, self.coverage, self.source)
+                               self._ar_releases, self.g_moe, self._moe_unrouted, self.g_gdn_ctx, self.g_gdn_gen,
+                               self._mla_key, self.g_mla_proj, self.g_ctx_sw, self.g_gen_sw, self.coverage,
+                               self.source)
             (self.g_layer, self.g_head, self.g_ctx, self.g_gen, self.g_ar, self.g_ar_eager, self._ar_releases,
-             self.g_moe, self.g_gdn_ctx, self.g_gdn_gen, self._mla_key, self.g_mla_proj, self.g_ctx_sw,
-             self.g_gen_sw, self.coverage, self.source) = _BUILT[key]
+             self.g_moe, self._moe_unrouted, self.g_gdn_ctx, self.g_gdn_gen, self._mla_key, self.g_mla_proj,
+             self.g_ctx_sw, self.g_gen_sw, self.coverage, self.source) = _BUILT[key]
         else:
             self.source = tables.get("sources", {})
             self._build(tables)
+        # per MoE layer and step, the routing kernel where the experts' reading leaves it out
+        self._routing_s = self.ovh.moe_routing_s if self._moe_unrouted else 0.0
         self.metadata = {"model": m.name, "device": d.name, "tp": tp, "weight_dtype": m.weight_dtype,
                          **({"experts": m.num_experts, "experts_per_tok": m.num_experts_per_tok,
                              "expert_dtype": m.expert_dtype or m.weight_dtype,
@@ -1048,6 +1055,12 @@ class KernelCostModel(CostModel):
                     sliced, ep_b, tp_b = map(over_ts, parts)
                     got = (([ts], [u * e / t for u, e, t in zip(sliced, ep_b, tp_b)]),
                            f"{parts[0][1]} x bf16 EP/TP ({parts[1][1]} over {parts[2][1]})", False)
+            # The routing (router logits to top-k ids and weights) is in a table measured through
+            # vLLM's FusedMoE layer, which the collector calls on router logits; the earlier
+            # collector's tables (kernel `vllm_fused_moe`: A100's, B200's Triton ones) timed
+            # fused_experts on precomputed top-k ids, and the estimate is the experts' GEMMs alone.
+            kern = moe_doc.get("kernels", {}).get(fmt, "") if fmt else ""
+            self._moe_unrouted = got is None or kern == "vllm_fused_moe"
             if got is not None:
                 (axes, us), cov["moe"], exact = got
                 # the tables' microbenchmark clocks: a step's grouped GEMMs are as compute-bound
@@ -1144,6 +1157,8 @@ class KernelCostModel(CostModel):
                                   for _rel, (name, g, e) in sorted(self._ar_releases.items())}
         if self.g_moe is not None:
             r["g_moe"] = self.g_moe.to_json()
+            if self._moe_unrouted:
+                r["moe_unrouted"] = True
         if self.g_gdn_ctx is not None:
             r["g_gdn_ctx"], r["g_gdn_gen"] = self.g_gdn_ctx.to_json(), self.g_gdn_gen.to_json()
         if self.g_mla_proj is not None:
@@ -1164,6 +1179,7 @@ class KernelCostModel(CostModel):
                                                        if "g_ar_eager" in x else self.g_ar_eager)
                              for rel, x in r.get("g_ar_releases", {}).items()}
         self.g_moe = Grid.from_json(r["g_moe"], self._moe_roof) if "g_moe" in r else None
+        self._moe_unrouted = bool(r.get("moe_unrouted"))
         if "g_mla_proj" in r:
             self._mla_key = r["mla_key"]
             self.g_mla_proj = Grid.from_json(r["g_mla_proj"], self._mla_proj_roof)
@@ -1626,8 +1642,8 @@ class KernelCostModel(CostModel):
         m, L = self.model, self.model.num_layers
         out = {"gemm": L * self._look("gemm", self.g_layer, T)}
         out["moe"] = m.num_moe_layers * self._look("moe", self.g_moe, G) if self.g_moe is not None else 0.0
-        if self.g_moe is not None:  # each MoE layer's routing kernel, which the tables leave out
-            out["moe_routing"] = m.num_moe_layers * self.ovh.moe_routing_s
+        if self._routing_s:  # each MoE layer's routing kernel, where the experts' reading leaves it out
+            out["moe_routing"] = m.num_moe_layers * self._routing_s
         if self.dp > 1:
             out["moe_dispatch"] = m.num_moe_layers * self._dispatch_roof(G)
         out["elementwise"] = L * self._elementwise(T) + max(

@@ -261,15 +261,36 @@ def test_kernel_model_reads_the_fused_moe_table_of_the_shape():
     us = max(_table_reading(moe["tables"][key])[64], _table_reading(moe["skewed_tables"][key])[64])
     f = BatchFeatures(num_reqs=64, num_decode_reqs=64, decode_context_tokens=64 * 500)
     assert k.breakdown(f)["moe"] == pytest.approx(32 * us * 1e-6)    # 32 MoE layers x the slower table
-    # and each MoE layer's routing kernel, which the tables leave out, in every path of a step
+    # H100's table was measured through vLLM's FusedMoE layer on router logits: routing included
+    assert "moe_routing" not in k.breakdown(f)
+    assert "moe_routing" not in KernelCostModel("llama-3.1-8b", "h100").breakdown(f)
+
+
+def test_a_moe_layer_read_without_its_routing_adds_the_routing_kernel():
+    # A100's table is the earlier collector's (fused_experts on precomputed top-k ids, kernel
+    # vllm_fused_moe): each MoE layer adds its routing kernel, in every path of a step
     routing = Overheads().moe_routing_s
-    assert routing == 4e-6 and k.breakdown(f)["moe_routing"] == pytest.approx(32 * routing)
-    k0 = KernelCostModel("mixtral-8x7b", "h100", 2, Overheads(moe_routing_s=0.0))
-    assert k.decode_gpu_time(64, 64 * 500) - k0.decode_gpu_time(64, 64 * 500) == pytest.approx(32 * routing)
+    assert routing == 4e-6
+    f = BatchFeatures(num_reqs=64, num_decode_reqs=64, decode_context_tokens=64 * 500)
     mixed = BatchFeatures(num_reqs=2, num_prefill_reqs=1, num_prefill_tokens=300, prefill_attn_pairs=300 * 301 // 2,
                           num_decode_reqs=1, decode_context_tokens=500)
+    k = KernelCostModel("mixtral-8x7b", "a100", 2)
+    assert load_tables("a100_sxm")["moe"]["kernels"]["bf16"] == "vllm_fused_moe"
+    k0 = KernelCostModel("mixtral-8x7b", "a100", 2, Overheads(moe_routing_s=0.0))
+    assert k.breakdown(f)["moe_routing"] == pytest.approx(32 * routing)
+    assert k.decode_gpu_time(64, 64 * 500) - k0.decode_gpu_time(64, 64 * 500) == pytest.approx(32 * routing)
     assert k.gpu_time(mixed) - k0.gpu_time(mixed) == pytest.approx(32 * routing)
-    assert "moe_routing" not in KernelCostModel("llama-3.1-8b", "h100").breakdown(f)
+    # a second model of the deployment shares the built grids, and a reduced profile keeps it too
+    again = KernelCostModel("mixtral-8x7b", "a100", 2)
+    assert again.breakdown(f)["moe_routing"] == pytest.approx(32 * routing)
+    back = KernelCostModel("mixtral-8x7b", "a100", 2, reduced=k.to_reduced())
+    assert back.breakdown(f)["moe_routing"] == pytest.approx(32 * routing)   # (the grids' us are rounded)
+    # B200's Triton tables for fp8 blocks (cost_model.moe_backend: triton) are the earlier
+    # collector's too; its default (FlashInfer's TRT-LLM kernel) was measured through the layer
+    tri = KernelCostModel("minimax-m2", "b200", 2, moe_backend="triton")
+    assert load_tables("b200_sxm")["moe_triton"]["kernels"]["fp8_block"] == "vllm_fused_moe"
+    assert tri.breakdown(f)["moe_routing"] == pytest.approx(62 * routing)
+    assert "moe_routing" not in KernelCostModel("minimax-m2", "b200", 2).breakdown(f)
     f1 = BatchFeatures(num_reqs=1, num_decode_reqs=1, decode_context_tokens=500)
     # 2 of 8 experts at one token, nearly all at 64: the measured kernel grows, but less than 4x
     assert 1.5 < k.breakdown(f)["moe"] / k.breakdown(f1)["moe"] < 4.5
