@@ -133,9 +133,10 @@ def squared_shape(r: dict, tp_size: int, dp: int) -> tuple[int, int, int]:
     expert parallelism as tp_size (or attention_dp_size) k x k with moe_tp x moe_ep k x k: 16 or 64
     GPUs, two or eight nodes' worth, in a single-node benchmark. Of the 295 allowed rows written so
     on 8-GPU systems, 139 repeat within 1% the TTFT of a row of the same lengths written as k GPUs
-    with moe_ep k (all 43 of Qwen3.5-397B; 20 of DeepSeek-R1's 21 on H200; docs/reports). Such a row
-    is read as k GPUs. A row within one NVLink domain (tp 4 with moe 2 x 2; GB200's 72) is read as
-    written.
+    with moe_ep k (all 43 of Qwen3.5-397B; 20 of DeepSeek-R1's 21 on H200; docs/reports). Every
+    such row is read as k GPUs, the 156 without a twin by that assumption (a 16-GPU run of moe 4 x 4
+    would write the same columns); their cases carry `squared`. A row within one NVLink domain (tp 4
+    with moe 2 x 2; GB200's 72) is read as written.
     """
     mt, me = int(_num(r, "moe_tp_size", 1) or 1), int(_num(r, "moe_ep_size", 1) or 1)
     gpus = tp_size * dp
@@ -251,8 +252,16 @@ def usable(r: dict) -> dict | None:
         case["vllm_version"] = str(r["backend_version"]).strip()  # its memory profiling sizes the pool
     if r["mode"] == "disagg":
         return disagg_case(r, case)
-    tp, dp, moe_ep = squared_shape(r, tp, int(_num(r, "attention_dp_size", 1) or 1))
+    written = (tp, int(_num(r, "attention_dp_size", 1) or 1))
+    tp, dp, moe_ep = squared_shape(r, *written)
     case["tp"] = tp
+    if (tp, dp) != written:  # read as k GPUs (squared_shape): an assumption where no twin row shows it
+        case["squared"] = True
+        rec = re.search(r"silicon_concurrency=(\d+)", r.get("silicon_data_source", ""))
+        if rec and int(rec.group(1)) < case["concurrency"]:
+            # the client's own count bounds what the engine saw (one such row: batch_size 32 at dp 64
+            # written, 32 clients recorded)
+            case["concurrency"] = int(rec.group(1))
     if moe_ep > 1:  # vLLM's --enable-expert-parallel
         case["expert_parallel"] = True
     # Data-parallel attention (a dense model's data parallelism: dp engines behind vLLM's balancer)
@@ -683,6 +692,9 @@ def main(argv=None) -> None:
         "by_concurrency": summarize_errors(rows, ("backend", "concurrency")),
         "by_source": summarize_errors(rows, ("backend", "system", "source")),
         "by_mode": summarize_errors(rows, ("backend", "system", "mode")),
+        # aggregated rows that wrote their GPUs squared, read as k GPUs (squared_shape), apart
+        "by_squared_shape": summarize_errors([{**r, "squared": r.get("squared", False)} for r in rows
+                                              if r["mode"] == "agg"], ("backend", "system", "squared")),
         # disaggregated rows, by whether they record their pools' worker counts (else one of each)
         "disagg_by_workers_recorded": summarize_errors([r for r in rows if r["mode"] == "disagg"],
                                                        ("backend", "system", "pd_workers_recorded")),

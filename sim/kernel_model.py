@@ -1179,7 +1179,10 @@ class KernelCostModel(CostModel):
                                                        if "g_ar_eager" in x else self.g_ar_eager)
                              for rel, x in r.get("g_ar_releases", {}).items()}
         self.g_moe = Grid.from_json(r["g_moe"], self._moe_roof) if "g_moe" in r else None
-        self._moe_unrouted = bool(r.get("moe_unrouted"))
+        # (a profile reduced before the flag existed: an estimated MoE layer, which has no table, is
+        # known by its coverage; one read from an earlier collector's table is not)
+        self._moe_unrouted = bool(r.get("moe_unrouted", "g_moe" in r and r.get("coverage", {}).get("moe")
+                                        in (None, "dense GEMM tables")))
         if "g_mla_proj" in r:
             self._mla_key = r["mla_key"]
             self.g_mla_proj = Grid.from_json(r["g_mla_proj"], self._mla_proj_roof)

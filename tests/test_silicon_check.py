@@ -116,6 +116,12 @@ def test_a_row_that_writes_its_gpus_squared_is_read_as_one_node():
     dp = sc.usable(row(backend="trtllm", system="b200_sxm", model_path="deepseek-ai/DeepSeek-R1", tp_size="1",
                        attention_dp_size="64", moe_tp_size="8", moe_ep_size="8", batch_size="4"))
     assert (dp["tp"], dp["data_parallel"], dp["expert_parallel"], dp["concurrency"]) == (1, 8, True, 256)
+    assert sq["squared"] and dp["squared"] and "squared" not in sc.usable(row())
+    # a client that recorded fewer clients than batch_size x the written dp: its own count
+    few = sc.usable(row(backend="trtllm", system="b200_sxm", model_path="deepseek-ai/DeepSeek-R1", tp_size="1",
+                        attention_dp_size="64", moe_tp_size="8", moe_ep_size="8", batch_size="32",
+                        silicon_data_source="db-dump; silicon_concurrency=32"))
+    assert (few["data_parallel"], few["concurrency"]) == (8, 32)
     four = sc.usable(row(backend="sglang", model_path="deepseek-ai/DeepSeek-R1", tp_size="16",
                          moe_tp_size="4", moe_ep_size="4"))
     assert (four["tp"], four["expert_parallel"]) == (4, True)
