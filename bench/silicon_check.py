@@ -116,6 +116,12 @@ def client_concurrency(r: dict) -> int:
     return int(float(r["batch_size"])) * max(1, int(float(r.get("attention_dp_size") or 1)))
 
 
+def recorded_concurrency(r: dict) -> int | None:
+    """The client's concurrency as the row's source recorded it (`silicon_concurrency=`), or None."""
+    m = re.search(r"silicon_concurrency=(\d+)", r.get("silicon_data_source", ""))
+    return int(m.group(1)) if m else None
+
+
 def _num(r: dict, key: str, default: float | None = None) -> float | None:
     """A numeric column (the CSV leaves a column blank where the row has none)."""
     v = str(r.get(key) or "").strip()
@@ -196,17 +202,15 @@ def disagg_case(r: dict, case: dict) -> dict | None:
         bs = _num(r, f"{pool}_batch_size")
         if bs is not None:  # max_num_seqs per engine rank (AIConfigurator's max_batch_size)
             pools[f"{pool}_batch_size"] = int(bs)
-    m = re.search(r"silicon_concurrency=(\d+)", r.get("silicon_data_source", ""))
-    if m:  # the client's concurrency as the source recorded it
-        conc = int(m.group(1))
-    elif case["source"] == "gap-analysis":
+    conc = recorded_concurrency(r)  # the client's concurrency as the source recorded it
+    if conc is None and case["source"] == "gap-analysis":
         # AIConfigurator's collection rows record no concurrency: their decode_batch_size is the
         # benchmark's concurrency, as batch_size is for its aggregated rows (see the docstring)
         conc = int(_num(r, "decode_batch_size", 0) or 0)
-    elif recorded:
+    elif conc is None and recorded:
         conc = int(_num(r, "decode_batch_size", 0) or 0) * int(_num(r, "decode_num_workers")) \
             * int(_num(r, "decode_attention_dp_size", 1) or 1)
-    else:
+    elif conc is None:
         conc = 0
     if conc < 1:
         return None
@@ -257,11 +261,11 @@ def usable(r: dict) -> dict | None:
     case["tp"] = tp
     if (tp, dp) != written:  # read as k GPUs (squared_shape): an assumption where no twin row shows it
         case["squared"] = True
-        rec = re.search(r"silicon_concurrency=(\d+)", r.get("silicon_data_source", ""))
-        if rec and int(rec.group(1)) < case["concurrency"]:
+        rec = recorded_concurrency(r)
+        if rec and rec < case["concurrency"]:
             # the client's own count bounds what the engine saw (one such row: batch_size 32 at dp 64
             # written, 32 clients recorded)
-            case["concurrency"] = int(rec.group(1))
+            case["concurrency"] = rec
     if moe_ep > 1:  # vLLM's --enable-expert-parallel
         case["expert_parallel"] = True
     # Data-parallel attention (a dense model's data parallelism: dp engines behind vLLM's balancer)

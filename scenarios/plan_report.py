@@ -328,7 +328,8 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
         common += f" --quantization {result['serve_quantization']}"
     if result.get("moe_backend", "auto") != "auto":  # the MoE kernel the plan was timed with
         common += f" --moe-backend {result['moe_backend']}"
-    # the scenario's API server count (absent: vLLM's default, as simulated); vllm serve's only
+    # the scenario's API server count (absent: vLLM's default, as simulated): vllm serve lines only
+    # (servetwin serve runs one; P/D scenarios refuse the key)
     api_flag = f" --api-server-count {result['api_server_count']}" if result.get("api_server_count") else ""
 
     def engine_args(limits: dict, tp: int, ranks: int, ep: bool) -> str:
@@ -337,7 +338,7 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
             a += f" --data-parallel-size {ranks}"
         if ep and tp * ranks > 1:
             a += " --enable-expert-parallel"
-        return a + common + api_flag
+        return a + common
 
     args = engine_args(c, c["tp"], dp, bool(result.get("expert_parallel")))
     # the MoE kernel the plan was timed with (cost_model.moe_activations) is an environment switch
@@ -349,7 +350,7 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
         dps = f" x data parallel {dp}" if dp > 1 else ""
         out.append(f"# {n} replica(s) of {model}, tensor parallel {c['tp']}{dps} ({c['device']}), behind a "
                    f"{c['router']} load balancer on the ports below")
-        out += _replica_lines(model, c["tp"], n, args, 8000, env=env, dp=dp)
+        out += _replica_lines(model, c["tp"], n, args + api_flag, 8000, env=env, dp=dp)
     else:
         kv = " --kv-transfer-config " + shlex.quote('{"kv_connector":"NixlConnector","kv_role":"kv_both"}')
         port = 8000
@@ -371,7 +372,7 @@ def deploy_commands(result: dict, c: dict) -> list[str]:
     elif not pd and c["tp"] == 1 and dp == 1:
         m = "default" if result["model"] == "smollm2-135m" else f"./{local}"
         note = "" if m == "default" else f"   # ./{local}: a local copy (HF folder) of {model}"
-        sv = args.replace(" --scheduling-policy priority", "").replace(api_flag, "")  # servetwin: one
+        sv = args.replace(" --scheduling-policy priority", "")
         out.append(f"servetwin serve --model {m} --port 8000 {sv} "
                    f"--policy {c['policy']} --max-waiting 100000{note}")
     else:

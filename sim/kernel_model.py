@@ -729,8 +729,6 @@ class KernelCostModel(CostModel):
         else:
             self.source = tables.get("sources", {})
             self._build(tables)
-        # per MoE layer and step, the routing kernel where the experts' reading leaves it out
-        self._routing_s = self.ovh.moe_routing_s if self._moe_unrouted else 0.0
         self.metadata = {"model": m.name, "device": d.name, "tp": tp, "weight_dtype": m.weight_dtype,
                          **({"experts": m.num_experts, "experts_per_tok": m.num_experts_per_tok,
                              "expert_dtype": m.expert_dtype or m.weight_dtype,
@@ -1645,8 +1643,8 @@ class KernelCostModel(CostModel):
         m, L = self.model, self.model.num_layers
         out = {"gemm": L * self._look("gemm", self.g_layer, T)}
         out["moe"] = m.num_moe_layers * self._look("moe", self.g_moe, G) if self.g_moe is not None else 0.0
-        if self._routing_s:  # each MoE layer's routing kernel, where the experts' reading leaves it out
-            out["moe_routing"] = m.num_moe_layers * self._routing_s
+        if self._moe_unrouted:  # each MoE layer's routing kernel, which the experts' reading leaves out
+            out["moe_routing"] = m.num_moe_layers * self.ovh.moe_routing_s
         if self.dp > 1:
             out["moe_dispatch"] = m.num_moe_layers * self._dispatch_roof(G)
         out["elementwise"] = L * self._elementwise(T) + max(
